@@ -1,0 +1,246 @@
+"""The `rpycdl` command: registry, serve, status, jobs, cancel, demo, selftest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rpycdl import registry
+from rpycdl.client import connect
+from rpycdl.defaults import ENV_GPUS, ENV_LOCK_DIR, ENV_REGISTRY, REGISTRY_PORT, SERVER_PORT
+from rpycdl.errors import NoInventoryError, RpycdlError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rpycdl", description="Run Python functions on shared GPU servers, first come, first served.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the servers do")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    reg = commands.add_parser("registry", help="run the RPyC registry servers announce themselves to")
+    reg.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    reg.add_argument("--port", type=int, default=REGISTRY_PORT, help="UDP port (default: %(default)s)")
+
+    serve = commands.add_parser("serve", help="run a GPU server for one framework service")
+    serve.add_argument("--service", required=True,
+                       help="service name: pytorch, tensorflow, jax, caffe, deeplearning, or your own")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: %(default)s; others need --insecure)")
+    serve.add_argument("--port", type=int, default=SERVER_PORT, help="TCP port, 0 for any (default: %(default)s)")
+    serve.add_argument("--registry", default=None, metavar="HOST[:PORT]",
+                       help=f"registry to announce to; 'none' to stay unlisted (default: ${ENV_REGISTRY}, "
+                            "else UDP broadcast)")
+    serve.add_argument("--gpus", default=None, metavar="SPEC",
+                       help=f"GPU inventory: nvml, fake:N or fake:NxSIZE such as fake:2x16GiB "
+                            f"(default: ${ENV_GPUS}, else NVML)")
+    serve.add_argument("--lock-dir", default=None,
+                       help=f"lock directory shared by every server of the host (default: ${ENV_LOCK_DIR}, "
+                            "else /tmp/rpycdl-locks)")
+    serve.add_argument("--framework-version", default=None, dest="version",
+                       help="version to announce (default: read from the installed framework package)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow listening on a non-loopback address without authentication")
+
+    for name, text in (("status", "show each GPU, who holds it, and who waits"),
+                       ("jobs", "list a server's jobs"), ("cancel", "cancel a job")):
+        sub = commands.add_parser(name, help=text)
+        if name == "cancel":
+            sub.add_argument("job_id", help="the job's id (see `rpycdl jobs`)")
+        sub.add_argument("service", nargs="?", default=None,
+                         help="only servers of this service (default: every server the registry knows)")
+        sub.add_argument("--host", default=None, help="ask this server directly instead of the registry")
+        sub.add_argument("--port", type=int, default=SERVER_PORT, help="with --host (default: %(default)s)")
+        sub.add_argument("--registry", default=None, metavar="HOST[:PORT]",
+                         help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
+        sub.add_argument("--json", action="store_true", help="print JSON")
+
+    demo = commands.add_parser("demo", help="start a local registry and server and run the example client")
+    demo.add_argument("--gpus", default=None, metavar="SPEC",
+                      help="inventory (default: NVML if it works, else a simulated fake:2)")
+    demo.add_argument("--client", default=str(REPO / "clients" / "three_jobs.py"),
+                      help="client script to run (default: %(default)s)")
+
+    selftest = commands.add_parser("selftest", help="check a machine with real GPUs end to end")
+    selftest.add_argument("--report", default=None, help="also write the report to this file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rpycdl command; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return COMMANDS[args.command](args)
+    except RpycdlError as exc:
+        print(f"rpycdl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _terminate(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _registry(args: argparse.Namespace) -> int:
+    registry.serve_registry(args.host, args.port)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rpycdl.server import ServerConfig, serve  # the server's imports are not the client's
+
+    config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
+                          gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version)
+    serve(config)
+    return 0
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The servers a status/jobs/cancel command talks to."""
+    if args.host:
+        return [(args.host, args.port)]
+    names = [args.service.upper()] if args.service else registry.list_services(args.registry)
+    addresses: list[tuple[str, int]] = []
+    for name in names:
+        for address in registry.discover(name, args.registry):
+            if address not in addresses:
+                addresses.append(address)
+    if not addresses:
+        raise RpycdlError(f"the registry {registry.registry_address(args.registry)} knows no "
+                          f"{'server of ' + args.service.upper() if args.service else 'server'}")
+    return addresses
+
+
+def _each_server(args: argparse.Namespace, call: str) -> list[tuple[tuple[str, int], Any]]:
+    results = []
+    for host, port in _targets(args):
+        try:
+            with connect(host=host, port=port) as conn:
+                results.append(((host, port), getattr(conn.root, call)()))
+        except (OSError, EOFError) as exc:
+            results.append(((host, port), exc))
+    return results
+
+
+def _status(args: argparse.Namespace) -> int:
+    results = _each_server(args, "gpu_status")
+    if args.json:
+        print(json.dumps([r if not isinstance(r, Exception) else {"address": list(a), "error": str(r)}
+                          for a, r in results], indent=2))
+        return 0
+    for address, status in results:
+        print(format_status(address, status))
+    return 0
+
+
+def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) -> str:
+    """Human-readable status of one server."""
+    if isinstance(status, Exception):
+        return f"{address[0]}:{address[1]}  UNREACHABLE ({status})\n"
+    now = status["time"]
+    server = status["server"]
+    kind = "simulated " + server["inventory"] if server["simulated"] else "NVML"
+    lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}"]
+    lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<20}HOLDER")
+    for gpu in status["gpus"]:
+        used = "?" if gpu["memory_used"] is None else f"{gpu['memory_used'] / 2**30:.1f}"
+        memory = f"{used}/{gpu['memory_total'] / 2**30:.1f} GiB"
+        holder = gpu["holder"]
+        who = "free" if holder is None else (
+            f"job {holder['job_id']} from {holder['client']} ({holder['server']}) "
+            f"since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} ({_ago(now - holder['since'])})")
+        lines.append(f"  {gpu['index']:<4}{gpu['uuid']:<42}{gpu['name'][:23]:<24}{memory:<20}{who}")
+    if status["queue"]:
+        lines.append(f"  waiting ({len(status['queue'])}), first come first served:")
+        for place, waiter in enumerate(status["queue"], 1):
+            lines.append(f"    {place}. job {waiter['job_id']} wants {waiter['count']} GPU(s), from {waiter['client']} "
+                         f"({waiter['server']}), waiting {_ago(now - waiter['since'])}")
+    else:
+        lines.append("  nobody waiting")
+    return "\n".join(lines) + "\n"
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    results = _each_server(args, "jobs")
+    if args.json:
+        print(json.dumps({f"{a[0]}:{a[1]}": (r if not isinstance(r, Exception) else str(r)) for a, r in results},
+                         indent=2))
+        return 0
+    for (host, port), jobs in results:
+        print(f"{host}:{port}")
+        if isinstance(jobs, Exception):
+            print(f"  UNREACHABLE ({jobs})")
+            continue
+        for job in jobs:
+            when = time.strftime("%H:%M:%S", time.localtime(job["submitted"]))
+            print(f"  {job['job_id']}  {job['state']:<10} {job['ngpus']} GPU(s)  from {job['client']:<22} "
+                  f"submitted {when}  {job['error']}")
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    for host, port in _targets(args):
+        with connect(host=host, port=port) as conn:
+            if any(job["job_id"] == args.job_id for job in conn.root.jobs()):
+                state = conn.root.cancel(args.job_id)
+                print(f"job {args.job_id} ({state}) on {host}:{port}: cancel requested")
+                return 0
+    raise RpycdlError(f"no server knows job {args.job_id}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rpycdl.gpus import load_inventory
+    from rpycdl.local import LocalCluster
+
+    gpus = args.gpus
+    if gpus is None:
+        try:
+            inventory = load_inventory("nvml")
+            print(f"rpycdl demo: NVML found {len(inventory.gpus())} real GPU(s)")
+            gpus = "nvml"
+        except NoInventoryError as exc:
+            print(f"rpycdl demo: no real GPU here ({str(exc).split(' (')[0]}); using a SIMULATED inventory, fake:2")
+            gpus = "fake:2"
+    if not Path(args.client).is_file():
+        raise RpycdlError(f"no client script at {args.client}: run the demo from a checkout, or pass --client")
+    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as lock_dir, LocalCluster(lock_dir) as cluster:
+        print(f"rpycdl demo: registry on udp {cluster.registry_address}")
+        _, port = cluster.add_server("pytorch", gpus)
+        print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}; running {args.client}\n", flush=True)
+        env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
+        code = subprocess.call([sys.executable, args.client], env=env)
+        print(f"\nrpycdl demo: client exited with {code}; stopping the server and the registry")
+    return code
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from rpycdl.selftest import run_selftest
+
+    return run_selftest(args.report)
+
+
+COMMANDS = {"registry": _registry, "serve": _serve, "status": _status, "jobs": _jobs, "cancel": _cancel,
+            "demo": _demo, "selftest": _selftest}

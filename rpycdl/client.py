@@ -1,0 +1,155 @@
+"""`rpycdl.connect(...)`: discovery, choosing a server, passing plain callables, re-raising remote errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+import rpyc
+
+from rpycdl import registry, wire
+from rpycdl.defaults import SERVER_PORT
+from rpycdl.errors import DiscoveryError, InvalidRequestError
+
+CLIENT_CONFIG = {
+    "allow_public_attrs": False,
+    "allow_pickle": False,
+    "sync_request_timeout": None,  # a job takes as long as it takes; run_code(timeout=) bounds it
+}
+
+StateCallback = Callable[[str, dict[str, Any]], None]
+
+
+class RemoteRoot:
+    """`conn.root` of an rpycdl connection: run_code with plain callables, status, jobs, cancel.
+
+    Any other attribute is looked up on the server's RPyC root."""
+
+    def __init__(self, conn: rpyc.Connection) -> None:
+        self._conn = conn
+
+    def run_code(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int = 1, *,
+                 timeout: float | None = None, queue_timeout: float | None = None,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                 on_state: StateCallback | None = None) -> Any:
+        """Run `fn(args)` on the server with `ngpus` GPUs of its own and return its value.
+
+        Args:
+            fn: a callable (serialised here with dill), or dill bytes of one.
+            args: the single argument passed to fn.
+            ngpus: whole GPUs to lock, or -1 for all of the server's.
+            timeout: seconds the job may run; past it, JobTimeoutError.
+            queue_timeout: seconds to wait for the GPUs; past it, QueueTimeoutError.
+            stdout, stderr: where the job's output goes, live (default: this process's).
+            on_state: called as on_state(state, info) when the job waits ("pending", with
+                info["ahead"]) and when it starts ("running", with info["gpus"]).
+
+        Raises:
+            The job's own exception (same type where it can be rebuilt here, else RemoteError),
+            with the remote traceback in `remote_traceback`; or an RpycdlError subclass.
+            KeyboardInterrupt cancels the job: the connection is closed.
+        """
+        payload = wire.encode_payload(fn, args)
+        out = stdout if stdout is not None else sys.stdout
+        err = stderr if stderr is not None else sys.stderr
+        state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        try:
+            outcome = self._conn.root.run(payload, ngpus, _sink(out), _sink(err), timeout, queue_timeout, state_cb)
+        except KeyboardInterrupt:
+            self._conn.close()  # the server sees the client go and cancels the job
+            raise
+        return wire.decode_outcome(outcome)
+
+    def gpu_status(self) -> dict[str, Any]:
+        """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
+        return json.loads(self._conn.root.gpu_status())
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """This server's job records, oldest first."""
+        return json.loads(self._conn.root.jobs())
+
+    def cancel(self, job_id: str) -> str:
+        """Cancel a pending or running job; returns its state when the request was made."""
+        return self._conn.root.cancel(job_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn.root, name)
+
+
+class Connection:
+    """A connection to one rpycdl server. Use as a context manager, or call close()."""
+
+    def __init__(self, conn: rpyc.Connection, address: tuple[str, int]) -> None:
+        self._conn = conn
+        self.address = address
+        self.root = RemoteRoot(conn)
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<rpycdl.Connection {self.address[0]}:{self.address[1]}>"
+
+
+def _sink(stream: IO[str]) -> Callable[[str], None]:
+    def write(text: str) -> None:
+        stream.write(text)
+        stream.flush()
+
+    return write
+
+
+def connect(service: str | None = None, *, host: str | None = None, port: int | None = None,
+            registry_address: str | None = None) -> Connection:
+    """Connect to a server of `service` found through the registry, or to host:port directly.
+
+    Among the live servers of the service, the one with the most free GPUs and the shortest
+    queue is chosen.
+
+    Args:
+        service: a service name or alias: "pytorch", "PYTORCH-2.5", "deeplearning", ...
+        host, port: connect directly instead (port defaults to 18861).
+        registry_address: "HOST[:PORT]" of the registry; default $RPYCDL_REGISTRY, else broadcast.
+
+    Raises:
+        DiscoveryError: no live server of the service answered.
+        InvalidRequestError: neither a service nor a host was given.
+    """
+    if host is not None:
+        address = (host, port or SERVER_PORT)
+        return Connection(rpyc.connect(*address, config=CLIENT_CONFIG), address)
+    if not service:
+        raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
+    addresses = registry.discover(service, registry_address)
+    if not addresses:
+        raise DiscoveryError(f"no server of service {service.upper()!r} is registered "
+                             f"(registry {registry.registry_address(registry_address)})")
+    best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
+    for address in addresses:
+        try:
+            conn = rpyc.connect(*address, config=CLIENT_CONFIG)
+            free, waiting, _ = conn.root.load()
+        except (OSError, EOFError):
+            continue
+        score = (-free, waiting)
+        if best is None or score < best[0]:
+            if best is not None:
+                best[1].close()
+            best = (score, conn, address)
+        else:
+            conn.close()
+    if best is None:
+        raise DiscoveryError(f"every server of {service.upper()!r} is down: {list(addresses)}")
+    return Connection(best[1], best[2])

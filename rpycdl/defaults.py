@@ -1,0 +1,48 @@
+"""Every default setting of rpycdl, and the environment variables that override them."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+REGISTRY_PORT = 18811
+"""UDP port of the RPyC registry (RPyC's own default, so original clients find it)."""
+
+SERVER_PORT = 18861
+"""First port a server tries when none is given."""
+
+LOCK_DIR = os.path.join(tempfile.gettempdir(), "rpycdl-locks")
+"""Directory shared by every server on a host: GPU locks, the waiting queue, job records."""
+
+REGISTRY_PRUNING_TIMEOUT = 60.0
+"""Seconds after which the registry forgets a server that stopped re-registering."""
+
+REREGISTER_INTERVAL = 20.0
+"""Seconds between a server's registrations with the registry."""
+
+WAIT_FALLBACK_POLL = 0.5
+"""Seconds a waiting request sleeps at most between re-checks when nobody wakes it.
+
+Normal releases wake waiters at once; this bounds the wait after a holder died without
+saying so (kill -9 of a whole server)."""
+
+SWEEP_INTERVAL = 0.2
+"""Seconds between the server parent's sweeps for jobs whose connection process died."""
+
+KILL_WAIT = 2.0
+"""Seconds to wait for a killed job's process group to vanish before giving up on it."""
+
+FINISHED_JOBS_KEPT = 200
+"""Finished job records kept per lock directory for `rpycdl status --all`."""
+
+DISCOVERY_TIMEOUT = 2.0
+"""Seconds to wait for the registry to answer."""
+
+ENV_GPUS = "RPYCDL_GPUS"
+ENV_LOCK_DIR = "RPYCDL_LOCK_DIR"
+ENV_REGISTRY = "RPYCDL_REGISTRY"
+
+
+def lock_dir() -> str:
+    """The lock directory: $RPYCDL_LOCK_DIR, else LOCK_DIR."""
+    return os.environ.get(ENV_LOCK_DIR) or LOCK_DIR

@@ -1,0 +1,53 @@
+"""Exceptions raised by rpycdl, on the server and re-raised on the client."""
+
+from __future__ import annotations
+
+
+class RpycdlError(Exception):
+    """Base class of every error rpycdl raises itself."""
+
+
+class InvalidRequestError(RpycdlError, ValueError):
+    """A request that can never be served: bad ngpus, bad timeout, unreadable callable."""
+
+
+class NoInventoryError(RpycdlError):
+    """No GPU inventory could be loaded (NVML failed and no simulated one was asked for)."""
+
+
+class QueueTimeoutError(RpycdlError, TimeoutError):
+    """A request waited longer than its queue_timeout for its GPUs."""
+
+
+class JobTimeoutError(RpycdlError, TimeoutError):
+    """A job ran longer than its timeout and was stopped."""
+
+
+class JobCancelledError(RpycdlError):
+    """A job was cancelled (by its owner, an operator, or the client going away)."""
+
+
+class JobCrashedError(RpycdlError):
+    """The job process ended without a result (killed by a signal, or exited early)."""
+
+
+class VersionMismatchError(RpycdlError):
+    """Client and server run different Python minor versions, so dill cannot move code."""
+
+
+class DiscoveryError(RpycdlError):
+    """No live server of the requested service could be found."""
+
+
+class RemoteError(RpycdlError):
+    """A remote exception whose type could not be rebuilt on the client.
+
+    Attributes:
+        type_name: qualified name of the remote exception type.
+        remote_traceback: the formatted traceback from the server.
+    """
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str = "") -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback

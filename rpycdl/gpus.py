@@ -1,0 +1,167 @@
+"""GPU inventory: real GPUs through NVML (pynvml), or a simulated inventory for machines without one."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import Any
+
+from rpycdl.defaults import ENV_GPUS
+from rpycdl.errors import InvalidRequestError, NoInventoryError
+
+GiB = 1024**3
+FAKE_DEFAULT_MEMORY = 16 * GiB
+_SIZE_UNITS = {"": 1, "B": 1, "KIB": 1024, "MIB": 1024**2, "GIB": GiB, "TIB": 1024**4,
+               "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU as the server sees it. `index` counts in PCI bus order, as CUDA does with
+    CUDA_DEVICE_ORDER=PCI_BUS_ID; `uuid` is the same in every container of the host."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    pci_bus_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_size(text: str) -> int:
+    """Parse '16GiB', '512MiB', '8GB' or a plain byte count."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise InvalidRequestError(f"not a memory size: {text!r} (try 16GiB or 512MiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+class Inventory:
+    """The GPUs of one server, and what they are doing now."""
+
+    spec = "none"
+    simulated = False
+
+    def gpus(self) -> list[GPU]:
+        raise NotImplementedError
+
+    def memory_used(self) -> dict[str, int | None]:
+        """Bytes in use per GPU UUID right now; None where the query failed."""
+        raise NotImplementedError
+
+
+class FakeInventory(Inventory):
+    """A simulated inventory: `fake:4` or `fake:2x16GiB`.
+
+    UUIDs are fixed by index, so every server given the same spec on one host (one lock
+    directory) shares the same simulated GPUs, like containers sharing real ones."""
+
+    simulated = True
+
+    def __init__(self, spec: str) -> None:
+        match = re.fullmatch(r"fake:(\d+)(?:x(.+))?", spec.strip())
+        if not match:
+            raise InvalidRequestError(f"bad simulated inventory {spec!r}: use fake:N or fake:NxSIZE (fake:2x16GiB)")
+        count = int(match.group(1))
+        if not 1 <= count <= 64:
+            raise InvalidRequestError(f"bad simulated inventory {spec!r}: between 1 and 64 GPUs")
+        memory = parse_size(match.group(2)) if match.group(2) else FAKE_DEFAULT_MEMORY
+        self.spec = spec.strip()
+        self._gpus = [
+            GPU(i, f"GPU-00000000-0000-4000-8000-{i:012d}", "Simulated GPU", memory, f"00000000:{i + 1:02X}:00.0")
+            for i in range(count)
+        ]
+
+    def gpus(self) -> list[GPU]:
+        return list(self._gpus)
+
+    def memory_used(self) -> dict[str, int | None]:
+        return {gpu.uuid: 0 for gpu in self._gpus}
+
+
+class NvmlInventory(Inventory):
+    """Real GPUs through NVML. `nvml` is the pynvml module, or a stand-in that plays a driver.
+
+    NVML is initialised and shut down around each query, so a forking server parent keeps no
+    NVML state (and never touches CUDA)."""
+
+    spec = "nvml"
+
+    def __init__(self, nvml: ModuleType | None = None) -> None:
+        if nvml is None:
+            try:
+                import pynvml as nvml  # nvidia-ml-py
+            except ImportError as exc:  # pragma: no cover - it is a dependency
+                raise NoInventoryError(f"pynvml is not installed: {exc}") from exc
+        self._nvml = nvml
+        self._gpus = self._query()
+
+    def _query(self) -> list[GPU]:
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:
+            raise NoInventoryError(
+                f"NVML could not start ({exc}). On a machine without NVIDIA GPUs, choose a "
+                f"simulated inventory: --gpus fake:2 (or {ENV_GPUS}=fake:2)"
+            ) from exc
+        try:
+            gpus = []
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                gpus.append(GPU(index, _text(nvml.nvmlDeviceGetUUID(handle)), _text(nvml.nvmlDeviceGetName(handle)),
+                                int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                                _text(nvml.nvmlDeviceGetPciInfo(handle).busId)))
+            return gpus
+        finally:
+            nvml.nvmlShutdown()
+
+    def gpus(self) -> list[GPU]:
+        return list(self._gpus)
+
+    def memory_used(self) -> dict[str, int | None]:
+        nvml = self._nvml
+        used: dict[str, int | None] = {gpu.uuid: None for gpu in self._gpus}
+        try:
+            nvml.nvmlInit()
+        except Exception:
+            return used
+        try:
+            for gpu in self._gpus:
+                try:  # one broken GPU yields an unknown entry, not a failed listing
+                    handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode() if isinstance(gpu.uuid, str) else gpu.uuid)
+                    used[gpu.uuid] = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+                except Exception:
+                    used[gpu.uuid] = None
+            return used
+        finally:
+            nvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def load_inventory(spec: str | None = None) -> Inventory:
+    """Load the inventory named by `spec`, else by $RPYCDL_GPUS, else NVML.
+
+    Args:
+        spec: `fake:N`, `fake:NxSIZE`, `nvml`, or None/`auto` for the environment or NVML.
+
+    Raises:
+        NoInventoryError: NVML could not start and no simulated inventory was asked for;
+            the message says how to ask for one. No GPU count is ever assumed.
+    """
+    spec = (spec or os.environ.get(ENV_GPUS) or "auto").strip()
+    if spec.startswith("fake:"):
+        return FakeInventory(spec)
+    if spec in ("auto", "nvml"):
+        inventory = NvmlInventory()
+        if not inventory.gpus():
+            raise NoInventoryError(f"NVML found no GPUs. To simulate some, use --gpus fake:2 (or {ENV_GPUS}=fake:2)")
+        return inventory
+    raise InvalidRequestError(f"unknown GPU inventory {spec!r}: use nvml, fake:N or fake:NxSIZE")

@@ -1,0 +1,163 @@
+"""Job records and their states, shared by every connection process through the lock directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from rpycdl.defaults import FINISHED_JOBS_KEPT
+
+
+class JobState(str, Enum):
+    """Where a job is in its life. A stop the user asked for (cancelled) is not a failure."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (JobState.PENDING, JobState.RUNNING)
+
+
+@dataclass
+class JobRecord:
+    """One run_code call.
+
+    `owner_pid` is the connection process serving it and `pgid` the job's process group,
+    both in the server's own PID namespace; `server_id` says which server started it."""
+
+    job_id: str
+    server_id: str
+    client: str
+    ngpus: int
+    state: JobState = JobState.PENDING
+    owner_pid: int = 0
+    pgid: int = 0
+    gpus: list[str] = field(default_factory=list)
+    submitted: float = field(default_factory=time.time)
+    started: float | None = None
+    ended: float | None = None
+    error: str = ""
+    cancel_requested: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
+        return cls(**{**data, "state": JobState(data["state"])})
+
+
+def new_job_id() -> str:
+    """A short, unique job id."""
+    return uuid.uuid4().hex[:12]
+
+
+class JobStore:
+    """Job records as one JSON file each under `<lock_dir>/jobs/`."""
+
+    def __init__(self, lock_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(lock_dir) / "jobs"
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o1777)
+
+    def _path(self, job_id: str) -> Path:
+        if not job_id.isalnum():
+            raise ValueError(f"bad job id {job_id!r}")
+        return self.root / f"{job_id}.json"
+
+    def save(self, record: JobRecord) -> None:
+        """Write a record; a cancel request already on file is kept."""
+        path = self._path(record.job_id)
+        if not record.cancel_requested:
+            on_file = self.load(record.job_id)
+            record.cancel_requested = on_file is not None and on_file.cancel_requested
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record.to_dict()))
+        os.replace(tmp, path)
+
+    def load(self, job_id: str) -> JobRecord | None:
+        try:
+            return JobRecord.from_dict(json.loads(self._path(job_id).read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def all(self) -> list[JobRecord]:
+        records = []
+        for path in self.root.glob("*.json"):
+            record = self.load(path.stem)
+            if record is not None:
+                records.append(record)
+        return sorted(records, key=lambda r: r.submitted)
+
+    def request_cancel(self, job_id: str) -> JobRecord | None:
+        """Mark a live job for cancellation; the connection process serving it stops it."""
+        record = self.load(job_id)
+        if record is None or record.state.finished:
+            return record
+        record.cancel_requested = True
+        self.save(record)
+        return record
+
+    def sweep(self, server_id: str) -> list[JobRecord]:
+        """Fail this server's live jobs whose connection process died, killing what is left of
+        them, and prune old finished records. Returns the jobs it failed."""
+        failed = []
+        records = self.all()
+        for record in records:
+            if record.server_id != server_id or record.state.finished or _alive(record.owner_pid):
+                continue
+            if record.pgid:
+                kill_group(record.pgid)
+            record.state = JobState.CANCELLED if record.cancel_requested else JobState.FAILED
+            record.error = record.error or "the connection process serving this job died"
+            record.ended = time.time()
+            self.save(record)
+            failed.append(record)
+        finished = [r for r in records if r.state.finished]
+        for record in finished[: max(0, len(finished) - FINISHED_JOBS_KEPT)]:
+            self._path(record.job_id).unlink(missing_ok=True)
+        return failed
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a whole process group; a group that is already gone is fine."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,228 @@
+"""Runs one callable in a job process: environment, live output, result or exception, timeout, cancel.
+
+The job process is forked from the connection process. It leads its own process group, dies
+with its parent (PR_SET_PDEATHSIG), gets its GPUs through the environment before the payload
+is unpickled (so before any framework is imported), and writes its outcome to a pipe. Its
+stdout and stderr are pipes at the file-descriptor level, so the output of any process it
+starts is streamed too. However it ends, the whole group is killed before run() returns.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from rpycdl import wire
+from rpycdl.defaults import KILL_WAIT
+from rpycdl.jobs import group_alive, kill_group
+
+PR_SET_PDEATHSIG = 1
+_READ = 1 << 16
+
+
+class Ending(str, Enum):
+    """How a job process ended, as far as the runner can tell."""
+
+    FINISHED = "finished"  # wrote an outcome (a value or the callable's exception)
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    CRASHED = "crashed"  # died without an outcome
+
+
+@dataclass
+class Result:
+    """What run() observed: how the job ended, its outcome bytes, and a readable reason."""
+
+    ending: Ending
+    outcome: bytes = b""
+    reason: str = ""
+
+
+def gpu_environment(indices: Sequence[int], uuids: Sequence[str]) -> dict[str, str]:
+    """The variables that make exactly the granted GPUs visible, CUDA counting as NVML does."""
+    index_list = ",".join(str(i) for i in indices)
+    return {
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": index_list,
+        "NV_GPU": index_list,
+        "NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
+        "RPYCDL_GPU_UUIDS": ",".join(uuids),
+    }
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's sweep still cleans up
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int, parent: int) -> None:
+    """Body of the job process. Never returns."""
+    try:
+        os.setpgid(0, 0)
+        _die_with_parent(parent)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.environ.update(env)
+        try:
+            fn, args = wire.load_call(body)
+            outcome = wire.encode_ok(fn(args))
+        except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
+            tb = "".join(traceback.format_exception(exc))
+            outcome = wire.encode_error(exc, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with os.fdopen(res_w, "wb", closefd=False) as res:
+            res.write(outcome)
+    except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+        os._exit(2)
+    os._exit(0)
+
+
+def run(
+    body: bytes,
+    env: dict[str, str],
+    on_stdout: Callable[[str], None],
+    on_stderr: Callable[[str], None],
+    on_start: Callable[[int], None] | None = None,
+    timeout: float | None = None,
+    watch_fds: Sequence[int] = (),
+    on_watch: Callable[[], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> Result:
+    """Run the checked payload `body` in a new job process and wait for it.
+
+    Args:
+        body: a payload body accepted by wire.check_payload.
+        env: variables set in the job process before the payload is unpickled.
+        on_stdout, on_stderr: receive the job's output, as text, as it arrives.
+        on_start: called with the job process id (its group id too) once it runs.
+        timeout: seconds the job may run; past it the group is killed.
+        watch_fds: other descriptors to watch (the client connection).
+        on_watch: called when one is readable; may raise (client gone), which kills the job.
+        cancelled: polled after every wake-up; True kills the job as cancelled.
+    """
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    res_r, res_w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.close(out_r)
+        os.close(err_r)
+        os.close(res_r)
+        _child(body, env, out_w, err_w, res_w, parent)
+    for fd in (out_w, err_w, res_w):
+        os.close(fd)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:  # already done by the child, or it is gone
+        pass
+    pidfd = os.pidfd_open(pid)
+    streams = {out_r: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
+               err_r: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
+    for fd in (out_r, err_r, res_r):
+        os.set_blocking(fd, False)
+    outcome = bytearray()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ending: Ending | None = None
+    reason = ""
+    try:
+        if on_start is not None:
+            on_start(pid)
+        open_fds = [out_r, err_r, res_r]
+        while ending is None:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if cancelled is not None:
+                wait = 0.25 if wait is None else min(wait, 0.25)
+            readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
+            for fd in readable:
+                if fd == res_r:
+                    if not _read_into(fd, outcome):
+                        open_fds.remove(fd)
+                elif fd in streams:
+                    if not _forward(fd, *streams[fd]):
+                        open_fds.remove(fd)
+            if pidfd in readable:
+                _read_into(res_r, outcome)
+                ending = Ending.FINISHED
+            elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
+                on_watch()
+            if ending is None and cancelled is not None and cancelled():
+                ending, reason = Ending.CANCELLED, "the job was cancelled"
+            if ending is None and deadline is not None and time.monotonic() >= deadline:
+                ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
+    finally:
+        kill_group(pid)
+        status = _reap(pid)
+        _wait_group_gone(pid)
+        for fd in (out_r, err_r):
+            _forward(fd, *streams[fd])
+        for fd in (out_r, err_r, res_r, pidfd):
+            os.close(fd)
+    if ending is Ending.FINISHED and not outcome:
+        ending, reason = Ending.CRASHED, f"the job process {_describe(status)} before returning a result"
+    return Result(ending, bytes(outcome), reason)
+
+
+def _read_into(fd: int, buffer: bytearray) -> bool:
+    """Read what is there; False at end of file."""
+    while True:
+        try:
+            chunk = os.read(fd, _READ)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        buffer += chunk
+
+
+def _forward(fd: int, decoder: codecs.IncrementalDecoder, sink: Callable[[str], None]) -> bool:
+    """Hand what the job printed to `sink`; False at end of file."""
+    data = bytearray()
+    more = _read_into(fd, data)
+    if data:
+        sink(decoder.decode(bytes(data)))
+    return more
+
+
+def _reap(pid: int) -> int:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return 0
+    return status
+
+
+def _wait_group_gone(pgid: int) -> None:
+    deadline = time.monotonic() + KILL_WAIT
+    while group_alive(pgid) and time.monotonic() < deadline:
+        kill_group(pgid)
+        time.sleep(0.005)
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"was terminated by signal {sig} ({signal.Signals(sig).name})"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"

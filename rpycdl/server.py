@@ -1,0 +1,177 @@
+"""Builds and starts the ForkingServer: service names, registration, the lock directory, the sweeper."""
+
+from __future__ import annotations
+
+import ctypes
+import getpass
+import importlib.metadata
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+
+from rpyc.utils.server import ForkingServer
+
+from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
+from rpycdl.errors import InvalidRequestError
+from rpycdl.gpus import load_inventory
+from rpycdl.jobs import JobStore
+from rpycdl.locks import GPULockManager
+from rpycdl.registry import registry_client
+from rpycdl.service import GPUService, ServerContext
+
+PR_SET_CHILD_SUBREAPER = 36
+
+FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "pytorch": ("torch",),
+    "tensorflow": ("tensorflow", "tensorflow-cpu", "tf-nightly"),
+    "jax": ("jax",),
+    "caffe": (),
+    "deeplearning": (),
+}
+"""Package whose version names the service version, per known service (read from metadata,
+so the server parent never imports, let alone initialises, the framework)."""
+
+PROTOCOL_CONFIG = {
+    "allow_public_attrs": False,
+    "allow_all_attrs": False,
+    "allow_pickle": False,
+    "sync_request_timeout": None,  # jobs call back into the client for as long as they run
+}
+
+log = logging.getLogger("rpycdl.server")
+
+
+@dataclass
+class ServerConfig:
+    """Everything `rpycdl serve` takes."""
+
+    service: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    registry: str | None = None  # HOST[:PORT]; None: $RPYCDL_REGISTRY or broadcast; "none": do not register
+    gpus: str | None = None  # fake:N, fake:NxSIZE, nvml, or None for $RPYCDL_GPUS / NVML
+    lock_dir: str | None = None
+    insecure: bool = False
+    version: str | None = None  # framework version to announce; None reads package metadata
+
+
+def framework_version(service: str) -> str | None:
+    """The installed version of the service's framework, from package metadata, or None."""
+    for dist in FRAMEWORK_DISTRIBUTIONS.get(service.lower(), (service.lower(),)):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def service_aliases(service: str, version: str | None) -> tuple[str, ...]:
+    """`PYTORCH`, plus `PYTORCH-2.5` and `PYTORCH-2.5.1` when the version is known."""
+    name = service.upper()
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise InvalidRequestError(f"bad service name {service!r}: letters, digits, '-' and '_' only")
+    aliases = [name]
+    if version:
+        public = version.split("+")[0]
+        parts = public.split(".")
+        if len(parts) > 2:
+            aliases.append(f"{name}-{'.'.join(parts[:2])}")
+        aliases.append(f"{name}-{public}")
+    return tuple(aliases)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DLServer(ForkingServer):
+    """The ForkingServer of one rpycdl service.
+
+    The parent only accepts and forks: it never imports a framework or touches CUDA. It is a
+    child subreaper, so what a job leaves behind is reaped here, and it sweeps, every
+    SWEEP_INTERVAL, for jobs whose connection process died (kill -9): it kills their process
+    groups, marks them failed, and wakes the waiting requests."""
+
+    def __init__(self, context: ServerContext, **kwargs) -> None:
+        self.context = context
+        service = type("GPUService", (GPUService,), {"ALIASES": context.aliases, "context": context})
+        super().__init__(service, protocol_config=PROTOCOL_CONFIG, **kwargs)
+        context.port = self.port
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        threading.Thread(target=self._sweep, name="rpycdl-sweeper", daemon=True).start()
+        super().start()
+
+    def close(self) -> None:
+        self._stop.set()
+        super().close()
+
+    def _sweep(self) -> None:
+        store = JobStore(self.context.lock_dir)
+        locks = GPULockManager(self.context.lock_dir)
+        while not self._stop.wait(SWEEP_INTERVAL):
+            try:
+                for record in store.sweep(self.context.server_id):
+                    log.warning("job %s failed: %s", record.job_id, record.error)
+                    locks.wake_all()
+            except Exception:  # a sweep must never take the server down
+                log.exception("sweep failed")
+
+
+def build_server(config: ServerConfig) -> DLServer:
+    """Check the configuration, load the inventory, and bind the server (not started yet)."""
+    if not _is_loopback(config.host) and not config.insecure:
+        raise InvalidRequestError(
+            f"refusing to listen on {config.host} without authentication: anyone who reaches it can run "
+            "code here. Bind to 127.0.0.1, or pass --insecure if the network is trusted")
+    inventory = load_inventory(config.gpus)
+    version = config.version or framework_version(config.service)
+    directory = config.lock_dir or lock_dir()
+    GPULockManager(directory)  # create the layout, fail early on permissions
+    context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
+                            inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
+                            host=config.host, framework_version=version)
+    registrar = None
+    if config.registry != "none":
+        registrar = registry_client(config.registry)
+        registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
+    return DLServer(context, hostname=config.host, port=config.port, registrar=registrar,
+                    auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"))
+
+
+def serve(config: ServerConfig) -> None:
+    """Build the server and serve until SIGTERM or Ctrl-C."""
+    server = build_server(config)
+    ctx = server.context
+    if not _is_loopback(config.host):
+        print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
+              f"{server.port} can run code as {getpass.getuser()}",
+              file=sys.stderr, flush=True)
+    gpus = ", ".join(f"{g.index}:{g.name}" for g in ctx.gpus)
+    kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
+    print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
+          f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.close())
+    try:
+        server.start()
+    except (KeyboardInterrupt, OSError):
+        pass
+    finally:
+        if server.active:
+            server.close()
+

@@ -1,0 +1,272 @@
+"""The RPyC service: run_code (ours and the original servers'), gpu_status, jobs, cancel."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import select
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dill
+import rpyc
+from rpyc.core.netref import BaseNetref
+
+from rpycdl import runner, wire
+from rpycdl.errors import (InvalidRequestError, JobCancelledError, JobCrashedError, JobTimeoutError,
+                           RpycdlError)
+from rpycdl.gpus import GPU, Inventory
+from rpycdl.jobs import JobRecord, JobState, JobStore, new_job_id
+from rpycdl.locks import GPULockManager
+
+MAX_TIMEOUT = 366 * 24 * 3600.0
+
+
+@dataclass
+class ServerContext:
+    """What every connection of one server shares; built once in the server parent."""
+
+    name: str
+    aliases: tuple[str, ...]
+    inventory: Inventory
+    lock_dir: str
+    server_id: str
+    host: str = ""
+    port: int = 0
+    framework_version: str | None = None
+    gpus: list[GPU] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gpus = self.inventory.gpus()
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,
+                "server_id": self.server_id, "inventory": self.inventory.spec,
+                "simulated": self.inventory.simulated, "framework_version": self.framework_version,
+                "pid": os.getpid()}
+
+
+def check_ngpus(ngpus: Any, total: int) -> int:
+    """Turn a request's ngpus into a GPU count, or raise InvalidRequestError at once."""
+    if isinstance(ngpus, bool) or not isinstance(ngpus, int):
+        raise InvalidRequestError(f"ngpus must be an integer (or -1 for all GPUs), not {ngpus!r}")
+    if ngpus == -1:
+        return total
+    if ngpus < 1:
+        raise InvalidRequestError(f"ngpus must be at least 1, or -1 for all GPUs; got {ngpus}")
+    if ngpus > total:
+        raise InvalidRequestError(f"asked for {ngpus} GPUs but this server has {total}")
+    return ngpus
+
+
+def check_seconds(value: Any, name: str) -> float | None:
+    """Check an optional timeout: None, or a positive finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_TIMEOUT:
+        raise InvalidRequestError(f"{name} must be a positive number of seconds (at most a year), not {value!r}")
+    return float(value)
+
+
+def _materialize(obj: Any) -> Any:
+    """Copy containers an original client passed by reference (RPyC netrefs) into local values."""
+    if not isinstance(obj, BaseNetref):
+        return obj
+    type_name = object.__getattribute__(obj, "____id_pack__")[0]
+    if type_name in ("builtins.list", "builtins.tuple", "builtins.set"):
+        items = [_materialize(item) for item in obj]
+        return {"builtins.list": list, "builtins.tuple": tuple, "builtins.set": set}[type_name](items)
+    if type_name == "builtins.dict":
+        return {_materialize(key): _materialize(obj[key]) for key in obj.keys()}
+    return obj
+
+
+class GPUService(rpyc.Service):
+    """One client connection of a server. `context` is set on the subclass the server builds."""
+
+    context: ServerContext
+
+    def on_connect(self, conn: rpyc.Connection) -> None:
+        self._conn = conn
+        endpoints = conn._config.get("endpoints") or (None, ("?", 0))
+        peer = endpoints[1]
+        self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._locks = GPULockManager(self.context.lock_dir)
+        self._store = JobStore(self.context.lock_dir)
+
+    # -- the client connection while a job waits or runs ---------------------------
+
+    def _socket_fd(self) -> list[int]:
+        try:
+            return [self._conn.fileno()]
+        except Exception:
+            return []
+
+    def _serve_client(self) -> None:
+        """Serve what the client sent while its job waits or runs; EOFError if it is gone."""
+        fds = self._socket_fd()
+        if not fds:
+            raise EOFError("client connection closed")
+        while select.select(fds, [], [], 0)[0]:
+            self._conn.serve(0)
+
+    def _cancel_requested(self, job_id: str) -> bool:
+        record = self._store.load(job_id)
+        return record is not None and record.cancel_requested
+
+    # -- running a job ----------------------------------------------------------------
+
+    def _submit(self, body: bytes, ngpus: Any, timeout: Any, queue_timeout: Any,
+                on_stdout: Callable[[str], None], on_stderr: Callable[[str], None],
+                on_state: Callable[[str, str], None] | None) -> bytes:
+        """Queue, lock GPUs, run, release. Returns outcome bytes; raises RpycdlError."""
+        ctx = self.context
+        count = check_ngpus(ngpus, len(ctx.gpus))
+        timeout = check_seconds(timeout, "timeout")
+        queue_timeout = check_seconds(queue_timeout, "queue_timeout")
+        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
+        self._store.save(record)
+
+        def tell(state: str, **info: Any) -> None:
+            if on_state is not None:
+                on_state(state, json.dumps({"job_id": record.job_id, **info}))
+
+        def on_wake() -> None:
+            self._serve_client()
+            if self._cancel_requested(record.job_id):
+                raise JobCancelledError(f"job {record.job_id} was cancelled while waiting")
+
+        grant = None
+        try:
+            grant = self._locks.acquire(
+                count, [gpu.uuid for gpu in ctx.gpus],
+                {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id},
+                queue_timeout=queue_timeout, wake_fds=self._socket_fd(), on_wake=on_wake,
+                on_position=lambda ahead: tell("pending", ahead=ahead, ngpus=count))
+            by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
+            indices = [by_uuid[uuid].index for uuid in grant.uuids]
+            record.state, record.gpus, record.started = JobState.RUNNING, list(grant.uuids), time.time()
+            self._store.save(record)
+            tell("running", gpus=indices, uuids=list(grant.uuids))
+            env = {**runner.gpu_environment(indices, grant.uuids), "RPYCDL_JOB_ID": record.job_id,
+                   "RPYCDL_TICKET": str(grant.ticket), "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
+
+            def on_start(pid: int) -> None:
+                record.pgid = pid
+                self._store.save(record)
+
+            result = runner.run(body, env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
+                                watch_fds=self._socket_fd(), on_watch=self._serve_client,
+                                cancelled=lambda: self._cancel_requested(record.job_id))
+        except BaseException as exc:
+            record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
+            record.error = str(exc) or type(exc).__name__
+            raise
+        finally:
+            if grant is not None:
+                self._locks.release(grant)
+            if record.state in (JobState.PENDING, JobState.RUNNING):
+                record.state = JobState.FAILED
+            record.ended = time.time()
+            self._finish(record, locals().get("result"))
+        return self._outcome(record, result)
+
+    def _finish(self, record: JobRecord, result: runner.Result | None) -> None:
+        if result is not None:
+            record.state = {
+                runner.Ending.FINISHED: JobState.SUCCEEDED if wire.succeeded(result.outcome) else JobState.FAILED,
+                runner.Ending.TIMED_OUT: JobState.TIMED_OUT,
+                runner.Ending.CANCELLED: JobState.CANCELLED,
+                runner.Ending.CRASHED: JobState.FAILED,
+            }[result.ending]
+            record.error = result.reason
+        self._store.save(record)
+
+    @staticmethod
+    def _outcome(record: JobRecord, result: runner.Result) -> bytes:
+        if result.ending is runner.Ending.FINISHED:
+            return result.outcome
+        error = {runner.Ending.TIMED_OUT: JobTimeoutError, runner.Ending.CANCELLED: JobCancelledError,
+                 runner.Ending.CRASHED: JobCrashedError}[result.ending]
+        raise error(f"job {record.job_id}: {result.reason}")
+
+    # -- exposed API ---------------------------------------------------------------------
+
+    def exposed_run(self, payload: bytes, ngpus: Any = 1, stdout: Callable[[str], None] | None = None,
+                    stderr: Callable[[str], None] | None = None, timeout: Any = None, queue_timeout: Any = None,
+                    on_state: Callable[[str, str], None] | None = None) -> bytes:
+        """Run a payload made by wire.encode_payload; return outcome bytes (see rpycdl.client)."""
+        try:
+            body = wire.check_payload(payload)
+            return self._submit(body, ngpus, timeout, queue_timeout, stdout or _discard, stderr or _discard,
+                                on_state)
+        except RpycdlError as exc:
+            return wire.encode_error(exc, tb="")
+
+    def exposed_run_code(self, fn: Any, args: Any = None, ngpus: Any = 1, stdout: Any = None, stderr: Any = None,
+                         timeout: Any = None, queue_timeout: Any = None) -> Any:
+        """The original servers' call: `fn` is dill bytes, `stdout`/`stderr` file-like objects.
+
+        Returns the job's value and raises its exception, as the original servers did."""
+        wire.check_pickle(fn, "fn")
+        body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
+        outcome = self._submit(body, ngpus, timeout, queue_timeout, _writer(stdout), _writer(stderr), None)
+        return wire.decode_outcome(outcome)
+
+    def exposed_gpu_status(self) -> str:
+        """JSON: this server, each GPU with its holder and memory use, and the waiting queue in order."""
+        ctx = self.context
+        snapshot = self._locks.snapshot()
+        used = ctx.inventory.memory_used()
+        gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holder": snapshot["held"].get(gpu.uuid)}
+                for gpu in ctx.gpus]
+        mine = {gpu.uuid for gpu in ctx.gpus}
+        queue = [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
+        return json.dumps({"server": ctx.info(), "gpus": gpus, "queue": queue, "time": time.time()})
+
+    def exposed_load(self) -> tuple[int, int, int]:
+        """(free GPUs, waiting requests, GPUs): how soon a new job would run here."""
+        status = json.loads(self.exposed_gpu_status())
+        free = sum(1 for gpu in status["gpus"] if gpu["holder"] is None)
+        return free, len(status["queue"]), len(status["gpus"])
+
+    def exposed_jobs(self) -> str:
+        """JSON list of this server's job records, oldest first."""
+        return json.dumps([r.to_dict() for r in self._store.all() if r.server_id == self.context.server_id])
+
+    def exposed_cancel(self, job_id: str) -> str:
+        """Cancel a pending or running job of this server; returns its state afterwards."""
+        if not isinstance(job_id, str) or not job_id.isalnum():
+            raise InvalidRequestError(f"not a job id: {job_id!r}")
+        record = self._store.load(job_id)
+        if record is None or record.server_id != self.context.server_id:
+            raise InvalidRequestError(f"no job {job_id} on this server")
+        self._store.request_cancel(job_id)
+        self._locks.wake_all()
+        return record.state.value
+
+    def exposed_server_info(self) -> str:
+        """JSON description of this server."""
+        return json.dumps(self.context.info())
+
+
+def _discard(_: str) -> None:
+    pass
+
+
+def _writer(stream: Any) -> Callable[[str], None]:
+    """A sink writing to a client's file-like object (an RPyC netref), flushing each time."""
+    if stream is None:
+        return _discard
+
+    def write(text: str) -> None:
+        stream.write(text)
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            flush()
+
+    return write
