@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from rpycdl.client import Connection, connect
-from rpycdl.errors import (DiscoveryError, InvalidRequestError, JobCancelledError, JobCrashedError,
-                           JobTimeoutError, NoInventoryError, QueueTimeoutError, RemoteError, RpycdlError,
-                           VersionMismatchError)
+from rpycdl.errors import (
+                           DiscoveryError,
+                           InvalidRequestError,
+                           JobCancelledError,
+                           JobCrashedError,
+                           JobTimeoutError,
+                           NoInventoryError,
+                           QueueTimeoutError,
+                           RemoteError,
+                           RpycdlError,
+                           VersionMismatchError,
+)
 
 __version__ = "0.1.0"
 

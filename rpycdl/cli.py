@@ -244,3 +244,8 @@ def _selftest(args: argparse.Namespace) -> int:
 
 COMMANDS = {"registry": _registry, "serve": _serve, "status": _status, "jobs": _jobs, "cancel": _cancel,
             "demo": _demo, "selftest": _selftest}
+
+
+def serve_service(service: str) -> None:
+    """Entry point of servers/*_server.py: `rpycdl serve --service SERVICE` with this process's arguments."""
+    sys.exit(main(["serve", "--service", service, *sys.argv[1:]]))

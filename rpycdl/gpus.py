@@ -133,7 +133,7 @@ class NvmlInventory(Inventory):
         try:
             for gpu in self._gpus:
                 try:  # one broken GPU yields an unknown entry, not a failed listing
-                    handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode() if isinstance(gpu.uuid, str) else gpu.uuid)
+                    handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode())
                     used[gpu.uuid] = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
                 except Exception:
                     used[gpu.uuid] = None

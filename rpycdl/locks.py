@@ -251,7 +251,7 @@ class GPULockManager:
             locks.append(lock)
         sequence = self._next("grant")
         since = time.time()
-        for uuid, lock in zip(mine, locks):
+        for uuid, lock in zip(mine, locks, strict=True):
             _HELD[uuid] = lock
             _write_json(self.root / "held" / f"{uuid}.json",
                         {**info, "ticket": ticket, "sequence": sequence, "since": since})
