@@ -26,8 +26,10 @@ WAIT_FALLBACK_POLL = 0.5
 Normal releases wake waiters at once; this bounds the wait after a holder died without
 saying so (kill -9 of a whole server)."""
 
-SWEEP_INTERVAL = 0.2
-"""Seconds between the server parent's sweeps for jobs whose connection process died."""
+SWEEP_INTERVAL = 5.0
+"""Seconds between the server parent's routine sweeps for jobs whose connection process died.
+
+A connection process that dies also triggers a sweep at once (SIGCHLD)."""
 
 KILL_WAIT = 2.0
 """Seconds to wait for a killed job's process group to vanish before giving up on it."""

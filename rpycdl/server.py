@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import getpass
 import importlib.metadata
 import ipaddress
 import logging
+import os
+import select
 import signal
 import sys
 import threading
@@ -97,9 +100,12 @@ class DLServer(ForkingServer):
     """The ForkingServer of one rpycdl service.
 
     The parent only accepts and forks: it never imports a framework or touches CUDA. It is a
-    child subreaper, so what a job leaves behind is reaped here, and it sweeps, every
-    SWEEP_INTERVAL, for jobs whose connection process died (kill -9): it kills their process
-    groups, marks them failed, and wakes the waiting requests."""
+    child subreaper, so what a job leaves behind is reaped here. When one of its connection
+    processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose connection
+    process is gone (kill -9): it kills their process groups, marks them failed, and wakes the
+    waiting requests."""
+
+    _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # self-pipe: wakes the sweeper from SIGCHLD
 
     def __init__(self, context: ServerContext, **kwargs) -> None:
         self.context = context
@@ -119,18 +125,32 @@ class DLServer(ForkingServer):
 
     def close(self) -> None:
         self._stop.set()
+        _poke(self._wake_w)
         super().close()
+
+    @classmethod
+    def _handle_sigchld(cls, signum: int, frame: object) -> None:
+        super()._handle_sigchld(signum, frame)
+        _poke(cls._wake_w)
 
     def _sweep(self) -> None:
         store = JobStore(self.context.lock_dir)
         locks = GPULockManager(self.context.lock_dir)
-        while not self._stop.wait(SWEEP_INTERVAL):
+        while not self._stop.is_set():
+            select.select([self._wake_r], [], [], SWEEP_INTERVAL)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
             try:
                 for record in store.sweep(self.context.server_id):
                     log.warning("job %s failed: %s", record.job_id, record.error)
                     locks.wake_all()
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
+
+
+def _poke(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        os.write(fd, b"!")
 
 
 def build_server(config: ServerConfig) -> DLServer:
