@@ -50,4 +50,8 @@ class RemoteError(RpycdlError):
     def __init__(self, type_name: str, message: str, remote_traceback: str = "") -> None:
         super().__init__(f"{type_name}: {message}")
         self.type_name = type_name
+        self.message = message
         self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return RemoteError, (self.type_name, self.message, self.remote_traceback)

@@ -70,6 +70,8 @@ class FakeInventory(Inventory):
         if not 1 <= count <= 64:
             raise InvalidRequestError(f"bad simulated inventory {spec!r}: between 1 and 64 GPUs")
         memory = parse_size(match.group(2)) if match.group(2) else FAKE_DEFAULT_MEMORY
+        if memory < 1:
+            raise InvalidRequestError(f"bad simulated inventory {spec!r}: a GPU needs some memory")
         self.spec = spec.strip()
         self._gpus = [
             GPU(i, f"GPU-00000000-0000-4000-8000-{i:012d}", "Simulated GPU", memory, f"00000000:{i + 1:02X}:00.0")
@@ -109,14 +111,19 @@ class NvmlInventory(Inventory):
                 f"NVML could not start ({exc}). On a machine without NVIDIA GPUs, choose a "
                 f"simulated inventory: --gpus fake:2 (or {ENV_GPUS}=fake:2)"
             ) from exc
+        gpus: list[GPU] = []
+        what = "the GPU count"
         try:
-            gpus = []
             for index in range(nvml.nvmlDeviceGetCount()):
+                what = f"GPU {index}"
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
                 gpus.append(GPU(index, _text(nvml.nvmlDeviceGetUUID(handle)), _text(nvml.nvmlDeviceGetName(handle)),
                                 int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
                                 _text(nvml.nvmlDeviceGetPciInfo(handle).busId)))
             return gpus
+        except Exception as exc:  # a GPU that fails to answer is not served: say which one, and why
+            raise NoInventoryError(f"NVML could not query {what} ({exc}); check it with nvidia-smi, "
+                                   "or choose a simulated inventory: --gpus fake:2") from exc
         finally:
             nvml.nvmlShutdown()
 

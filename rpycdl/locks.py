@@ -13,8 +13,10 @@ every container):
 Arrival order is the ticket order. A request is granted when the GPUs it may use are free
 after every earlier request has been served or has reserved what it waits for (so a later
 request never overtakes an earlier one that competes for the same GPUs, while servers with
-disjoint GPUs do not block each other). A release, a grant and a cancelled wait write a byte
-to every waiter's FIFO, so the next request is granted at once, not at the next poll.
+disjoint GPUs do not block each other). An earlier competing request that could be granted
+now goes first, the later one waiting for its wake-up, so competing requests are granted
+(numbered by Grant.sequence) in arrival order. A release, a grant and a cancelled wait write
+a byte to every waiter's FIFO, so the next request is granted at once, not at the next poll.
 
 What the locks do not guarantee: they are fcntl locks, so they belong to a process (one
 process must not open a held GPU's lock file twice; this module keeps a registry so it never
@@ -230,16 +232,19 @@ class GPULockManager:
             involved.update(waiter["candidates"])
         free = self._free(involved)
         ahead = 0
+        behind_a_grant = False
         for waiter in earlier:
             theirs = [u for u in waiter["candidates"] if u in free]
-            if set(waiter["candidates"]) & set(candidates):
+            competes = bool(set(waiter["candidates"]) & set(candidates))
+            if competes:
                 ahead += 1
             if len(theirs) >= waiter["count"]:
                 free.difference_update(theirs[: waiter["count"]])  # they will take these first
+                behind_a_grant |= competes  # and be granted first: their grant wakes us
             else:
                 free.difference_update(waiter["candidates"])  # reserved while they wait
         mine = [u for u in candidates if u in free][:count]
-        if len(mine) < count:
+        if behind_a_grant or len(mine) < count:
             return None, ahead
         locks = []
         for uuid in mine:

@@ -182,6 +182,7 @@ def serve(config: ServerConfig) -> None:
         print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
               f"{server.port} can run code as {getpass.getuser()}",
               file=sys.stderr, flush=True)
+    server.listener.listen(server.backlog)  # before the ready line, so whoever reads it can connect at once
     gpus = ", ".join(f"{g.index}:{g.name}" for g in ctx.gpus)
     kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "

@@ -2,8 +2,10 @@
 
 A payload is `MAGIC + (major, minor) + dill((fn, args, fn_is_dill))`: the Python version comes
 first so a server can refuse code from another Python before unpickling anything. An outcome
-is `b"+" + dill(value)` or `b"-" + dill((exception or None, type name, message, traceback))`, the
-first byte telling success from failure without unpickling anything.
+is `b"+" + dill(value)` or `b"-" + dill((dill(exception) or None, type name, message, traceback))`,
+the first byte telling success from failure without unpickling anything. The exception is pickled
+on its own, so a client that cannot rebuild it (its module exists only on the server, or its
+__init__ takes other arguments than its args) still gets its type name, message and traceback.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def encode_payload(fn: Any, args: Any) -> bytes:
     fn_is_dill = isinstance(fn, (bytes, bytearray, memoryview))
     if not fn_is_dill and not callable(fn):
         raise InvalidRequestError(f"fn must be a callable or dill bytes of one, not {type(fn).__name__}")
+    if fn_is_dill:
+        check_pickle(bytes(fn), "fn")  # refuse unreadable dill bytes here, not after waiting for GPUs
     body = dill.dumps((bytes(fn) if fn_is_dill else fn, args, fn_is_dill), recurse=True)
     return MAGIC + bytes(PYTHON) + body
 
@@ -72,8 +76,12 @@ def check_pickle(data: bytes, what: str) -> None:
 
 def load_call(body: bytes) -> tuple[Any, Any]:
     """Unpickle a checked payload body into (fn, args); runs in the job process."""
-    fn, args, fn_is_dill = dill.loads(body)
+    call = dill.loads(body)
+    if not isinstance(call, tuple) or len(call) != 3:
+        raise InvalidRequestError(f"the payload holds a {type(call).__name__}, not an rpycdl call")
+    fn, args, fn_is_dill = call
     if fn_is_dill:
+        check_pickle(fn, "fn")
         fn = dill.loads(fn)
     if not callable(fn):
         raise InvalidRequestError(f"the payload holds a {type(fn).__name__}, not a callable")
@@ -94,9 +102,14 @@ def encode_error(exc: BaseException, tb: str | None = None) -> bytes:
         tb = "".join(traceback.format_exception(exc))
     name = f"{type(exc).__module__}.{type(exc).__qualname__}"
     try:
-        return FAILED + dill.dumps((exc, name, str(exc), tb), recurse=True)
+        pickled: bytes | None = dill.dumps(exc, recurse=True)
     except Exception:
-        return FAILED + dill.dumps((None, name, str(exc), tb))
+        pickled = None
+    try:
+        message = str(exc)
+    except Exception:
+        message = repr(exc)
+    return FAILED + dill.dumps((pickled, name, message, tb))
 
 
 def decode_outcome(data: bytes) -> Any:
@@ -110,7 +123,11 @@ def decode_outcome(data: bytes) -> Any:
         raise RemoteError("UnreadableResult", f"the job's result could not be loaded here: {exc}") from None
     if data[:1] == OK:
         return outcome
-    exc, name, message, tb = outcome
+    pickled, name, message, tb = outcome
+    try:
+        exc = None if pickled is None else dill.loads(pickled)
+    except Exception:  # its type cannot be rebuilt here: keep its name, message and traceback
+        exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(name, message, tb)
     exc.remote_traceback = tb  # type: ignore[attr-defined]

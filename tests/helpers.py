@@ -1,0 +1,134 @@
+"""Helpers shared by the functional tests: jobs run in background threads, gates, waiting."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rpycdl
+from rpycdl.local import LocalCluster
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def gate_job(gate: str) -> Callable[[Any], Any]:
+    """A job that blocks until the file `gate` exists (the test creates it), then returns its args."""
+
+    def job(args):
+        import os
+        import time
+
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        return args
+
+    return job
+
+
+class Background:
+    """run_code in a thread of its own, recording the job's states, value or exception.
+
+    Attributes:
+        states: (state, info) pairs in the order the server reported them.
+        value, error: what run_code returned or raised, once `done`.
+    """
+
+    def __init__(self, conn: rpycdl.Connection, fn: Any, args: Any = None, **kwargs: Any) -> None:
+        self.conn = conn
+        self.states: list[tuple[str, dict[str, Any]]] = []
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        try:
+            self.value = self.conn.root.run_code(fn, args, on_state=self._on_state, **kwargs)
+        except BaseException as exc:  # noqa: B036 - recorded for the test to check
+            self.error = exc
+
+    def _on_state(self, state: str, info: dict[str, Any]) -> None:
+        self.states.append((state, info))
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    @property
+    def job_id(self) -> str | None:
+        return self.states[0][1]["job_id"] if self.states else None
+
+    def wait_state(self, state: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait until the server reports `state` ("pending" or "running"); returns its info."""
+
+        def seen() -> dict[str, Any] | None:
+            if self.done and not any(s == state for s, _ in self.states):
+                raise AssertionError(f"the job ended ({self.error!r}) before it was {state}")
+            return next((info for s, info in self.states if s == state), None)
+
+        return wait_until(seen, timeout, f"the job to be {state}")
+
+    def join(self, timeout: float = 15.0) -> Background:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"the job did not end within {timeout} s")
+        return self
+
+    def result(self, timeout: float = 15.0) -> Any:
+        """The job's value; re-raises its exception."""
+        self.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def open_gate(gate: str) -> None:
+    Path(gate).touch()
+
+
+def quick_error(call: Callable[[], Any], limit: float = 5.0) -> tuple[BaseException | None, float]:
+    """Run `call` in a thread; return what it raised and how long it took.
+
+    Fails the test if it is still running after `limit` seconds (a request that should have
+    been refused is waiting instead)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        start = time.monotonic()
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # noqa: B036 - returned to the test
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        raise AssertionError(f"the call was still running after {limit} s instead of failing at once")
+    return outcome.get("error"), outcome["seconds"]
+
+
+@contextlib.contextmanager
+def shared_server(tmp_path_factory: pytest.TempPathFactory, service: str = "pytorch",
+                  gpus: str = "fake:2") -> Iterator[int]:
+    """A registry and one server for a whole test module (for tests that leave no state behind)."""
+    lock_dir = tmp_path_factory.mktemp("shared-locks")
+    with LocalCluster(str(lock_dir)) as cluster:
+        yield cluster.add_server(service, gpus)[1]

@@ -1,0 +1,127 @@
+"""rpycdl.connect: discovery through the registry, choosing a server, going direct."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import Background, gate_job, open_gate
+
+import rpycdl
+from rpycdl.registry import discover
+
+
+def _pid(_):
+    import os
+
+    return os.getppid()  # the job's parent: the connection process of the server that ran it
+
+
+def test_connect_by_service_name_finds_the_server(cluster, server):
+    port = server("pytorch", "fake:2")
+    for name in ("pytorch", "PYTORCH"):
+        with rpycdl.connect(name, registry_address=cluster.registry_address) as conn:
+            assert conn.address == ("127.0.0.1", port)
+            assert conn.root.run_code(lambda x: x * 2, 21) == 42
+            assert conn.root.gpu_status()["server"]["port"] == port
+        assert conn.closed
+
+
+def test_connect_uses_the_registry_from_the_environment(cluster, server, monkeypatch):
+    port = server("pytorch", "fake:1")
+    monkeypatch.setenv("RPYCDL_REGISTRY", cluster.registry_address)
+    with rpycdl.connect("pytorch") as conn:
+        assert conn.address == ("127.0.0.1", port)
+
+
+def test_connect_chooses_the_server_with_more_free_gpus(cluster, server, connect, tmp_path):
+    ports = [server("pytorch", "fake:2", "--lock-dir", str(tmp_path / name)) for name in ("a", "b")]
+    listed = [port for _, port in discover("pytorch", cluster.registry_address)]
+    assert sorted(listed) == sorted(ports)
+    # occupy one of the two GPUs of the server the registry lists first, so that taking the
+    # first one listed, or any one with a free GPU, would be the wrong choice
+    busy, idle = listed
+    gate = str(tmp_path / "gate")
+    holder = Background(connect(busy), gate_job(gate), None, ngpus=1)
+    try:
+        holder.wait_state("running")
+        assert connect(busy).root.load()[0] == 1 and connect(idle).root.load()[0] == 2
+        for _ in range(3):
+            with rpycdl.connect("pytorch", registry_address=cluster.registry_address) as conn:
+                assert conn.address == ("127.0.0.1", idle)
+                assert conn.root.run_code(lambda x: x, "ran", ngpus=2, queue_timeout=5) == "ran"
+    finally:
+        open_gate(gate)
+    holder.result()
+    # with both idle again, either will do, and the busy one is chosen once the other is the busier
+    gate2 = str(tmp_path / "gate2")
+    holder2 = Background(connect(idle), gate_job(gate2), None, ngpus=2)
+    try:
+        holder2.wait_state("running")
+        with rpycdl.connect("pytorch", registry_address=cluster.registry_address) as conn:
+            assert conn.address == ("127.0.0.1", busy)
+    finally:
+        open_gate(gate2)
+    holder2.result()
+
+
+def test_connect_prefers_the_shorter_queue_when_no_gpu_is_free(cluster, server, connect, tmp_path):
+    ports = [server("pytorch", "fake:1", "--lock-dir", str(tmp_path / name)) for name in ("a", "b")]
+    first, second = [port for _, port in discover("pytorch", cluster.registry_address)]
+    assert sorted((first, second)) == sorted(ports)
+    gate = str(tmp_path / "gate")
+    running = [Background(connect(port), gate_job(gate), None) for port in (first, second)]
+    try:
+        for job in running:
+            job.wait_state("running")
+        waiting = Background(connect(first), gate_job(gate), None)
+        waiting.wait_state("pending")
+        with rpycdl.connect("pytorch", registry_address=cluster.registry_address) as conn:
+            assert conn.address == ("127.0.0.1", second)
+    finally:
+        open_gate(gate)
+    for job in (*running, waiting):
+        job.result()
+
+
+def test_unknown_service_raises_discovery_error(cluster, server):
+    server("pytorch", "fake:1")
+    start = time.monotonic()
+    with pytest.raises(rpycdl.DiscoveryError, match="NOSUCHSERVICE") as info:
+        rpycdl.connect("nosuchservice", registry_address=cluster.registry_address)
+    assert cluster.registry_address.split(":")[1] in str(info.value)  # says which registry it asked
+    assert time.monotonic() - start < 5
+
+
+def test_registered_server_that_is_down_raises_discovery_error(cluster, server):
+    process, port = cluster.add_server("jax", "fake:1")
+    process.popen.kill()  # no clean unregistering: it stays listed until the registry prunes it
+    process.popen.wait(10)
+    assert ("127.0.0.1", port) in discover("jax", cluster.registry_address)
+    with pytest.raises(rpycdl.DiscoveryError, match="down"):
+        rpycdl.connect("jax", registry_address=cluster.registry_address)
+
+
+def test_connect_needs_a_service_or_a_host():
+    with pytest.raises(rpycdl.InvalidRequestError, match="service"):
+        rpycdl.connect()
+
+
+def test_connect_direct_by_host_and_port(server):
+    port = server("pytorch", "fake:2")
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        assert conn.address == ("127.0.0.1", port)
+        assert repr(conn) == f"<rpycdl.Connection 127.0.0.1:{port}>"
+        assert conn.root.run_code(lambda x: sorted(x), [3, 1, 2], ngpus=2) == [1, 2, 3]
+        assert conn.root.gpu_status()["server"]["port"] == port
+    assert conn.closed
+
+
+def test_connect_direct_to_nothing_fails_with_oserror(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        with pytest.raises(ConnectionRefusedError):
+            rpycdl.connect(host="127.0.0.1", port=port)

@@ -1,0 +1,198 @@
+"""GPU inventories: the simulated one (fake:N, fake:NxSIZE) and NVML, played by tests/fake_nvml.py."""
+
+from __future__ import annotations
+
+import pytest
+from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, Device, make_nvml
+
+from rpycdl import InvalidRequestError, NoInventoryError
+from rpycdl.gpus import FakeInventory, GiB, NvmlInventory, load_inventory, parse_size
+
+# -- the simulated inventory -----------------------------------------------------------------
+
+
+def test_fake_4_has_four_16_gib_gpus_with_stable_distinct_identities():
+    inventory = FakeInventory("fake:4")
+    gpus = inventory.gpus()
+    assert [gpu.index for gpu in gpus] == [0, 1, 2, 3]
+    assert all(gpu.memory_total == 16 * GiB and gpu.name == "Simulated GPU" for gpu in gpus)
+    assert len({gpu.uuid for gpu in gpus}) == 4 and all(gpu.uuid.startswith("GPU-") for gpu in gpus)
+    assert len({gpu.pci_bus_id for gpu in gpus}) == 4
+    assert inventory.simulated and inventory.spec == "fake:4"
+    assert inventory.memory_used() == {gpu.uuid: 0 for gpu in gpus}
+    # every server given a spec sees the same GPUs, as containers sharing real ones do
+    assert [gpu.uuid for gpu in FakeInventory("fake:2").gpus()] == [gpu.uuid for gpu in gpus[:2]]
+    assert FakeInventory("fake:4").gpus() == gpus
+    assert gpus[0].to_dict()["uuid"] == gpus[0].uuid
+    inventory.gpus().clear()  # a copy: the inventory keeps its GPUs
+    assert len(inventory.gpus()) == 4
+
+
+@pytest.mark.parametrize("spec, count, memory", [
+    ("fake:2x16GiB", 2, 16 * GiB),
+    ("fake:1x512MiB", 1, 512 * 2**20),
+    ("fake:3x8GB", 3, 8 * 10**9),
+    ("fake:2x1.5GiB", 2, int(1.5 * GiB)),
+    ("fake:1x80gib", 1, 80 * GiB),
+    ("fake:64", 64, 16 * GiB),
+    ("  fake:2  ", 2, 16 * GiB),
+])
+def test_fake_specs_with_sizes(spec, count, memory):
+    gpus = FakeInventory(spec).gpus()
+    assert len(gpus) == count
+    assert {gpu.memory_total for gpu in gpus} == {memory}
+
+
+@pytest.mark.parametrize("spec", [
+    "fake:", "fake:0", "fake:65", "fake:-1", "fake:x", "fake:two", "fake:2x", "fake:2xlots", "fake:2x16XB",
+    "fake:2x0", "fake:2x0GiB", "fake:2:16GiB", "fake:2 x16GiB", "fake4", "fake:2x-1GiB",
+])
+def test_bad_fake_specs_are_refused_with_a_hint(spec):
+    with pytest.raises(InvalidRequestError) as info:
+        FakeInventory(spec)
+    message = str(info.value)
+    assert repr(spec) in message or repr(spec.split("x", 1)[-1]) in message, message
+    assert "fake:" in message or "16GiB" in message, message
+
+
+def test_parse_size():
+    assert parse_size("16GiB") == 16 * GiB
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("8GB") == 8 * 10**9
+    assert parse_size(" 1024 ") == 1024
+    assert parse_size("2TiB") == 2 * 2**40
+    for bad in ("lots", "16XB", "-1GiB", "", "GiB"):
+        with pytest.raises(InvalidRequestError, match="not a memory size"):
+            parse_size(bad)
+
+
+def test_load_inventory_by_spec_and_from_the_environment(monkeypatch):
+    assert len(load_inventory("fake:2").gpus()) == 2
+    monkeypatch.setenv("RPYCDL_GPUS", "fake:3x8GiB")
+    inventory = load_inventory(None)
+    assert inventory.spec == "fake:3x8GiB" and len(inventory.gpus()) == 3
+    assert len(load_inventory("fake:1").gpus()) == 1  # an explicit spec wins over the environment
+    with pytest.raises(InvalidRequestError, match="unknown GPU inventory 'cuda:0'.*fake:N"):
+        load_inventory("cuda:0")
+
+
+def test_load_inventory_nvml_here():
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        with pytest.raises(NoInventoryError, match=r"--gpus fake:2 \(or RPYCDL_GPUS=fake:2\)"):
+            load_inventory("nvml")
+    else:  # a machine with a driver: NVML lists what nvidia-smi lists
+        count = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        inventory = load_inventory("nvml")
+        assert len(inventory.gpus()) == count >= 1 and not inventory.simulated
+
+
+# -- NVML, played by the fake driver -----------------------------------------------------------
+
+
+def _devices() -> list[Device]:
+    return [
+        Device("GPU-11111111-aaaa-bbbb-cccc-000000000000", "NVIDIA H100 80GB HBM3", 80 * GiB, 3 * GiB,
+               "00000000:18:00.0"),
+        Device("GPU-22222222-aaaa-bbbb-cccc-000000000000", "NVIDIA H100 80GB HBM3", 80 * GiB, 0, "00000000:2A:00.0"),
+        Device("GPU-33333333-aaaa-bbbb-cccc-000000000000", "NVIDIA A100-SXM4-40GB", 40 * GiB, 512 * 2**20,
+               "00000000:3B:00.0"),
+    ]
+
+
+@pytest.mark.parametrize("legacy_bytes", [False, True], ids=["str", "bytes"])
+def test_nvml_inventory_lists_the_drivers_gpus(legacy_bytes):
+    nvml = make_nvml(_devices(), legacy_bytes=legacy_bytes)
+    inventory = NvmlInventory(nvml=nvml)
+    gpus = inventory.gpus()
+    assert [(g.index, g.uuid, g.name, g.memory_total, g.pci_bus_id) for g in gpus] == [
+        (0, "GPU-11111111-aaaa-bbbb-cccc-000000000000", "NVIDIA H100 80GB HBM3", 80 * GiB, "00000000:18:00.0"),
+        (1, "GPU-22222222-aaaa-bbbb-cccc-000000000000", "NVIDIA H100 80GB HBM3", 80 * GiB, "00000000:2A:00.0"),
+        (2, "GPU-33333333-aaaa-bbbb-cccc-000000000000", "NVIDIA A100-SXM4-40GB", 40 * GiB, "00000000:3B:00.0"),
+    ]
+    assert all(isinstance(g.uuid, str) and isinstance(g.name, str) for g in gpus)
+    assert inventory.spec == "nvml" and not inventory.simulated
+    assert nvml.driver.init_count == 0, "NVML left initialised: a forking server parent must hold no NVML state"
+
+
+@pytest.mark.parametrize("legacy_bytes", [False, True], ids=["str", "bytes"])
+def test_nvml_memory_used_is_queried_live(legacy_bytes):
+    nvml = make_nvml(_devices(), legacy_bytes=legacy_bytes)
+    inventory = NvmlInventory(nvml=nvml)
+    uuids = [gpu.uuid for gpu in inventory.gpus()]
+    assert inventory.memory_used() == {uuids[0]: 3 * GiB, uuids[1]: 0, uuids[2]: 512 * 2**20}
+    nvml.driver.devices[1].used = 70 * GiB  # a job started on GPU 1
+    assert inventory.memory_used()[uuids[1]] == 70 * GiB
+    assert nvml.driver.init_count == 0
+    assert nvml.driver.calls.count("nvmlInit") == nvml.driver.calls.count("nvmlShutdown") == 3
+
+
+@pytest.mark.parametrize("code, text", [(NVML_ERROR_LIBRARY_NOT_FOUND, "NVML Shared Library Not Found"),
+                                        (NVML_ERROR_DRIVER_NOT_LOADED, "Driver Not Loaded")])
+def test_nvml_init_failure_gives_no_inventory_error_with_a_hint(code, text):
+    nvml = make_nvml(_devices(), init_error=code)
+    with pytest.raises(NoInventoryError) as info:
+        NvmlInventory(nvml=nvml)
+    message = str(info.value)
+    assert "NVML could not start" in message and text in message
+    assert "--gpus fake:2" in message and "RPYCDL_GPUS=fake:2" in message
+    assert nvml.driver.calls == ["nvmlInit"]  # nothing else was asked of a driver that did not start
+
+
+def test_one_broken_gpu_gives_none_for_that_gpu_only():
+    nvml = make_nvml(_devices())
+    inventory = NvmlInventory(nvml=nvml)
+    uuids = [gpu.uuid for gpu in inventory.gpus()]
+    nvml.driver.devices[1].lost = True  # GPU 1 fell off the bus after the server started
+    assert inventory.memory_used() == {uuids[0]: 3 * GiB, uuids[1]: None, uuids[2]: 512 * 2**20}
+    assert len(inventory.gpus()) == 3  # still listed: its lock and its holder must stay visible
+    assert nvml.driver.init_count == 0
+    nvml.driver.devices[1].lost = False  # it came back
+    assert inventory.memory_used()[uuids[1]] == 0
+
+
+def test_driver_gone_after_start_gives_unknown_memory_not_an_error():
+    nvml = make_nvml(_devices())
+    inventory = NvmlInventory(nvml=nvml)
+    nvml.driver.init_error = NVML_ERROR_DRIVER_NOT_LOADED
+    assert inventory.memory_used() == {gpu.uuid: None for gpu in inventory.gpus()}
+
+
+def test_a_gpu_broken_at_start_gives_no_inventory_error_naming_it():
+    devices = _devices()
+    devices[2].lost = True
+    nvml = make_nvml(devices)
+    with pytest.raises(NoInventoryError, match=r"NVML could not query GPU 2 \(GPU is lost\)"):
+        NvmlInventory(nvml=nvml)
+    assert nvml.driver.init_count == 0
+
+
+def test_a_driver_with_no_gpus_gives_an_empty_inventory():
+    nvml = make_nvml([])
+    assert NvmlInventory(nvml=nvml).gpus() == []
+    assert nvml.driver.init_count == 0
+
+
+def test_the_fake_driver_refuses_what_a_real_one_refuses():
+    """The fake is only worth its tests if it is as strict as the driver."""
+    nvml = make_nvml(1)
+    with pytest.raises(nvml.NVMLError) as info:
+        nvml.nvmlDeviceGetCount()  # before nvmlInit
+    assert info.value.value == nvml.NVML_ERROR_UNINITIALIZED
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(nvml.NVMLError):
+        nvml.nvmlDeviceGetHandleByUUID(b"GPU-no-such-gpu")
+    nvml.nvmlShutdown()
+    nvml.nvmlInit()
+    with pytest.raises(nvml.NVMLError):
+        nvml.nvmlDeviceGetName(handle)  # a handle of an earlier session
+    nvml.nvmlShutdown()
+    legacy = make_nvml(1, legacy_bytes=True)
+    legacy.nvmlInit()
+    with pytest.raises(TypeError):
+        legacy.nvmlDeviceGetHandleByUUID(legacy.driver.devices[0].uuid)  # old pynvml wants bytes

@@ -1,0 +1,261 @@
+"""The GPU lock manager itself, shared by several real processes through one lock directory.
+
+Every process here is a real process (multiprocessing, "fork" context) with its own
+GPULockManager, exactly as connection processes of different servers use it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rpycdl.errors import QueueTimeoutError
+from rpycdl.locks import GPULockManager
+
+CTX = multiprocessing.get_context("fork")
+UUIDS = [f"GPU-00000000-0000-4000-8000-{i:012d}" for i in range(4)]
+
+
+# -- helpers run in the child processes ------------------------------------------------
+
+
+def _hammer(lock_dir: str, owners: str, rounds: int, seed: int, out) -> None:
+    """Take 1, 2 or all GPUs `rounds` times; claim each granted GPU with an O_EXCL marker file
+    while holding it, so a double grant shows up as FileExistsError whatever the timing."""
+    locks = GPULockManager(lock_dir)
+    rng = random.Random(seed)
+    grants = []
+    try:
+        for _ in range(rounds):
+            count = rng.choice([1, 2, len(UUIDS)])
+            grant = locks.acquire(count, UUIDS, {"pid": os.getpid()})
+            markers = []
+            for uuid in grant.uuids:
+                fd = os.open(os.path.join(owners, uuid), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.close(fd)
+                markers.append(os.path.join(owners, uuid))
+            time.sleep(rng.uniform(0, 0.01))
+            for marker in markers:
+                os.unlink(marker)
+            locks.release(grant)
+            grants.append({"count": count, "uuids": list(grant.uuids), "ticket": grant.ticket,
+                           "sequence": grant.sequence})
+        out.put(("ok", grants))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out.put(("error", repr(exc)))
+
+
+def _waiter(lock_dir: str, count: int, hold: float, name: str, out, sleep_poll: float = 0.5,
+            queue_timeout: float | None = None) -> None:
+    """Wait for `count` GPUs, report the grant and when it came, hold them, release."""
+    locks = GPULockManager(lock_dir, sleep_poll=sleep_poll)
+    try:
+        grant = locks.acquire(count, UUIDS, {"name": name, "pid": os.getpid()}, queue_timeout=queue_timeout)
+    except QueueTimeoutError as exc:
+        out.put((name, "queue_timeout", str(exc), time.time()))
+        return
+    granted = time.time()
+    out.put((name, "granted", {"uuids": list(grant.uuids), "ticket": grant.ticket, "sequence": grant.sequence},
+             granted))
+    time.sleep(hold)
+    locks.release(grant)
+
+
+def _holder(lock_dir: str, count: int, held, release, die: bool) -> None:
+    """Take `count` GPUs, say so, and on `release` either release them or die holding them."""
+    locks = GPULockManager(lock_dir)
+    grant = locks.acquire(count, UUIDS, {"name": "holder", "pid": os.getpid()})
+    held.set()
+    release.wait(60)
+    if die:
+        os._exit(0)  # no release, no wake-up: only the kernel frees the fcntl locks
+    locks.release(grant)
+
+
+# -- helpers in the test process ------------------------------------------------------------
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def _queue_names(locks: GPULockManager) -> list[str]:
+    return [waiter.get("name", "?") for waiter in locks.snapshot()["queue"]]
+
+
+def _start(target, *args, **kwargs) -> multiprocessing.Process:
+    process = CTX.Process(target=target, args=args, kwargs=kwargs, daemon=True)
+    process.start()
+    return process
+
+
+@pytest.fixture
+def procs():
+    """Processes started by a test; any still running at its end are killed."""
+    started: list[multiprocessing.Process] = []
+    yield started
+    for process in started:
+        if process.is_alive():
+            process.kill()
+        process.join(5)
+
+
+def _hold_all(lock_dir: str, procs, count: int = len(UUIDS), die: bool = False):
+    held, release = CTX.Event(), CTX.Event()
+    holder = _start(_holder, lock_dir, count, held, release, die)
+    procs.append(holder)
+    assert held.wait(10), "the holder never got its GPUs"
+    return holder, release
+
+
+def _enqueue(lock_dir: str, procs, out, name: str, count: int, hold: float = 0.05, **kwargs):
+    """Start a waiter and return once it is in the queue, so arrival order is the start order."""
+    locks = GPULockManager(lock_dir)
+    process = _start(_waiter, lock_dir, count, hold, name, out, **kwargs)
+    procs.append(process)
+    _wait_until(lambda: name in _queue_names(locks), 10, f"{name} to join the queue")
+    return process
+
+
+def _collect(out, n: int, timeout: float = 15) -> dict[str, tuple]:
+    results = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < n:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"only {sorted(results)} reported"
+        name, *rest = out.get(timeout=remaining)
+        results[name] = tuple(rest)
+    return results
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_grants_are_exclusive_and_in_arrival_order_under_contention(lock_dir, tmp_path, procs):
+    owners = tmp_path / "owners"
+    owners.mkdir()
+    out = CTX.Queue()
+    workers, rounds = 6, 12
+    for seed in range(workers):
+        procs.append(_start(_hammer, lock_dir, str(owners), rounds, seed, out))
+    grants = []
+    for _ in range(workers):
+        status, value = out.get(timeout=60)
+        assert status == "ok", value  # FileExistsError here: two processes held one GPU
+        grants.extend(value)
+    for process in procs:
+        process.join(10)
+        assert process.exitcode == 0
+
+    assert len(grants) == workers * rounds
+    for grant in grants:
+        assert len(grant["uuids"]) == grant["count"] == len(set(grant["uuids"]))
+        assert set(grant["uuids"]) <= set(UUIDS)
+    assert len({g["ticket"] for g in grants}) == len(grants)
+    assert len({g["sequence"] for g in grants}) == len(grants)
+    by_ticket = [g["sequence"] for g in sorted(grants, key=lambda g: g["ticket"])]
+    assert by_ticket == sorted(by_ticket), "a later request was granted before an earlier one"
+    assert GPULockManager(lock_dir).snapshot() == {"held": {}, "queue": []}
+
+
+def test_waiters_are_granted_first_come_first_served(lock_dir, procs):
+    holder, release = _hold_all(lock_dir, procs)
+    out = CTX.Queue()
+    # "all" arrives third: the 1-GPU requests behind it must not overtake it although a GPU
+    # is free while it waits for the two ahead of it.
+    order = [("w0", 2), ("w1", 1), ("w2", 4), ("w3", 1), ("w4", 3), ("w5", 1), ("w6", 2)]
+    for name, count in order:
+        _enqueue(lock_dir, procs, out, name, count, hold=0.1)
+    assert _queue_names(GPULockManager(lock_dir)) == [name for name, _ in order]
+
+    release.set()
+    results = _collect(out, len(order))
+    assert all(results[name][0] == "granted" for name, _ in order), results
+    sequences = [results[name][1]["sequence"] for name, _ in order]
+    tickets = [results[name][1]["ticket"] for name, _ in order]
+    assert tickets == sorted(tickets)
+    assert sequences == sorted(sequences), f"grant order {sequences} is not arrival order"
+    granted_at = [results[name][2] for name, _ in order]
+    assert granted_at[3] >= granted_at[2], "w3 (1 GPU) overtook w2 (all GPUs)"
+    for name, count in order:
+        assert len(results[name][1]["uuids"]) == count
+
+
+def test_dead_waiter_leaves_the_queue_and_does_not_block_the_next(lock_dir, procs):
+    holder, release = _hold_all(lock_dir, procs, count=3)  # one GPU stays free
+    out = CTX.Queue()
+    doomed = _enqueue(lock_dir, procs, out, "doomed", 4)
+    _enqueue(lock_dir, procs, out, "next", 1, hold=0)
+    # "next" could take the free GPU, but the earlier "doomed" reserves every GPU it waits for.
+    time.sleep(0.7)
+    assert out.empty(), "a later 1-GPU request overtook an earlier waiting one"
+    assert _queue_names(GPULockManager(lock_dir)) == ["doomed", "next"]
+
+    os.kill(doomed.pid, signal.SIGKILL)
+    killed = time.time()
+    doomed.join(5)
+    name, status, grant, granted = out.get(timeout=5)
+    assert (name, status) == ("next", "granted")
+    assert granted - killed < 1.5, f"the next waiter waited {granted - killed:.2f} s after the dead one died"
+    assert grant["uuids"] == [UUIDS[3]]
+    _wait_until(lambda: GPULockManager(lock_dir).snapshot()["queue"] == [], 2, "an empty queue")
+    assert not list((Path(lock_dir) / "queue").iterdir()), "the dead waiter's files were left behind"
+    release.set()
+
+
+def test_release_wakes_the_next_waiter_without_waiting_for_a_poll(lock_dir, procs):
+    holder, release = _hold_all(lock_dir, procs)
+    out = CTX.Queue()
+    # This waiter only re-checks on its own every 30 s: only a wake-up can get it going sooner.
+    _enqueue(lock_dir, procs, out, "sleeper", 4, hold=0, sleep_poll=30.0)
+    time.sleep(0.3)  # let it go to sleep
+    released = time.time()
+    release.set()
+    name, status, _, granted = out.get(timeout=10)
+    assert (name, status) == ("sleeper", "granted")
+    assert granted - released < 1.0, f"granted {granted - released:.2f} s after the release"
+
+
+def test_dead_holder_frees_its_gpus_for_the_next_waiter(lock_dir, procs):
+    holder, die = _hold_all(lock_dir, procs, die=True)
+    out = CTX.Queue()
+    waiter = _enqueue(lock_dir, procs, out, "next", 2, hold=0)
+    locks = GPULockManager(lock_dir)
+    assert len(locks.snapshot()["held"]) == len(UUIDS)
+
+    died = time.time()
+    die.set()
+    name, status, grant, granted = out.get(timeout=10)
+    assert (name, status) == ("next", "granted")
+    assert granted - died < 1.0, f"granted {granted - died:.2f} s after the holder died"
+    holder.join(5)
+    waiter.join(5)
+    assert holder.exitcode == 0 and waiter.exitcode == 0
+    assert locks.snapshot() == {"held": {}, "queue": []}, "a dead holder is still reported"
+
+
+def test_queue_timeout_leaves_nothing_behind(lock_dir, procs):
+    holder, release = _hold_all(lock_dir, procs)
+    out = CTX.Queue()
+    started = time.time()
+    procs.append(_start(_waiter, lock_dir, 1, 0, "impatient", out, queue_timeout=0.5))
+    name, status, message, ended = out.get(timeout=10)
+    assert (name, status) == ("impatient", "queue_timeout")
+    assert 0.5 <= ended - started < 3
+    assert "0.5 s" in message
+    assert GPULockManager(lock_dir).snapshot()["queue"] == []
+    assert not list((Path(lock_dir) / "queue").iterdir())
+    release.set()
+    holder.join(5)
+    assert GPULockManager(lock_dir).snapshot() == {"held": {}, "queue": []}

@@ -1,0 +1,201 @@
+"""Impossible requests fail at once with InvalidRequestError and a clear message, and leave the server well."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import dill
+import pytest
+from helpers import Background, gate_job, open_gate, quick_error
+
+import rpycdl
+from rpycdl import wire
+
+BAD_NGPUS = [
+    (0, ["ngpus", "at least 1", "-1"]),
+    (-2, ["ngpus", "at least 1", "-2"]),
+    (5, ["5", "4"]),
+    (1.5, ["ngpus", "integer", "1.5"]),
+    ("2", ["ngpus", "integer", "'2'"]),
+    (True, ["ngpus", "integer", "True"]),
+]
+BAD_SECONDS = [-1, -0.5, 0, math.nan, math.inf, "3", "soon"]
+
+
+def _all_gpus_free(conn: rpycdl.Connection) -> bool:
+    status = conn.root.gpu_status()
+    return all(gpu["holder"] is None for gpu in status["gpus"]) and not status["queue"]
+
+
+@pytest.fixture
+def busy(server, connect, tmp_path):
+    """A fake:4 server whose four GPUs are all held by a running job until the test opens the gate.
+
+    An invalid request that were queued instead of refused would wait here, and the test would say so."""
+    port = server("pytorch", "fake:4")
+    gate = str(tmp_path / "gate")
+    holder = Background(connect(port), gate_job(gate), "held", ngpus=4)
+    holder.wait_state("running")
+    yield connect(port), holder, gate
+    open_gate(gate)
+    holder.join()
+
+
+def test_bad_ngpus_fail_at_once_with_a_clear_message(busy):
+    conn, holder, gate = busy
+    problems = []
+    for ngpus, words in BAD_NGPUS:
+        error, seconds = quick_error(lambda n=ngpus: conn.root.run_code(lambda x: x, 1, ngpus=n, queue_timeout=30))
+        if not isinstance(error, rpycdl.InvalidRequestError):
+            problems.append(f"ngpus={ngpus!r}: raised {error!r}, not InvalidRequestError")
+        elif missing := [w for w in words if w not in str(error)]:
+            problems.append(f"ngpus={ngpus!r}: message {str(error)!r} lacks {missing}")
+        elif seconds > 2:
+            problems.append(f"ngpus={ngpus!r}: took {seconds:.1f} s to fail")
+    assert not problems, "\n".join(problems)
+    assert not holder.done  # the holder was never disturbed
+
+
+@pytest.mark.parametrize("name", ["timeout", "queue_timeout"])
+def test_bad_timeouts_fail_at_once_with_a_clear_message(busy, name):
+    conn, _, _ = busy
+    problems = []
+    for value in BAD_SECONDS:
+        error, seconds = quick_error(lambda v=value: conn.root.run_code(lambda x: x, 1, ngpus=1, **{name: v}))
+        if not isinstance(error, rpycdl.InvalidRequestError):
+            problems.append(f"{name}={value!r}: raised {error!r}, not InvalidRequestError")
+        elif name not in str(error) or repr(value) not in str(error):
+            problems.append(f"{name}={value!r}: message {str(error)!r} names neither the setting nor the value")
+        elif seconds > 2:
+            problems.append(f"{name}={value!r}: took {seconds:.1f} s to fail")
+    assert not problems, "\n".join(problems)
+
+
+def test_fn_that_is_not_callable_is_refused(busy):
+    conn, _, _ = busy
+    for fn in (42, "print('hi')", None, [lambda x: x], {"fn": len}):
+        error, _ = quick_error(lambda f=fn: conn.root.run_code(f, 1))
+        assert isinstance(error, rpycdl.InvalidRequestError), f"{fn!r}: {error!r}"
+        assert "callable" in str(error) and type(fn).__name__ in str(error)
+
+
+def test_unreadable_dill_bytes_as_fn_are_refused_before_waiting(busy):
+    conn, _, _ = busy
+    good = dill.dumps(lambda x: x, recurse=True)
+    for fn in (good[: len(good) // 2], b"not dill at all", b""):
+        error, _ = quick_error(lambda f=fn: conn.root.run_code(f, 1, queue_timeout=30))
+        assert isinstance(error, rpycdl.InvalidRequestError), f"{fn[:20]!r}: {error!r}"
+        assert "fn" in str(error) and "dill" in str(error)
+
+
+def test_dill_bytes_of_something_not_callable_give_invalid_request(server, connect):
+    conn = connect(server("pytorch", "fake:1"))
+    with pytest.raises(rpycdl.InvalidRequestError, match="int, not a callable"):
+        conn.root.run_code(dill.dumps(42), None, queue_timeout=10)
+
+
+def test_server_keeps_serving_and_holds_no_lock_after_invalid_requests(server, connect):
+    port = server("pytorch", "fake:4")
+    conn = connect(port)
+    for ngpus, _ in BAD_NGPUS:
+        with pytest.raises(rpycdl.InvalidRequestError):
+            conn.root.run_code(lambda x: x, 1, ngpus=ngpus)
+    for value in BAD_SECONDS:
+        with pytest.raises(rpycdl.InvalidRequestError):
+            conn.root.run_code(lambda x: x, 1, timeout=value)
+        with pytest.raises(rpycdl.InvalidRequestError):
+            conn.root.run_code(lambda x: x, 1, queue_timeout=value)
+    with pytest.raises(rpycdl.InvalidRequestError):
+        _raw(conn, b"garbage")
+    assert _all_gpus_free(conn)
+    assert not [job for job in conn.root.jobs() if job["state"] in ("pending", "running")]
+    # the same connection, and a new one, still run jobs on every GPU (a leaked lock would time out)
+    assert conn.root.run_code(lambda x: x + 1, 1, ngpus=-1, queue_timeout=5) == 2
+    assert connect(port).root.run_code(lambda x: x * 3, 2, ngpus=4, queue_timeout=5) == 6
+    assert _all_gpus_free(conn)
+
+
+def test_ngpus_minus_one_gets_every_gpu(server, connect):
+    conn = connect(server("pytorch", "fake:4"))
+
+    def job(_):
+        import os
+
+        return os.environ["CUDA_VISIBLE_DEVICES"], os.environ["RPYCDL_GPU_UUIDS"].split(",")
+
+    visible, uuids = conn.root.run_code(job, None, ngpus=-1)
+    assert visible == "0,1,2,3"
+    assert uuids == [gpu["uuid"] for gpu in conn.root.gpu_status()["gpus"]]
+    assert len(set(uuids)) == 4
+
+
+def _raw(conn: rpycdl.Connection, payload, ngpus=1):
+    """Send a payload straight to the server's exposed run, as a hand-made client would, and decode it."""
+    return wire.decode_outcome(conn._conn.root.run(payload, ngpus, None, None, None, 30))
+
+
+def test_corrupt_and_truncated_payloads_give_invalid_request(busy):
+    conn, _, _ = busy
+    header = wire.MAGIC + bytes(wire.PYTHON)
+    good = wire.encode_payload(lambda x: x, 1)
+    payloads = {
+        "truncated": good[: len(good) // 2],
+        "cut before the end": good[:-1],
+        "header only": header,
+        "corrupt body": header + b"\x80\x04\x95garbage that is not a pickle",
+        "random body": header + os.urandom(64).replace(b".", b"-"),
+        "no magic": b"hello, server" + good[len(wire.MAGIC):],
+        "magic only": wire.MAGIC,
+        "empty": b"",
+        "a string": "RPYCDL1 but a str",
+        "an int": 12345,
+    }
+    problems = []
+    for what, payload in payloads.items():
+        error, seconds = quick_error(lambda p=payload: _raw(conn, p))
+        if not isinstance(error, rpycdl.InvalidRequestError):
+            problems.append(f"{what}: {error!r}")
+        elif seconds > 2:
+            problems.append(f"{what}: took {seconds:.1f} s")
+    assert not problems, "\n".join(problems)
+    # the well-formed payload is accepted (it waits for the busy GPUs, so give it one that is never free)
+    error, _ = quick_error(lambda: _raw(conn, good, ngpus=5))
+    assert isinstance(error, rpycdl.InvalidRequestError) and "4" in str(error)
+
+
+def test_payload_of_the_wrong_shape_gives_invalid_request(server, connect):
+    conn = connect(server("pytorch", "fake:1"))
+    header = wire.MAGIC + bytes(wire.PYTHON)
+    for body in (dill.dumps(42), dill.dumps((1, 2)), dill.dumps((b"\x80\x04garbage", None, True))):
+        error, _ = quick_error(lambda b=body: _raw(conn, header + b))
+        assert isinstance(error, rpycdl.InvalidRequestError), f"{body!r}: {error!r}"
+    assert _raw(conn, header + dill.dumps((lambda x: x * 2, 21, False), recurse=True)) == 42
+
+
+class _MakesDirectoryWhenUnpickled:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_payload_from_another_python_gives_version_mismatch_before_unpickling(busy, tmp_path):
+    conn, holder, gate = busy
+    marker = tmp_path / "unpickled"
+    body = dill.dumps((_MakesDirectoryWhenUnpickled(str(marker)), None, False))
+    mine = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for payload in (wire.MAGIC + bytes((3, 7)) + body, wire.MAGIC + bytes((3, 7)) + b"garbage"):
+        error, seconds = quick_error(lambda p=payload: _raw(conn, p))
+        assert isinstance(error, rpycdl.VersionMismatchError), repr(error)
+        assert "3.7" in str(error) and mine in str(error), str(error)
+        assert seconds < 2
+    assert not marker.exists(), "the server unpickled a payload from another Python"
+    # with this Python's version the same body is unpickled (in the job), so the marker does tell
+    open_gate(gate)
+    holder.join()
+    with pytest.raises(rpycdl.InvalidRequestError, match="not a callable"):
+        _raw(conn, wire.MAGIC + bytes(wire.PYTHON) + body)
+    assert marker.is_dir()

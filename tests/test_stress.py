@@ -1,0 +1,140 @@
+"""Promises 1 and 2 under load: many client processes, mixed requests, one or two servers
+sharing four simulated GPUs through one lock directory. Every job reports, from inside, the
+GPUs it saw, when it ran, and its arrival (ticket) and grant (sequence) numbers."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rpycdl
+
+GPUS = 4
+CLIENTS = 8
+JOBS_PER_CLIENT = 6
+
+CLIENT = """
+import json, os, sys, time
+import rpycdl
+
+def job(args):
+    import os, time
+    start = time.time()
+    time.sleep(args["hold"])
+    end = time.time()
+    return {"visible": os.environ["CUDA_VISIBLE_DEVICES"], "uuids": os.environ["RPYCDL_GPU_UUIDS"],
+            "ticket": int(os.environ["RPYCDL_TICKET"]), "sequence": int(os.environ["RPYCDL_GRANT_SEQUENCE"]),
+            "start": start, "end": end, "pid": os.getpid()}
+
+port, out, go, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+results = []
+with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+    print("ready", flush=True)
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    for spec in specs:
+        submitted = time.time()
+        result = conn.root.run_code(job, spec, ngpus=spec["ngpus"])
+        results.append({**result, "ngpus": spec["ngpus"], "port": port, "submitted": submitted})
+with open(out + ".tmp", "w") as f:
+    json.dump(results, f)
+os.replace(out + ".tmp", out)
+"""
+
+
+def _run_clients(ports: list[int], tmp_path: Path, seed: int) -> list[dict[str, Any]]:
+    """CLIENTS client processes, spread over `ports`, all starting together; their job reports."""
+    rng = random.Random(seed)
+    go = tmp_path / "go"
+    clients = []
+    try:
+        for i in range(CLIENTS):
+            specs = [{"ngpus": rng.choice([1, 1, 2, 4, -1]), "hold": rng.uniform(0.02, 0.08)}
+                     for _ in range(JOBS_PER_CLIENT)]
+            out = tmp_path / f"client{i}.json"
+            argv = [sys.executable, "-c", CLIENT, str(ports[i % len(ports)]), str(out), str(go), json.dumps(specs)]
+            clients.append((subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
+        for process, _ in clients:
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            assert line.strip() == "ready", line + process.stdout.read()
+        go.touch()
+        results = []
+        for process, out in clients:
+            output, _ = process.communicate(timeout=60)
+            assert process.returncode == 0, output
+            results.extend(json.loads(out.read_text()))
+        return results
+    finally:
+        for process, _ in clients:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _check(results: list[dict[str, Any]]) -> None:
+    assert len(results) == CLIENTS * JOBS_PER_CLIENT
+
+    # Each job saw exactly the GPUs it asked for, and CUDA's indices name the same GPUs.
+    for r in results:
+        wanted = GPUS if r["ngpus"] == -1 else r["ngpus"]
+        uuids = r["uuids"].split(",")
+        indices = [int(i) for i in r["visible"].split(",")]
+        assert len(uuids) == len(set(uuids)) == wanted, r
+        assert [int(uuid[-12:]) for uuid in uuids] == indices, r  # fake UUIDs end in their index
+        assert all(0 <= i < GPUS for i in indices), r
+
+    # Promise 1: on each GPU, the jobs that ran on it never overlapped in time.
+    by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        for uuid in r["uuids"].split(","):
+            by_gpu[uuid].append(r)
+    for uuid, jobs in by_gpu.items():
+        jobs.sort(key=lambda r: r["start"])
+        for before, after in zip(jobs, jobs[1:], strict=False):
+            assert before["end"] <= after["start"], (
+                f"{uuid} held by two jobs at once: {before['pid']} until {before['end']:.4f}, "
+                f"{after['pid']} from {after['start']:.4f}")
+
+    # Promise 2: every request competes for the same four GPUs, so grant order is arrival order.
+    tickets = [r["ticket"] for r in results]
+    sequences = [r["sequence"] for r in results]
+    assert len(set(tickets)) == len(tickets) and len(set(sequences)) == len(sequences)
+    by_ticket = [r["sequence"] for r in sorted(results, key=lambda r: r["ticket"])]
+    overtaken = [(a, b) for a, b in zip(by_ticket, by_ticket[1:], strict=False) if a > b]
+    assert not overtaken, f"grants out of arrival order (sequence pairs): {overtaken}"
+
+    # The load was real: requests had to wait for each other.
+    waited = [r for r in results if r["start"] - r["submitted"] > 0.05]
+    assert len(waited) >= len(results) // 4, f"only {len(waited)} of {len(results)} jobs ever waited"
+
+
+def _assert_idle(conn: rpycdl.Connection) -> None:
+    status = conn.root.gpu_status()
+    assert [gpu["holder"] for gpu in status["gpus"]] == [None] * GPUS
+    assert status["queue"] == []
+
+
+@pytest.mark.slow
+def test_many_clients_one_server(server, connect, tmp_path):
+    port = server("pytorch", f"fake:{GPUS}")
+    results = _run_clients([port], tmp_path, seed=1)
+    _check(results)
+    _assert_idle(connect(port))
+
+
+@pytest.mark.slow
+def test_many_clients_two_servers_sharing_the_gpus(server, connect, tmp_path):
+    ports = [server("pytorch", f"fake:{GPUS}"), server("pytorch", f"fake:{GPUS}")]
+    results = _run_clients(ports, tmp_path, seed=2)
+    _check(results)
+    assert {r["port"] for r in results} == set(ports)
+    for port in ports:
+        _assert_idle(connect(port))
