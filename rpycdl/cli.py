@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
     selftest = commands.add_parser("selftest", help="check a machine with real GPUs end to end")
     selftest.add_argument("--report", default=None, help="also write the report to this file")
+    _container_commands(commands)
     return parser
 
 
@@ -242,8 +243,55 @@ def _selftest(args: argparse.Namespace) -> int:
     return run_selftest(args.report)
 
 
+# -- rpycdl up / down: service containers through the docker SDK (rpycdl.containers) -------
+
+
+def _container_commands(commands: Any) -> None:
+    from rpycdl.defaults import LOCK_DIR
+
+    up = commands.add_parser("up", help="start the registry and server containers (see scripts/start_servers.sh)")
+    up.add_argument("specs", nargs="+", metavar="SERVICE[:VERSION]",
+                    help="a server per spec, from image rpycdl-SERVICE:VERSION (default tag: latest)")
+    up.add_argument("--registry", default=f"127.0.0.1:{REGISTRY_PORT}", metavar="HOST:PORT",
+                    help="registry the servers announce to (default: %(default)s)")
+    up.add_argument("--no-registry", action="store_true", help="do not start a registry container: use --registry's")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address servers listen on, handed to clients by the registry (default: %(default)s)")
+    up.add_argument("--insecure", action="store_true", help="let servers listen on a non-loopback address")
+    up.add_argument("--port", type=int, default=SERVER_PORT, help="first server port (default: %(default)s)")
+    up.add_argument("--gpus", default="all", help="'all' (NVIDIA runtime) or fake:N (default: %(default)s)")
+    up.add_argument("--lock-dir", default=LOCK_DIR, help="host lock directory (default: %(default)s)")
+    up.add_argument("--user", default=None, metavar="UID[:GID]", help="user to run as (default: the image's)")
+    up.add_argument("--shm-size", default="8g", help="shared memory per server (default: %(default)s)")
+    up.add_argument("--no-ulimits", action="store_true",
+                    help="keep the engine's ulimits instead of memlock=-1, stack=64 MiB")
+    down = commands.add_parser("down", help="stop and remove every rpycdl container (servers, registry, jobs)")
+    down.add_argument("--timeout", type=int, default=10, help="seconds to wait for a clean stop (default: %(default)s)")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from rpycdl.containers import UpConfig, up
+
+    config = UpConfig(specs=args.specs, registry=args.registry, start_registry=not args.no_registry, host=args.host,
+                      insecure=args.insecure, port=args.port, gpus=args.gpus, lock_dir=args.lock_dir, user=args.user,
+                      shm_size=args.shm_size)
+    if args.no_ulimits:
+        config.ulimits = []
+    for container in up(config):
+        print(f"started {container.name} ({container.short_id})")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from rpycdl.containers import down
+
+    for name in down(timeout=args.timeout):
+        print(f"removed {name}")
+    return 0
+
+
 COMMANDS = {"registry": _registry, "serve": _serve, "status": _status, "jobs": _jobs, "cancel": _cancel,
-            "demo": _demo, "selftest": _selftest}
+            "demo": _demo, "selftest": _selftest, "up": _up, "down": _down}
 
 
 def serve_service(service: str) -> None:

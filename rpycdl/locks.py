@@ -8,7 +8,7 @@ every container):
     queue/<ticket>.json  a waiting request: what it asks for and who it is
     queue/<ticket>.fifo  its wake-up pipe; a request that has died has no reader on it
     queue.lock           serialises taking tickets, granting and probing
-    counters.json        the next ticket and the next grant sequence number
+    counters             the last ticket and the last grant sequence number, one line each
 
 Arrival order is the ticket order. A request is granted when the GPUs it may use are free
 after every earlier request has been served or has reserved what it waits for (so a later
@@ -47,6 +47,9 @@ from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 # GPU locks held by this process, by uuid. fcntl locks are per process, so a second
 # open-and-close of the same file here would silently drop the first lock.
 _HELD: dict[str, fasteners.InterProcessLock] = {}
+
+TICKET, GRANT = 0, 1  # lines of the counters file
+_COUNTER_WIDTH = 20
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,16 @@ class GPULockManager:
         finally:
             self._queue_lock.release()
 
-    def _next(self, counter: str) -> int:
-        path = self.root / "counters.json"
-        counters = _read_json(path) or {}
-        value = int(counters.get(counter, 0)) + 1
-        counters[counter] = value
-        _write_json(path, counters)
-        return value
+    def _next(self, counter: int) -> int:
+        """Under the queue lock: the next value of a counter (TICKET or GRANT), written in place."""
+        fd = os.open(self.root / "counters", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            offset = counter * _COUNTER_WIDTH
+            value = int(os.pread(fd, _COUNTER_WIDTH, offset).strip() or 0) + 1
+            os.pwrite(fd, f"{value:0{_COUNTER_WIDTH - 1}d}\n".encode(), offset)
+            return value
+        finally:
+            os.close(fd)
 
     # -- probing ---------------------------------------------------------------------
 
@@ -174,15 +180,15 @@ class GPULockManager:
         if not 1 <= count <= len(candidates):
             raise InvalidRequestError(f"cannot lock {count} GPUs of {len(candidates)}")
         deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
-        entry, fifo_fd, ticket = self._enqueue(count, candidates, info)
+        with self._locked():
+            ticket = self._next(TICKET)
+            grant, position = self._try_grant(ticket, count, candidates, info)
+            if grant is not None:  # nobody to wait for: no queue entry at all
+                return grant
+            entry, fifo_fd = self._enqueue(ticket, count, candidates, info)
         last_position = -1
         try:
             while True:
-                with self._locked():
-                    grant, position = self._try_grant(ticket, count, candidates, info)
-                if grant is not None:
-                    self.wake_all()  # the next request may be able to go now
-                    return grant
                 if on_position is not None and position != last_position:
                     last_position = position
                     on_position(position)
@@ -199,6 +205,11 @@ class GPULockManager:
                     _drain(fifo_fd)
                 if on_wake is not None:
                     on_wake()
+                with self._locked():
+                    grant, position = self._try_grant(ticket, count, candidates, info)
+                if grant is not None:
+                    self.wake_all()  # the next request may be able to go now
+                    return grant
         finally:
             if entry.exists():  # gave up: leave the queue, and let whoever was behind go
                 with self._locked():
@@ -209,18 +220,17 @@ class GPULockManager:
             else:
                 os.close(fifo_fd)
 
-    def _enqueue(self, count: int, candidates: Sequence[str], info: dict[str, Any]) -> tuple[Path, int, int]:
-        with self._locked():
-            ticket = self._next("ticket")
-            entry = self.root / "queue" / f"{ticket:016d}.json"
-            fifo = entry.with_suffix(".fifo")
-            os.mkfifo(fifo, 0o666)
-            # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
-            # and writers see a reader for exactly as long as this process lives.
-            fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-            _write_json(entry, {**info, "ticket": ticket, "count": count, "candidates": list(candidates),
-                                "since": time.time()})
-        return entry, fifo_fd, ticket
+    def _enqueue(self, ticket: int, count: int, candidates: Sequence[str], info: dict[str, Any]) -> tuple[Path, int]:
+        """Under the queue lock: join the queue with a wake-up FIFO."""
+        entry = self.root / "queue" / f"{ticket:016d}.json"
+        fifo = entry.with_suffix(".fifo")
+        os.mkfifo(fifo, 0o666)
+        # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
+        # and writers see a reader for exactly as long as this process lives.
+        fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+        _write_json(entry, {**info, "ticket": ticket, "count": count, "candidates": list(candidates),
+                            "since": time.time()})
+        return entry, fifo_fd
 
     def _try_grant(self, ticket: int, count: int, candidates: Sequence[str],
                    info: dict[str, Any]) -> tuple[Grant | None, int]:
@@ -254,7 +264,7 @@ class GPULockManager:
                     taken.release()
                 return None, ahead
             locks.append(lock)
-        sequence = self._next("grant")
+        sequence = self._next(GRANT)
         since = time.time()
         for uuid, lock in zip(mine, locks, strict=True):
             _HELD[uuid] = lock

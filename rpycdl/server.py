@@ -38,6 +38,9 @@ FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 """Package whose version names the service version, per known service (read from metadata,
 so the server parent never imports, let alone initialises, the framework)."""
 
+CONTAINER_SERVICE = "deeplearning"
+"""The generic service, whose jobs may run in containers of their own."""
+
 PROTOCOL_CONFIG = {
     "allow_public_attrs": False,
     "allow_all_attrs": False,
@@ -146,6 +149,18 @@ class DLServer(ForkingServer):
                     locks.wake_all()
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
+            if self.context.name == CONTAINER_SERVICE:
+                self._remove_orphan_containers()
+
+    def _remove_orphan_containers(self) -> None:
+        """Remove job containers whose job lost its GPUs (its connection process was killed)."""
+        from rpycdl import containers  # only the generic server needs docker
+
+        try:
+            for name in containers.remove_orphans(self.context.lock_dir):
+                log.warning("removed orphaned job container %s", name)
+        except Exception as exc:  # no engine reachable: nothing of ours can run there either
+            log.debug("orphan check skipped: %s", exc)
 
 
 def _poke(fd: int) -> None:

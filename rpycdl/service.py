@@ -16,13 +16,15 @@ import rpyc
 from rpyc.core.netref import BaseNetref
 
 from rpycdl import runner, wire
-from rpycdl.errors import (InvalidRequestError, JobCancelledError, JobCrashedError, JobTimeoutError,
-                           RpycdlError)
+from rpycdl.errors import InvalidRequestError, JobCancelledError, JobCrashedError, JobTimeoutError, RpycdlError
 from rpycdl.gpus import GPU, Inventory
 from rpycdl.jobs import JobRecord, JobState, JobStore, new_job_id
 from rpycdl.locks import GPULockManager
 
 MAX_TIMEOUT = 366 * 24 * 3600.0
+
+Executor = Callable[[JobRecord, dict[str, str], float | None], runner.Result]
+"""Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout) -> how it ended."""
 
 
 @dataclass
@@ -81,7 +83,7 @@ def _materialize(obj: Any) -> Any:
         items = [_materialize(item) for item in obj]
         return {"builtins.list": list, "builtins.tuple": tuple, "builtins.set": set}[type_name](items)
     if type_name == "builtins.dict":
-        return {_materialize(key): _materialize(obj[key]) for key in obj.keys()}
+        return {_materialize(key): _materialize(obj[key]) for key in obj}
     return obj
 
 
@@ -97,6 +99,7 @@ class GPUService(rpyc.Service):
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._locks = GPULockManager(self.context.lock_dir)
         self._store = JobStore(self.context.lock_dir)
+        self._busy = False  # one job at a time per connection: a second would be served inside the first
 
     # -- the client connection while a job waits or runs ---------------------------
 
@@ -120,63 +123,81 @@ class GPUService(rpyc.Service):
 
     # -- running a job ----------------------------------------------------------------
 
-    def _submit(self, body: bytes, ngpus: Any, timeout: Any, queue_timeout: Any,
-                on_stdout: Callable[[str], None], on_stderr: Callable[[str], None],
+    def _submit(self, execute: Executor, ngpus: Any, timeout: Any, queue_timeout: Any,
                 on_state: Callable[[str, str], None] | None) -> bytes:
-        """Queue, lock GPUs, run, release. Returns outcome bytes; raises RpycdlError."""
+        """Queue, lock GPUs, run `execute(record, env, timeout)`, release. Returns outcome bytes;
+        raises RpycdlError. The executor saves the record once the job runs."""
         ctx = self.context
         count = check_ngpus(ngpus, len(ctx.gpus))
         timeout = check_seconds(timeout, "timeout")
         queue_timeout = check_seconds(queue_timeout, "queue_timeout")
+        if self._busy:
+            raise InvalidRequestError("this connection is already running a job: use one connection per "
+                                      "concurrent job (rpycdl.connect() again)")
         record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
-        self._store.save(record)
 
-        def tell(state: str, **info: Any) -> None:
+        waiting = False
+
+        def on_position(ahead: int) -> None:
+            nonlocal waiting
+            if not waiting:  # it has to wait: make it visible to `jobs` and `cancel`
+                waiting = True
+                self._store.save(record)
             if on_state is not None:
-                on_state(state, json.dumps({"job_id": record.job_id, **info}))
+                on_state("pending", json.dumps({"job_id": record.job_id, "ahead": ahead, "ngpus": count}))
 
         def on_wake() -> None:
             self._serve_client()
             if self._cancel_requested(record.job_id):
                 raise JobCancelledError(f"job {record.job_id} was cancelled while waiting")
 
-        grant = None
+        grant = result = None
+        self._busy = True
         try:
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id},
-                queue_timeout=queue_timeout, wake_fds=self._socket_fd(), on_wake=on_wake,
-                on_position=lambda ahead: tell("pending", ahead=ahead, ngpus=count))
+                queue_timeout=queue_timeout, wake_fds=self._socket_fd(), on_wake=on_wake, on_position=on_position)
             by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
             indices = [by_uuid[uuid].index for uuid in grant.uuids]
             record.state, record.gpus, record.started = JobState.RUNNING, list(grant.uuids), time.time()
-            self._store.save(record)
-            tell("running", gpus=indices, uuids=list(grant.uuids))
+            if on_state is not None:
+                on_state("running", json.dumps({"job_id": record.job_id, "gpus": indices, "uuids": list(grant.uuids)}))
             env = {**runner.gpu_environment(indices, grant.uuids), "RPYCDL_JOB_ID": record.job_id,
                    "RPYCDL_TICKET": str(grant.ticket), "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
-
-            def on_start(pid: int) -> None:
-                record.pgid = pid
-                self._store.save(record)
-
-            result = runner.run(body, env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
-                                watch_fds=self._socket_fd(), on_watch=self._serve_client,
-                                cancelled=lambda: self._cancel_requested(record.job_id))
+            result = execute(record, env, timeout)
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
             record.error = str(exc) or type(exc).__name__
             raise
         finally:
+            self._busy = False
             if grant is not None:
                 self._locks.release(grant)
-            if record.state in (JobState.PENDING, JobState.RUNNING):
-                record.state = JobState.FAILED
             record.ended = time.time()
-            self._finish(record, locals().get("result"))
+            self._finish(record, result)
         return self._outcome(record, result)
 
+    def _run_payload(self, body: bytes, on_stdout: Callable[[str], None],
+                     on_stderr: Callable[[str], None]) -> Executor:
+        """The executor of run and run_code: the payload in a job process (rpycdl.runner)."""
+
+        def execute(record: JobRecord, env: dict[str, str], timeout: float | None) -> runner.Result:
+            def on_start(pid: int) -> None:
+                record.pgid = pid
+                self._store.save(record)
+
+            return runner.run(body, env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
+                              watch_fds=self._socket_fd(), on_watch=self._serve_client,
+                              cancelled=lambda: self._cancel_requested(record.job_id))
+
+        return execute
+
     def _finish(self, record: JobRecord, result: runner.Result | None) -> None:
-        if result is not None:
+        if result is None:
+            if not record.state.finished:
+                record.state = JobState.FAILED
+        else:
             record.state = {
                 runner.Ending.FINISHED: JobState.SUCCEEDED if wire.succeeded(result.outcome) else JobState.FAILED,
                 runner.Ending.TIMED_OUT: JobState.TIMED_OUT,
@@ -202,8 +223,8 @@ class GPUService(rpyc.Service):
         """Run a payload made by wire.encode_payload; return outcome bytes (see rpycdl.client)."""
         try:
             body = wire.check_payload(payload)
-            return self._submit(body, ngpus, timeout, queue_timeout, stdout or _discard, stderr or _discard,
-                                on_state)
+            return self._submit(self._run_payload(body, stdout or _discard, stderr or _discard), ngpus, timeout,
+                                queue_timeout, on_state)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 
@@ -214,8 +235,41 @@ class GPUService(rpyc.Service):
         Returns the job's value and raises its exception, as the original servers did."""
         wire.check_pickle(fn, "fn")
         body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
-        outcome = self._submit(body, ngpus, timeout, queue_timeout, _writer(stdout), _writer(stderr), None)
+        outcome = self._submit(self._run_payload(body, _writer(stdout), _writer(stderr)), ngpus, timeout,
+                               queue_timeout, None)
         return wire.decode_outcome(outcome)
+
+    def exposed_run_container(self, image: str, command: Any, ngpus: Any = 1, env: Any = None, workdir: Any = None,
+                              mounts: Any = None, stdout: Callable[[str], None] | None = None,
+                              stderr: Callable[[str], None] | None = None, timeout: Any = None,
+                              queue_timeout: Any = None) -> int:
+        """Run `command` (a list of strings) in a container of `image` with `ngpus` GPUs of its own
+        (the generic server's job; see rpycdl.containers.check_job for env, workdir and mounts).
+        `stdout` and `stderr` are callables receiving the container's output as it comes.
+
+        Returns the exit code, 0; raises ContainerError with the last log lines on any other."""
+        from rpycdl import containers  # docker is only needed by servers that run containers
+
+        spec = containers.check_job(image, _materialize(command), _materialize(env), workdir, _materialize(mounts))
+        ctx = self.context
+
+        def execute(record: JobRecord, gpu_env: dict[str, str], timeout: float | None) -> runner.Result:
+            self._store.save(record)
+            try:
+                code = containers.run_job_container(
+                    spec, record.gpus, simulated=ctx.inventory.simulated, owner=ctx.server_id, job_id=record.job_id,
+                    lock_dir=ctx.lock_dir, on_stdout=stdout or _discard, on_stderr=stderr or _discard, timeout=timeout,
+                    poll=self._serve_client, cancelled=lambda: self._cancel_requested(record.job_id),
+                    extra_env={k: v for k, v in gpu_env.items() if k.startswith("RPYCDL_")})
+            except JobTimeoutError as exc:
+                return runner.Result(runner.Ending.TIMED_OUT, reason=str(exc))
+            except JobCancelledError as exc:
+                return runner.Result(runner.Ending.CANCELLED, reason=str(exc))
+            except containers.ContainerError as exc:
+                return runner.Result(runner.Ending.FINISHED, wire.encode_error(exc, tb=""))
+            return runner.Result(runner.Ending.FINISHED, wire.encode_ok(code))
+
+        return wire.decode_outcome(self._submit(execute, ngpus, timeout, queue_timeout, None))
 
     def exposed_gpu_status(self) -> str:
         """JSON: this server, each GPU with its holder and memory use, and the waiting queue in order."""

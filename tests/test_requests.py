@@ -199,3 +199,19 @@ def test_payload_from_another_python_gives_version_mismatch_before_unpickling(bu
     with pytest.raises(rpycdl.InvalidRequestError, match="not a callable"):
         _raw(conn, wire.MAGIC + bytes(wire.PYTHON) + body)
     assert marker.is_dir()
+
+
+def test_a_second_job_on_a_busy_connection_is_refused_and_the_first_goes_on(server, connect, tmp_path):
+    # The second call would be served inside the first one's wait, so it must be refused, not nested.
+    port = server("pytorch", "fake:4")
+    conn = connect(port)
+    gate = str(tmp_path / "gate")
+    first = Background(conn, gate_job(gate), "first", ngpus=1)
+    first.wait_state("running")
+    second = Background(conn, lambda x: x, "second", ngpus=1)
+    second.join()
+    assert isinstance(second.error, rpycdl.InvalidRequestError), second.error
+    assert "one connection per" in str(second.error)
+    open_gate(gate)
+    assert first.result() == "first"
+    assert conn.root.run_code(lambda x: x + 1, 1) == 2  # the connection serves jobs again

@@ -1,0 +1,226 @@
+"""Core benchmarks: round trip, GPU hand-off, makespan, and status under load, each with a baseline
+measured in the same run. Prints a Markdown table (see BENCHMARKS.md).
+
+    python bench/bench_core.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import rpyc
+
+import rpycdl
+from rpycdl.local import LocalCluster
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def timed(fn: Callable[[], object], n: int) -> list[float]:
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+ECHO_SERVER = """
+import rpyc
+
+class EchoService(rpyc.Service):
+    def exposed_echo(self, value):
+        return value
+
+server = ForkingServer(EchoService, hostname="127.0.0.1", port=0)
+print(server.port, flush=True)
+server.start()
+"""
+
+
+def bare_rpyc_round_trip(n: int) -> list[float]:
+    """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method, close."""
+    server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    port = int(server.stdout.readline())
+
+    def call() -> None:
+        conn = rpyc.connect("127.0.0.1", port)
+        conn.root.echo(1)
+        conn.close()
+
+    try:
+        return timed(call, n)
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def trivial(x: int) -> int:
+    return x + 1
+
+
+def rpycdl_round_trip(port: int, n: int) -> list[float]:
+    def call() -> None:
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            conn.root.run_code(trivial, 1, ngpus=1)
+
+    return timed(call, n)
+
+
+def _hold(seconds: float) -> tuple[float, float]:
+    import time as t
+
+    start = t.time()
+    t.sleep(seconds)
+    return start, t.time()
+
+
+def hand_off(port: int, n: int) -> list[float]:
+    """From one job's function returning to the next waiting job's function starting (ngpus=-1)."""
+    def run(spans: dict[int, tuple[float, float]], i: int) -> None:
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            spans[i] = conn.root.run_code(_hold, 0.1, ngpus=-1)
+
+    gaps = []
+    for _ in range(n):
+        spans: dict[int, tuple[float, float]] = {}
+        first = threading.Thread(target=run, args=(spans, 0))
+        first.start()
+        time.sleep(0.03)
+        second = threading.Thread(target=run, args=(spans, 1))
+        second.start()
+        first.join()
+        second.join()
+        gaps.append(spans[1][0] - spans[0][1])
+    return gaps
+
+
+def _makespan_client(port: int, jobs: list[int], out: multiprocessing.Queue) -> None:
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        for ngpus in jobs:
+            conn.root.run_code(_sleep_job, 0.05, ngpus=ngpus)
+    out.put(len(jobs))
+
+
+def _sleep_job(seconds: float) -> None:
+    import time as t
+
+    t.sleep(seconds)
+
+
+def makespan(port: int, total: int, clients: int) -> tuple[float, float]:
+    """(measured, ideal) seconds for `total` 50 ms jobs of mixed ngpus from `clients` processes on 4 GPUs."""
+    pattern = [1, 1, 2, 1, 4, 1, 2, 1]
+    jobs = [pattern[i % len(pattern)] for i in range(total)]
+    ideal = sum(0.05 * n for n in jobs) / 4
+    ctx = multiprocessing.get_context("fork")  # children keep __main__, so dill sends the job by value
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_makespan_client, args=(port, jobs[i::clients], out)) for i in range(clients)]
+    start = time.perf_counter()
+    for proc in procs:
+        proc.start()
+    done = sum(out.get() for _ in procs)
+    elapsed = time.perf_counter() - start
+    for proc in procs:
+        proc.join()
+    assert done == total
+    return elapsed, ideal
+
+
+def status_under_load(port: int, waiting: int) -> tuple[list[float], list[float]]:
+    """Latency of gpu_status with `waiting` queued requests, and with none (baseline)."""
+    def status() -> None:
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            conn.root.gpu_status()
+
+    idle = timed(status, 20)
+    stop = threading.Event()
+    holder = threading.Thread(target=lambda: _hold_all(port, stop))
+    holder.start()
+    time.sleep(0.5)
+    conns = [rpycdl.connect(host="127.0.0.1", port=port) for _ in range(waiting)]
+    threads = [threading.Thread(target=_quiet_run, args=(c,)) for c in conns]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            if len(conn.root.gpu_status()["queue"]) >= waiting:
+                break
+        time.sleep(0.2)
+    loaded = timed(status, 20)
+    stop.set()
+    for conn in conns:
+        conn.close()
+    holder.join()
+    return idle, loaded
+
+
+def _hold_all(port: int, stop: threading.Event) -> None:
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        try:
+            conn.root.run_code(_wait_for_file, None, ngpus=-1, timeout=120)
+        except Exception:  # noqa: BLE001 - ended by the benchmark
+            pass
+
+
+def _wait_for_file(_: None) -> None:
+    import time as t
+
+    t.sleep(8)
+
+
+def _quiet_run(conn: rpycdl.Connection) -> None:
+    try:
+        conn.root.run_code(trivial, 1, ngpus=1)
+    except Exception:  # noqa: BLE001 - closed by the benchmark
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer samples")
+    args = parser.parse_args()
+    n = 30 if args.quick else 200
+    rows = []
+    with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
+        _, port = cluster.add_server("pytorch", "fake:4")
+        rpycdl_round_trip(port, 5)  # warm up
+        base = bare_rpyc_round_trip(n)
+        ours = rpycdl_round_trip(port, n)
+        rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
+        gaps = hand_off(port, 10 if args.quick else 40)
+        rows.append(("hand-off (release to next job's start)", gaps, None, "original: 1 s polling"))
+        measured, ideal = makespan(port, 200, 8)
+        idle, loaded = status_under_load(port, 100)
+        rows.append(("status, 100 waiting", loaded, idle, "status with an empty queue"))
+    print(f"Machine: {platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}\n")
+    print("| benchmark | p50 | p99 | baseline p50 | ratio | baseline |")
+    print("|---|---|---|---|---|---|")
+    for name, samples, baseline, what in rows:
+        p50, p99 = percentile(samples, 50) * 1e3, percentile(samples, 99) * 1e3
+        if baseline is None:
+            print(f"| {name} | {p50:.1f} ms | {p99:.1f} ms | | | {what} |")
+        else:
+            b50 = percentile(baseline, 50) * 1e3
+            print(f"| {name} | {p50:.1f} ms | {p99:.1f} ms | {b50:.1f} ms | {p50 / b50:.2f}x | {what} |")
+    print(f"| makespan, 200 x 50 ms jobs, 8 clients, fake:4, mixed ngpus | {measured:.2f} s | | {ideal:.2f} s "
+          f"| {measured / ideal:.2f}x | ideal (GPU-seconds / 4) |")
+    print(f"\nmean hand-off {statistics.mean(gaps) * 1e3:.1f} ms over {len(gaps)} hand-offs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Start the rpycdl registry and service containers on this host.
+set -euo pipefail
+
+usage() {
+    cat <<'USAGE'
+Usage: scripts/start_servers.sh [OPTIONS] SERVICE[:VERSION] ...
+
+Start a registry container and one server container per SERVICE[:VERSION], from the images
+rpycdl-SERVICE:VERSION (tag latest without VERSION) that scripts/build_images.sh builds.
+Every container uses the host network: a server registers from the address it listens on,
+so that is the address the registry hands to clients. All servers share the host's GPUs
+through one lock directory, bind-mounted at the same path in each container.
+
+  scripts/start_servers.sh pytorch:2.4 pytorch:2.5 tensorflow deeplearning
+  scripts/start_servers.sh --gpus fake:4 pytorch        # simulated GPUs, no GPU access
+
+Options:
+  --registry HOST:PORT  registry the servers announce to (default: 127.0.0.1:18811)
+  --no-registry         do not start a registry container (use the site's, at --registry)
+  --host ADDR           address the servers listen on and clients are handed
+                        (default: 127.0.0.1; anything else also needs --insecure)
+  --insecure            let servers listen on a non-loopback address without authentication:
+                        whoever reaches them can run code there
+  --port PORT           first server port, one more per further server (default: 18861)
+  --gpus all|fake:N     every GPU of the host through the NVIDIA runtime (default: all),
+                        or a simulated inventory without GPU access
+  --lock-dir DIR        host lock directory (default: /tmp/rpycdl-locks; made mode 1777)
+  --user UID[:GID]      user the servers run as (default: the image's, uid 1000); every
+                        server sharing a lock directory must run as the same user
+  --shm-size SIZE       shared memory per server, for data loaders (default: 8g)
+  --no-ulimits          keep the engine's ulimits instead of memlock=-1, stack=64 MiB (for
+                        engines that may not raise them, such as rootless or sandboxed ones)
+  --dry-run             print the docker commands, run nothing
+  -h, --help            this help
+
+The deeplearning server also gets the Docker socket, to run jobs in their own containers
+(whoever can use it is root on this host: give it only to a trusted network).
+Stop everything with scripts/stop_servers.sh; check with `rpycdl status --registry HOST:PORT`.
+USAGE
+}
+
+REGISTRY=127.0.0.1:18811
+START_REGISTRY=1
+HOST=127.0.0.1
+INSECURE=0
+PORT=18861
+GPUS=all
+LOCK_DIR=/tmp/rpycdl-locks
+RUN_AS=""
+SHM_SIZE=8g
+ULIMITS=(--ulimit memlock=-1 --ulimit stack=67108864)
+DRY_RUN=0
+SPECS=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --registry) REGISTRY=$2; shift 2 ;;
+        --no-registry) START_REGISTRY=0; shift ;;
+        --host) HOST=$2; shift 2 ;;
+        --insecure) INSECURE=1; shift ;;
+        --port) PORT=$2; shift 2 ;;
+        --gpus) GPUS=$2; shift 2 ;;
+        --lock-dir) LOCK_DIR=$2; shift 2 ;;
+        --user) RUN_AS=$2; shift 2 ;;
+        --shm-size) SHM_SIZE=$2; shift 2 ;;
+        --no-ulimits) ULIMITS=(); shift ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        -*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+        *) SPECS+=("$1"); shift ;;
+    esac
+done
+[ ${#SPECS[@]} -gt 0 ] || { usage >&2; exit 2; }
+[[ $REGISTRY =~ ^[A-Za-z0-9.-]+:[0-9]+$ ]] || { echo "--registry must be HOST:PORT" >&2; exit 2; }
+[[ $PORT =~ ^[0-9]+$ ]] || { echo "--port must be a number" >&2; exit 2; }
+[[ $GPUS == all || $GPUS =~ ^fake:[0-9]+(x[0-9A-Za-z.]+)?$ ]] || { echo "--gpus must be all or fake:N" >&2; exit 2; }
+[[ $LOCK_DIR == /* ]] || { echo "--lock-dir must be an absolute path" >&2; exit 2; }
+
+run() {
+    printf '%q ' "$@"; echo
+    [ "$DRY_RUN" = 1 ] || "$@"
+}
+
+if [ ! -d "$LOCK_DIR" ]; then
+    run mkdir -p "$LOCK_DIR"
+    run chmod 1777 "$LOCK_DIR"
+fi
+
+common=(--detach --network host --restart unless-stopped)
+first=${SPECS[0]}
+if [ "$START_REGISTRY" = 1 ]; then
+    run docker run "${common[@]}" --name rpycdl-registry --label rpycdl.role=registry \
+        --entrypoint rpycdl "rpycdl-${first%%:*}:$( [[ $first == *:* ]] && echo "${first#*:}" || echo latest)" \
+        registry --host "${REGISTRY%:*}" --port "${REGISTRY##*:}"
+fi
+
+port=$PORT
+for spec in "${SPECS[@]}"; do
+    service=${spec%%:*}
+    version=""
+    [ "$service" = "$spec" ] || version=${spec#*:}
+    if ! [[ $service =~ ^[a-z][a-z0-9_-]*$ && $version =~ ^[A-Za-z0-9._-]*$ ]]; then
+        echo "bad spec '$spec': SERVICE[:VERSION]" >&2
+        exit 2
+    fi
+    options=(--name "rpycdl-$service${version:+-$version}" --label rpycdl.role=server --label "rpycdl.service=$service"
+             -v "$LOCK_DIR:$LOCK_DIR" --shm-size "$SHM_SIZE" "${ULIMITS[@]}")
+    [ -z "$RUN_AS" ] || options+=(--user "$RUN_AS")
+    [ "$GPUS" != all ] || options+=(--gpus all)
+    if [ "$service" = deeplearning ] && [ -S /var/run/docker.sock ]; then
+        options+=(-v /var/run/docker.sock:/var/run/docker.sock --group-add "$(stat -c %g /var/run/docker.sock)")
+    fi
+    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR")
+    [ "$GPUS" = all ] || args+=(--gpus "$GPUS")
+    [ "$INSECURE" = 0 ] || args+=(--insecure)
+    run docker run "${common[@]}" "${options[@]}" "rpycdl-$service:${version:-latest}" "${args[@]}"
+    port=$((port + 1))
+done
