@@ -48,3 +48,16 @@ def connect() -> Iterator[Callable[[int], rpycdl.Connection]]:
     yield open_
     for conn in conns:
         conn.close()
+
+
+@pytest.fixture(scope="module")
+def shared_port(tmp_path_factory) -> Iterator[int]:
+    """One registry and fake:2 server for a whole test module (for tests that leave no state behind)."""
+    with LocalCluster(str(tmp_path_factory.mktemp("shared-locks"))) as local:
+        yield local.add_server("pytorch", "fake:2")[1]
+
+
+@pytest.fixture
+def conn(shared_port, connect) -> rpycdl.Connection:
+    """A connection to the module's shared server."""
+    return connect(shared_port)

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import rpycdl
-from rpycdl.local import LocalCluster
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -123,12 +119,3 @@ def quick_error(call: Callable[[], Any], limit: float = 5.0) -> tuple[BaseExcept
     if thread.is_alive():
         raise AssertionError(f"the call was still running after {limit} s instead of failing at once")
     return outcome.get("error"), outcome["seconds"]
-
-
-@contextlib.contextmanager
-def shared_server(tmp_path_factory: pytest.TempPathFactory, service: str = "pytorch",
-                  gpus: str = "fake:2") -> Iterator[int]:
-    """A registry and one server for a whole test module (for tests that leave no state behind)."""
-    lock_dir = tmp_path_factory.mktemp("shared-locks")
-    with LocalCluster(str(lock_dir)) as cluster:
-        yield cluster.add_server(service, gpus)[1]

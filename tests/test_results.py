@@ -10,7 +10,6 @@ import hashlib
 import os
 
 import pytest
-from helpers import shared_server
 
 import rpycdl
 
@@ -19,55 +18,31 @@ class ModuleLevelError(Exception):
     """Defined at module level in this test module, which the server cannot import."""
 
 
-@pytest.fixture(scope="module")
-def shared_port(tmp_path_factory):
-    with shared_server(tmp_path_factory, "pytorch", "fake:2") as port:
-        yield port
-
-
-@pytest.fixture
-def conn(shared_port, connect):
-    return connect(shared_port)
+SAMPLE = {
+    "list": [1, 2.5, "three", None, True],
+    "tuple": (1, (2, 3)),
+    "set": {1, 2, 3},
+    "bytes": bytes(range(256)),
+    "nested": {"a": [{"b": {"c": [1, 2]}}]},
+    "ordered": collections.OrderedDict([("z", 1), ("a", 2)]),
+    "when": datetime.datetime(2024, 2, 29, 12, 30),
+    "decimal": decimal.Decimal("1.10"),
+    "fraction": fractions.Fraction(1, 3),
+    "big": 2**100,
+    "text": "ünïcødé ✓",
+}
 
 
 def test_return_values_come_back_by_value(conn):
     def job(args):
-        import collections
-        import datetime
-        import decimal
-        import fractions
+        import os
 
-        return {
-            "args": args,
-            "list": [1, 2.5, "three", None, True],
-            "tuple": (1, (2, 3)),
-            "set": {1, 2, 3},
-            "bytes": bytes(range(256)),
-            "nested": {"a": [{"b": {"c": [1, 2]}}]},
-            "ordered": collections.OrderedDict([("z", 1), ("a", 2)]),
-            "when": datetime.datetime(2024, 2, 29, 12, 30),
-            "decimal": decimal.Decimal("1.10"),
-            "fraction": fractions.Fraction(1, 3),
-            "big": 2**100,
-            "text": "ünïcødé ✓",
-        }
+        return {**args, "pid": os.getpid()}  # a new dict, built on the server
 
-    value = conn.root.run_code(job, {"x": [1, 2]})
+    value = conn.root.run_code(job, SAMPLE)
     assert type(value) is dict  # a real dict, not an RPyC proxy of the server's
-    assert value == {
-        "args": {"x": [1, 2]},
-        "list": [1, 2.5, "three", None, True],
-        "tuple": (1, (2, 3)),
-        "set": {1, 2, 3},
-        "bytes": bytes(range(256)),
-        "nested": {"a": [{"b": {"c": [1, 2]}}]},
-        "ordered": collections.OrderedDict([("z", 1), ("a", 2)]),
-        "when": datetime.datetime(2024, 2, 29, 12, 30),
-        "decimal": decimal.Decimal("1.10"),
-        "fraction": fractions.Fraction(1, 3),
-        "big": 2**100,
-        "text": "ünïcødé ✓",
-    }
+    assert value.pop("pid") != os.getpid()
+    assert value == SAMPLE
     assert type(value["list"]) is list and type(value["tuple"]) is tuple and type(value["ordered"]) is \
         collections.OrderedDict
     value["list"].append("mine")  # local: changing it costs no round trip and touches nothing remote

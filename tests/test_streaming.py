@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
-from helpers import Background, open_gate, shared_server, wait_until
+from helpers import Background, open_gate, wait_until
 
 
 class Sink:
@@ -33,17 +32,6 @@ class Sink:
             if needle in seen:
                 return when
         return None
-
-
-@pytest.fixture(scope="module")
-def shared_port(tmp_path_factory):
-    with shared_server(tmp_path_factory, "pytorch", "fake:2") as port:
-        yield port
-
-
-@pytest.fixture
-def conn(shared_port, connect):
-    return connect(shared_port)
 
 
 def test_print_and_sys_stderr_reach_the_clients_objects(conn):
