@@ -235,6 +235,19 @@ def test_client_disconnect(server, connect, popen, tmp_path):
     assert job_state(connect(port), info["job_id"]) == "cancelled"  # the client going away cancels
 
 
+def test_ctrl_c_in_the_client(server, connect, popen, tmp_path):
+    port = server("pytorch", "fake:4")
+    client = popen(str(port), str(tmp_path), "2")
+    info = read_info(tmp_path)
+    client.send_signal(signal.SIGINT)
+    ended = time.time()
+    output, _ = client.communicate(timeout=10)
+    assert "KeyboardInterrupt" in output
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
+                                         "connection": info["ppid"]}, ended)
+    assert job_state(connect(port), info["job_id"]) == "cancelled"
+
+
 def test_kill_9_of_the_job_process(server, connect, tmp_path):
     port = server("pytorch", "fake:4")
     running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "sleep"}, ngpus=2)

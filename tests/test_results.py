@@ -190,3 +190,14 @@ def test_20_mb_of_bytes_round_trip_intact_as_argument_and_return_value(conn):
     assert size == len(data)
     assert digest == hashlib.sha256(data).hexdigest()  # the argument arrived intact
     assert same == data  # and the value came back intact
+
+
+@pytest.mark.slow
+def test_a_job_longer_than_rpycs_30_second_default_comes_back(conn):
+    def job(seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+    assert conn.root.run_code(job, 31) == 31
