@@ -5,6 +5,11 @@ Every container rpycdl starts carries the label `rpycdl.role` (registry, server 
 job containers also carry their owner server id, their job id and the lock directory whose
 GPU locks they run under, so orphans (a job container whose job no longer holds a GPU lock,
 because the connection process that ran it was killed) can be found and removed.
+
+Each job container has a watcher, `python -m rpycdl.containers CONNECTION_PID CONTAINER_ID`,
+in a session of its own: if the connection process running the job dies, the watcher removes
+the container at once. Job containers left by a server killed whole (watchers included) are
+removed when a generic server starts again, and by every container job that starts.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import os
 import posixpath
 import queue
 import re
+import select
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -328,6 +336,8 @@ def run_job_container(
     except docker.errors.APIError as exc:
         raise RpycdlError(f"cannot create a container of {spec.image}: {exc.explanation or exc}") from None
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+    watcher = subprocess.Popen([sys.executable, "-m", "rpycdl.containers", str(os.getpid()), container.id],
+                               start_new_session=True, stdin=subprocess.DEVNULL)
     try:
         chunks: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         stream = client.api.attach(container.id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
@@ -366,6 +376,8 @@ def run_job_container(
             tail.append(partial)
     finally:
         _remove(container)
+        watcher.kill()
+        watcher.wait()
     if code != 0:
         log = "\n".join(tail)
         raise ContainerError(f"container of {spec.image} {list(spec.command)} exited with code {code}; "
@@ -409,3 +421,19 @@ def remove_orphans(lock_dir: str, client: docker.DockerClient | None = None) -> 
             removed.append(container.attrs["Names"][0].lstrip("/"))
     return removed
 
+
+
+def watch(connection_pid: int, container_id: str) -> None:
+    """Remove the job container `container_id` once the process `connection_pid` has died.
+
+    The connection process kills this watcher when it removes the container itself."""
+    with contextlib.suppress(ProcessLookupError):
+        pidfd = os.pidfd_open(connection_pid)
+        select.select([pidfd], [], [])
+    client = docker_client()
+    with contextlib.suppress(docker.errors.NotFound):
+        _remove(client.containers.get(container_id))
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), sys.argv[2])

@@ -139,28 +139,28 @@ class DLServer(ForkingServer):
     def _sweep(self) -> None:
         store = JobStore(self.context.lock_dir)
         locks = GPULockManager(self.context.lock_dir)
-        while not self._stop.is_set():
-            select.select([self._wake_r], [], [], SWEEP_INTERVAL)
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+        while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
                 for record in store.sweep(self.context.server_id):
                     log.warning("job %s failed: %s", record.job_id, record.error)
                     locks.wake_all()
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
-            if self.context.name == CONTAINER_SERVICE:
-                self._remove_orphan_containers()
+            select.select([self._wake_r], [], [], SWEEP_INTERVAL)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
 
-    def _remove_orphan_containers(self) -> None:
-        """Remove job containers whose job lost its GPUs (its connection process was killed)."""
-        from rpycdl import containers  # only the generic server needs docker
 
-        try:
-            for name in containers.remove_orphans(self.context.lock_dir):
-                log.warning("removed orphaned job container %s", name)
-        except Exception as exc:  # no engine reachable: nothing of ours can run there either
-            log.debug("orphan check skipped: %s", exc)
+def _remove_orphan_containers(lock_dir: str) -> None:
+    """Remove job containers a killed server left running; before any thread or fork, since the
+    parent must not use docker from a thread while it forks."""
+    from rpycdl import containers  # only the generic server needs docker
+
+    try:
+        for name in containers.remove_orphans(lock_dir):
+            print(f"removed orphaned job container {name}", flush=True)
+    except Exception as exc:  # no engine reachable: nothing of ours can run there either
+        log.info("orphaned job containers not checked: %s", exc)
 
 
 def _poke(fd: int) -> None:
@@ -202,6 +202,8 @@ def serve(config: ServerConfig) -> None:
     kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}", flush=True)
+    if ctx.name == CONTAINER_SERVICE:
+        _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())
     try:
         server.start()

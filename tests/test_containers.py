@@ -282,16 +282,34 @@ def test_timeout_and_cancel_remove_the_container(generic: rpycdl.Connection, eng
     assert not _job_containers(engine)
 
 
-def test_an_orphaned_job_container_is_removed_by_the_next_job(generic: rpycdl.Connection, engine: Any,
-                                                             connect: Callable[[int], rpycdl.Connection]) -> None:
+def test_a_job_container_is_removed_when_its_connection_process_dies(
+        generic: rpycdl.Connection, engine: Any, connect: Callable[[int], rpycdl.Connection]) -> None:
     port = generic.address[1]
     threading.Thread(target=lambda: _ignore(lambda: connect(port).root.run_container(BASE, ["sleep", "60"])),
                      daemon=True).start()
     _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
     job = next(j for j in generic.root.jobs() if j["state"] == "running")
     os.kill(job["owner_pid"], signal.SIGKILL)  # the connection process running it dies
-    assert generic.root.run_container(BASE, ["true"], ngpus=2) == 0  # waits for the freed GPU, sweeps
-    assert not _job_containers(engine)
+    _wait(lambda: not _job_containers(engine), "the container to be removed", timeout=5)
+    assert generic.root.run_container(BASE, ["true"], ngpus=2) == 0  # and its GPU is free again
+
+
+def test_orphans_of_a_killed_server_are_removed_when_a_server_starts_again(
+        engine: Any, cluster: Any, connect: Callable[[int], rpycdl.Connection]) -> None:
+    process, port = cluster.add_server("deeplearning", "fake:2")
+    threading.Thread(target=lambda: _ignore(lambda: connect(port).root.run_container(BASE, ["sleep", "60"])),
+                     daemon=True).start()
+    _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
+    job = next(j for j in connect(port).root.jobs() if j["state"] == "running")
+    process.popen.kill()  # the whole server dies: its parent, the job's watcher, the connection process
+    watchers = subprocess.run(["pgrep", "-f", "rpycdl.containers"], capture_output=True, text=True).stdout.split()
+    for pid in watchers:
+        os.kill(int(pid), signal.SIGKILL)
+    os.kill(job["owner_pid"], signal.SIGKILL)
+    time.sleep(1)
+    assert _job_containers(engine), "nobody was left to remove the container"
+    cluster.add_server("deeplearning", "fake:2")
+    _wait(lambda: not _job_containers(engine), "the orphaned container to be removed", timeout=10)
 
 
 def _ignore(call: Callable[[], Any]) -> None:
