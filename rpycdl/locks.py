@@ -48,6 +48,8 @@ from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 # open-and-close of the same file here would silently drop the first lock.
 _HELD: dict[str, fasteners.InterProcessLock] = {}
 
+_ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path
+
 TICKET, GRANT = 0, 1  # lines of the counters file
 _COUNTER_WIDTH = 20
 
@@ -137,16 +139,27 @@ class GPULockManager:
                 free.add(uuid)
         return free
 
-    def _waiters(self) -> list[dict[str, Any]]:
-        """Live waiting requests in ticket order; removes those whose process died."""
+    def _waiters(self, before: int | None = None) -> list[dict[str, Any]]:
+        """Live waiting requests in ticket order (only those before ticket `before`, if given);
+        removes those whose process died. Queue entries never change once written, so each is
+        read once per process."""
         waiters = []
-        for entry in sorted((self.root / "queue").glob("*.json")):
-            info = _read_json(entry)
+        names = sorted(n for n in os.listdir(self.root / "queue") if n.endswith(".json"))
+        listed = {str(self.root / "queue" / n) for n in names}
+        for path in [p for p in _ENTRIES if p not in listed]:  # granted or gone since
+            del _ENTRIES[path]
+        for name in names:
+            if before is not None and int(name[:-5]) >= before:
+                break
+            entry = self.root / "queue" / name
+            info = _ENTRIES.get(str(entry)) or _read_json(entry)
             fifo = entry.with_suffix(".fifo")
             if info is None or not _fifo_has_reader(fifo):
+                _ENTRIES.pop(str(entry), None)
                 entry.unlink(missing_ok=True)
                 fifo.unlink(missing_ok=True)
                 continue
+            _ENTRIES[str(entry)] = info
             waiters.append(info)
         return waiters
 
@@ -192,7 +205,9 @@ class GPULockManager:
                 if on_position is not None and position != last_position:
                     last_position = position
                     on_position(position)
-                timeout = self._sleep_poll
+                # Requests behind others are woken by the grants ahead of them, so they re-check
+                # less often (a request ahead that died silently is noticed within 2 s).
+                timeout = self._sleep_poll if position == 0 else self._sleep_poll * 4
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -235,8 +250,7 @@ class GPULockManager:
     def _try_grant(self, ticket: int, count: int, candidates: Sequence[str],
                    info: dict[str, Any]) -> tuple[Grant | None, int]:
         """Under the queue lock: grant to `ticket` if every earlier request is served first."""
-        waiters = self._waiters()
-        earlier = [w for w in waiters if w["ticket"] < ticket]
+        earlier = self._waiters(before=ticket)
         involved = set(candidates)
         for waiter in earlier:
             involved.update(waiter["candidates"])
