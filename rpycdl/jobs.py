@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.defaults import FINISHED_JOBS_KEPT
+from rpycdl.locks import shared_dir, shared_file
 
 
 class JobState(str, Enum):
@@ -71,7 +72,7 @@ class JobStore:
 
     def __init__(self, lock_dir: str | os.PathLike[str]) -> None:
         self.root = Path(lock_dir) / "jobs"
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o1777)
+        shared_dir(self.root)
 
     def _path(self, job_id: str) -> Path:
         if not job_id.isalnum():
@@ -84,9 +85,7 @@ class JobStore:
         if not record.cancel_requested:
             on_file = self.load(record.job_id)
             record.cancel_requested = on_file is not None and on_file.cancel_requested
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record.to_dict()))
-        os.replace(tmp, path)
+        shared_file(path, json.dumps(record.to_dict()).encode())
 
     def load(self, job_id: str) -> JobRecord | None:
         try:

@@ -69,10 +69,39 @@ class Grant:
     sequence: int
 
 
+SHARED_DIR_MODE = 0o777
+"""Servers of every user (host processes, containers of other uids) write in the lock directory.
+No sticky bit: records are replaced by rename, which a sticky directory forbids across users."""
+SHARED_FILE_MODE = 0o666
+
+
+def shared_dir(path: Path) -> None:
+    """Create a directory of the lock directory, writable by every user if we own it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_uid == os.geteuid():
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, SHARED_DIR_MODE)
+
+
+def shared_file(path: Path, data: bytes | None = None) -> None:
+    """Create `path` writable by every user: empty if absent (data None), else replaced atomically."""
+    if data is None and path.exists():
+        return  # never reopen a lock file: closing a second descriptor would drop our fcntl lock
+    target = path if data is None else path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if data is None else os.O_TRUNC), SHARED_FILE_MODE)
+    try:
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, SHARED_FILE_MODE)
+        if data is not None:
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+    if data is not None:
+        os.replace(target, path)
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    shared_file(path, json.dumps(data).encode())
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -92,8 +121,10 @@ class GPULockManager:
 
     def __init__(self, lock_dir: str | os.PathLike[str], sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
-        for sub in ("gpus", "held", "queue"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o1777)
+        for sub in ("", "gpus", "held", "queue"):
+            shared_dir(self.root / sub)
+        shared_file(self.root / "queue.lock")
+        shared_file(self.root / "counters")
         self._queue_lock = fasteners.InterProcessLock(str(self.root / "queue.lock"))
         self._sleep_poll = sleep_poll
 
@@ -109,7 +140,7 @@ class GPULockManager:
 
     def _next(self, counter: int) -> int:
         """Under the queue lock: the next value of a counter (TICKET or GRANT), written in place."""
-        fd = os.open(self.root / "counters", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(self.root / "counters", os.O_RDWR)
         try:
             offset = counter * _COUNTER_WIDTH
             value = int(os.pread(fd, _COUNTER_WIDTH, offset).strip() or 0) + 1
@@ -127,6 +158,7 @@ class GPULockManager:
         """Take the GPU's lock if nobody holds it; only under the queue lock."""
         if uuid in _HELD:
             return None
+        shared_file(Path(self._lock_path(uuid)))
         lock = fasteners.InterProcessLock(self._lock_path(uuid))
         return lock if lock.acquire(blocking=False) else None
 
@@ -239,7 +271,8 @@ class GPULockManager:
         """Under the queue lock: join the queue with a wake-up FIFO."""
         entry = self.root / "queue" / f"{ticket:016d}.json"
         fifo = entry.with_suffix(".fifo")
-        os.mkfifo(fifo, 0o666)
+        os.mkfifo(fifo)
+        os.chmod(fifo, SHARED_FILE_MODE)  # others must open it to wake us (and to see we live)
         # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
         # and writers see a reader for exactly as long as this process lives.
         fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)

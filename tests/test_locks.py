@@ -8,7 +8,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +18,11 @@ from pathlib import Path
 import pytest
 
 from rpycdl.errors import QueueTimeoutError
+from rpycdl.jobs import JobRecord, JobStore
 from rpycdl.locks import GPULockManager
 
 CTX = multiprocessing.get_context("fork")
+NOBODY = 65534
 UUIDS = [f"GPU-00000000-0000-4000-8000-{i:012d}" for i in range(4)]
 
 
@@ -259,3 +263,44 @@ def test_queue_timeout_leaves_nothing_behind(lock_dir, procs):
     release.set()
     holder.join(5)
     assert GPULockManager(lock_dir).snapshot() == {"held": {}, "queue": []}
+
+
+def _hammer_as(uid: int, lock_dir: str, owners: str, rounds: int, seed: int, out) -> None:
+    """_hammer as another user, like a server in a container running as a non-root uid."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    _hammer(lock_dir, owners, rounds, seed, out)
+    JobStore(lock_dir).save(JobRecord(f"job{uid}", "server", "client", 1))
+
+
+@pytest.mark.slow
+def test_processes_of_two_users_share_one_lock_directory(procs):
+    # A root server on the host and a non-root one in a container share the lock directory:
+    # every file either creates there (locks, FIFOs, records, counters) stays usable by the other.
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run this test as root: it switches a process to another user")
+        pytest.skip("needs root to switch a process to another user")
+    shared = Path(tempfile.mkdtemp(prefix="rpycdl-users-"))
+    try:
+        os.chmod(shared, 0o755)
+        lock_dir, owners = str(shared / "locks"), shared / "owners"
+        owners.mkdir(mode=0o777)
+        os.chmod(owners, 0o777)
+        GPULockManager(lock_dir)  # root creates the layout
+        out = CTX.Queue()
+        for seed in range(4):
+            target = _hammer if seed % 2 else _hammer_as
+            args = (lock_dir, str(owners), 8, seed, out) if seed % 2 else (NOBODY, lock_dir, str(owners), 8, seed, out)
+            procs.append(_start(target, *args))
+        for _ in range(4):
+            status, value = out.get(timeout=60)
+            assert status == "ok", value  # PermissionError here: a file of one user blocked the other
+        for process in procs:
+            process.join(10)
+            assert process.exitcode == 0
+        assert GPULockManager(lock_dir).snapshot() == {"held": {}, "queue": []}
+        assert JobStore(lock_dir).load(f"job{NOBODY}") is not None
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
