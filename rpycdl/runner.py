@@ -99,6 +99,48 @@ def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int,
     os._exit(0)
 
 
+class LoadCheck:
+    """Unpickles a payload in a throwaway process while its request waits for GPUs, so a callable
+    this server cannot load (a module it lacks) fails at once rather than after the wait.
+
+    The process sees no GPU (CUDA_VISIBLE_DEVICES is empty) and dies with its parent. `fd`
+    becomes readable when it is done; then `error()` says what went wrong, if anything."""
+
+    def __init__(self, body: bytes) -> None:
+        read_end, write_end = os.pipe()
+        parent = os.getpid()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(read_end)
+            message = b""
+            try:
+                os.setpgid(0, 0)
+                _die_with_parent(parent)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                os.environ["CUDA_VISIBLE_DEVICES"] = ""
+                wire.load_call(body)
+            except BaseException as exc:  # noqa: BLE001 - what failed is the answer
+                message = f"{type(exc).__name__}: {exc}".encode(errors="replace")
+            os.write(write_end, message[:4096])
+            os._exit(0)
+        os.close(write_end)
+        self.fd = read_end
+
+    def error(self) -> str | None:
+        """Once `fd` is readable: why the payload cannot be loaded here, or None if it can."""
+        os.set_blocking(self.fd, True)
+        message = os.read(self.fd, 4096).decode(errors="replace")
+        return message or None
+
+    def close(self) -> None:
+        """Stop the check (if still running) and release what it holds."""
+        kill_group(self.pid)
+        _reap(self.pid)
+        os.close(self.fd)
+
+
 def run(
     body: bytes,
     env: dict[str, str],

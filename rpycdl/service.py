@@ -124,9 +124,10 @@ class GPUService(rpyc.Service):
     # -- running a job ----------------------------------------------------------------
 
     def _submit(self, execute: Executor, ngpus: Any, timeout: Any, queue_timeout: Any,
-                on_state: Callable[[str, str], None] | None) -> bytes:
+                on_state: Callable[[str, str], None] | None, body: bytes | None = None) -> bytes:
         """Queue, lock GPUs, run `execute(record, env, timeout)`, release. Returns outcome bytes;
-        raises RpycdlError. The executor saves the record once the job runs."""
+        raises RpycdlError. The executor saves the record once the job runs. A payload `body`
+        is test-loaded while the request waits (runner.LoadCheck)."""
         ctx = self.context
         count = check_ngpus(ngpus, len(ctx.gpus))
         timeout = check_seconds(timeout, "timeout")
@@ -137,17 +138,27 @@ class GPUService(rpyc.Service):
         record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
 
         waiting = False
+        wake_fds = self._socket_fd()
+        check: runner.LoadCheck | None = None
 
         def on_position(ahead: int) -> None:
-            nonlocal waiting
-            if not waiting:  # it has to wait: make it visible to `jobs` and `cancel`
+            nonlocal waiting, check
+            if not waiting:  # it has to wait: make it visible to `jobs` and `cancel`, and check it loads
                 waiting = True
                 self._store.save(record)
+                if body is not None:
+                    check = runner.LoadCheck(body)
+                    wake_fds.append(check.fd)
             if on_state is not None:
                 on_state("pending", json.dumps({"job_id": record.job_id, "ahead": ahead, "ngpus": count}))
 
         def on_wake() -> None:
             self._serve_client()
+            if check is not None and check.fd in wake_fds and select.select([check.fd], [], [], 0)[0]:
+                wake_fds.remove(check.fd)
+                error = check.error()
+                if error:
+                    raise InvalidRequestError(f"the callable cannot be loaded on this server: {error}")
             if self._cancel_requested(record.job_id):
                 raise JobCancelledError(f"job {record.job_id} was cancelled while waiting")
 
@@ -157,7 +168,7 @@ class GPUService(rpyc.Service):
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id},
-                queue_timeout=queue_timeout, wake_fds=self._socket_fd(), on_wake=on_wake, on_position=on_position)
+                queue_timeout=queue_timeout, wake_fds=wake_fds, on_wake=on_wake, on_position=on_position)
             by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
             indices = [by_uuid[uuid].index for uuid in grant.uuids]
             record.state, record.gpus, record.started = JobState.RUNNING, list(grant.uuids), time.time()
@@ -172,6 +183,8 @@ class GPUService(rpyc.Service):
             raise
         finally:
             self._busy = False
+            if check is not None:
+                check.close()
             if grant is not None:
                 self._locks.release(grant)
             record.ended = time.time()
@@ -224,7 +237,7 @@ class GPUService(rpyc.Service):
         try:
             body = wire.check_payload(payload)
             return self._submit(self._run_payload(body, stdout or _discard, stderr or _discard), ngpus, timeout,
-                                queue_timeout, on_state)
+                                queue_timeout, on_state, body)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 
@@ -236,7 +249,7 @@ class GPUService(rpyc.Service):
         wire.check_pickle(fn, "fn")
         body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
         outcome = self._submit(self._run_payload(body, _writer(stdout), _writer(stderr)), ngpus, timeout,
-                               queue_timeout, None)
+                               queue_timeout, None, body)
         return wire.decode_outcome(outcome)
 
     def exposed_run_container(self, image: str, command: Any, ngpus: Any = 1, env: Any = None, workdir: Any = None,

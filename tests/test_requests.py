@@ -90,6 +90,22 @@ def test_unreadable_dill_bytes_as_fn_are_refused_before_waiting(busy):
         assert "fn" in str(error) and "dill" in str(error)
 
 
+def test_a_callable_the_server_cannot_load_is_refused_while_waiting(busy, tmp_path, monkeypatch):
+    # A function of a module only the client has travels by name: the server finds out it cannot
+    # load it while the request waits for GPUs, not after.
+    (tmp_path / "client_only_module.py").write_text("def work(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from client_only_module import work
+
+    conn, holder, _ = busy
+    error, seconds = quick_error(lambda: conn.root.run_code(work, 1, queue_timeout=30))
+    assert isinstance(error, rpycdl.InvalidRequestError), repr(error)
+    assert "cannot be loaded on this server" in str(error) and "client_only_module" in str(error)
+    assert seconds < 5
+    assert not holder.done
+    assert conn.root.gpu_status()["queue"] == []
+
+
 def test_dill_bytes_of_something_not_callable_give_invalid_request(server, connect):
     conn = connect(server("pytorch", "fake:1"))
     with pytest.raises(rpycdl.InvalidRequestError, match="int, not a callable"):
