@@ -9,7 +9,7 @@ from typing import IO, Any
 
 import rpyc
 
-from rpycdl import registry, wire
+from rpycdl import registry, transport, wire
 from rpycdl.defaults import SERVER_PORT
 from rpycdl.errors import DiscoveryError, InvalidRequestError
 
@@ -129,7 +129,7 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
     """
     if host is not None:
         address = (host, port or SERVER_PORT)
-        return Connection(rpyc.connect(*address, config=CLIENT_CONFIG), address)
+        return Connection(transport.connect(*address, CLIENT_CONFIG), address)
     if not service:
         raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
     addresses = registry.discover(service, registry_address)
@@ -139,7 +139,7 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
     best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
     for address in addresses:
         try:
-            conn = rpyc.connect(*address, config=CLIENT_CONFIG)
+            conn = transport.connect(*address, CLIENT_CONFIG)
             free, waiting, _ = conn.root.load()
         except (OSError, EOFError):
             continue

@@ -10,7 +10,9 @@ starts is streamed too. However it ends, the whole group is killed before run() 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
+import fcntl
 import os
 import select
 import signal
@@ -26,7 +28,9 @@ from rpycdl.defaults import KILL_WAIT
 from rpycdl.jobs import group_alive, kill_group
 
 PR_SET_PDEATHSIG = 1
-_READ = 1 << 16
+_READ = 1 << 20
+PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
+CANCEL_POLL = 0.25  # seconds between looks at the job record for a cancel request
 
 
 class Ending(str, Enum):
@@ -167,6 +171,8 @@ def run(
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
+    with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
+        fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -193,10 +199,11 @@ def run(
         if on_start is not None:
             on_start(pid)
         open_fds = [out_r, err_r, res_r]
+        next_cancel_check = 0.0
         while ending is None:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if cancelled is not None:
-                wait = 0.25 if wait is None else min(wait, 0.25)
+                wait = CANCEL_POLL if wait is None else min(wait, CANCEL_POLL)
             readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
             for fd in readable:
                 if fd == res_r:
@@ -210,8 +217,10 @@ def run(
                 ending = Ending.FINISHED
             elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
                 on_watch()
-            if ending is None and cancelled is not None and cancelled():
-                ending, reason = Ending.CANCELLED, "the job was cancelled"
+            if ending is None and cancelled is not None and time.monotonic() >= next_cancel_check:
+                next_cancel_check = time.monotonic() + CANCEL_POLL
+                if cancelled():
+                    ending, reason = Ending.CANCELLED, "the job was cancelled"
             if ending is None and deadline is not None and time.monotonic() >= deadline:
                 ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
     finally:

@@ -11,6 +11,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from rpyc.utils.server import ForkingServer
 
+from rpycdl import transport
 from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
@@ -135,6 +137,12 @@ class DLServer(ForkingServer):
     def _handle_sigchld(cls, signum: int, frame: object) -> None:
         super()._handle_sigchld(signum, frame)
         _poke(cls._wake_w)
+
+    def _serve_client(self, sock: socket.socket, credentials: object) -> None:
+        """RPyC's own, over the bulk transport (rpycdl.transport)."""
+        config = dict(self.protocol_config, credentials=credentials,
+                      endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
+        self._handle_connection(self.service._connect(transport.channel(sock), config))
 
     def _sweep(self) -> None:
         store = JobStore(self.context.lock_dir)

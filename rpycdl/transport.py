@@ -1,0 +1,58 @@
+"""RPyC's socket transport without its two costs for large payloads: zlib on every frame over
+3000 bytes, and a send loop that copies the rest of the buffer after every 64 KiB (quadratic).
+
+Frames still carry RPyC's compression flag, so peers that compress (original clients) and
+peers that do not understand each other."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import rpyc
+from rpyc.core.channel import Channel
+from rpyc.core.stream import SocketStream
+
+
+class BulkSocketStream(SocketStream):
+    """A SocketStream whose writes are one sendall and whose reads fill one buffer."""
+
+    __slots__ = ()
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            self.close()
+            raise EOFError(exc) from exc
+
+    def read(self, count: int) -> bytes:
+        buffer = bytearray(count)
+        view = memoryview(buffer)
+        done = 0
+        while done < count:
+            try:
+                received = self.sock.recv_into(view[done:], min(count - done, 1 << 24))
+            except TimeoutError:
+                continue
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                self.close()
+                raise EOFError(exc) from exc
+            if not received:
+                self.close()
+                raise EOFError("connection closed by peer")
+            done += received
+        return bytes(buffer)
+
+
+def channel(sock: socket.socket) -> Channel:
+    """An uncompressed RPyC channel over a connected socket."""
+    return Channel(BulkSocketStream(sock), compress=False)
+
+
+def connect(host: str, port: int, config: dict[str, Any]) -> rpyc.Connection:
+    """rpyc.connect(host, port, config=config) over the bulk transport."""
+    stream = BulkSocketStream.connect(host, port)
+    return rpyc.connect_channel(Channel(stream, compress=False), config=config)
