@@ -62,6 +62,36 @@ class RemoteRoot:
             raise
         return wire.decode_outcome(outcome)
 
+    def run_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
+                      workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
+                      timeout: float | None = None, queue_timeout: float | None = None,
+                      stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                      on_state: StateCallback | None = None) -> int:
+        """Run `command` in a container of `image` with `ngpus` GPUs (the generic `deeplearning`
+        server only) and stream its output; returns its exit code, 0.
+
+        Args:
+            image: an image the server's Docker engine has.
+            command: the argument list (never a shell string).
+            env, workdir: the container's environment and working directory.
+            mounts: [{"source": host dir, "target": container dir, "read_only": bool}], sources
+                under the server's $RPYCDL_MOUNT_ROOTS.
+            timeout, queue_timeout, stdout, stderr, on_state: as for run_code.
+
+        Raises:
+            rpycdl.containers.ContainerError: a non-zero exit, with the last log lines.
+        """
+        out = stdout if stdout is not None else sys.stdout
+        err = stderr if stderr is not None else sys.stderr
+        state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        try:
+            outcome = self._conn.root.run_container(image, command, ngpus, env, workdir, mounts, _sink(out),
+                                                    _sink(err), timeout, queue_timeout, state_cb)
+        except KeyboardInterrupt:
+            self._conn.close()
+            raise
+        return wire.decode_outcome(outcome)
+
     def gpu_status(self) -> dict[str, Any]:
         """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
         return json.loads(self._conn.root.gpu_status())

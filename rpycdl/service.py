@@ -255,15 +255,20 @@ class GPUService(rpyc.Service):
     def exposed_run_container(self, image: str, command: Any, ngpus: Any = 1, env: Any = None, workdir: Any = None,
                               mounts: Any = None, stdout: Callable[[str], None] | None = None,
                               stderr: Callable[[str], None] | None = None, timeout: Any = None,
-                              queue_timeout: Any = None) -> int:
+                              queue_timeout: Any = None, on_state: Callable[[str, str], None] | None = None) -> bytes:
         """Run `command` (a list of strings) in a container of `image` with `ngpus` GPUs of its own
         (the generic server's job; see rpycdl.containers.check_job for env, workdir and mounts).
         `stdout` and `stderr` are callables receiving the container's output as it comes.
 
-        Returns the exit code, 0; raises ContainerError with the last log lines on any other."""
+        Returns outcome bytes (see rpycdl.client): the exit code, 0, or ContainerError with the
+        last log lines on any other."""
         from rpycdl import containers  # docker is only needed by servers that run containers
 
-        spec = containers.check_job(image, _materialize(command), _materialize(env), workdir, _materialize(mounts))
+        try:
+            spec = containers.check_job(image, _materialize(command), _materialize(env), workdir,
+                                        _materialize(mounts))
+        except RpycdlError as exc:
+            return wire.encode_error(exc, tb="")
         ctx = self.context
 
         def execute(record: JobRecord, gpu_env: dict[str, str], timeout: float | None) -> runner.Result:
@@ -282,7 +287,10 @@ class GPUService(rpyc.Service):
                 return runner.Result(runner.Ending.FINISHED, wire.encode_error(exc, tb=""))
             return runner.Result(runner.Ending.FINISHED, wire.encode_ok(code))
 
-        return wire.decode_outcome(self._submit(execute, ngpus, timeout, queue_timeout, None))
+        try:
+            return self._submit(execute, ngpus, timeout, queue_timeout, on_state)
+        except RpycdlError as exc:
+            return wire.encode_error(exc, tb="")
 
     def exposed_gpu_status(self) -> str:
         """JSON: this server, each GPU with its holder and memory use, and the waiting queue in order."""

@@ -26,6 +26,7 @@ import pytest
 
 import rpycdl
 from rpycdl import registry
+from rpycdl.containers import ContainerError
 
 pytestmark = pytest.mark.docker
 
@@ -229,7 +230,7 @@ def test_container_job_streams_its_output_and_returns_its_exit_code(generic: rpy
               "os.getcwd())")
     out = Recorder()
     code = generic.root.run_container(BASE, ["python3", "-c", script], ngpus=2, env={"GREETING": "hi"}, workdir="/tmp",
-                                      mounts=[{"source": str(data), "target": "/data"}], stdout=out.write)
+                                      mounts=[{"source": str(data), "target": "/data"}], stdout=out)
     ended = time.monotonic()
     assert code == 0
     text = out.getvalue()
@@ -241,9 +242,10 @@ def test_container_job_streams_its_output_and_returns_its_exit_code(generic: rpy
 
 
 def test_failing_container_job_raises_with_the_log_tail(generic: rpycdl.Connection, engine: Any) -> None:
-    with pytest.raises(Exception, match=r"(?s)exited with code 3.*oops-2") as info:
-        generic.root.run_container(BASE, ["sh", "-c", "echo oops-1; echo oops-2 >&2; exit 3"], ngpus=1)
-    assert "ContainerError" in type(info.value).__name__ or "ContainerError" in str(info.value)
+    with pytest.raises(ContainerError, match=r"(?s)exited with code 3.*oops-2") as info:
+        generic.root.run_container(BASE, ["sh", "-c", "echo oops-1; echo oops-2 >&2; exit 3"], ngpus=1,
+                                   stderr=io.StringIO())
+    assert info.value.exit_code == 3 and "oops-1" in info.value.log_tail
     assert not _job_containers(engine)
 
 
@@ -253,13 +255,13 @@ def test_container_job_requests_are_checked(generic: rpycdl.Connection, tmp_path
                             ({"command": ["true"], "image": "Bad Image!"}, "not an image"),
                             ({"command": ["true"], "ngpus": 3}, "has 2")):
         call = {"image": BASE, **kwargs}
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(rpycdl.InvalidRequestError, match=message):
             generic.root.run_container(call.pop("image"), call.pop("command"), **call)
 
 
 def test_timeout_and_cancel_remove_the_container(generic: rpycdl.Connection, engine: Any,
                                                  connect: Callable[[int], rpycdl.Connection]) -> None:
-    with pytest.raises(Exception, match="timeout"):
+    with pytest.raises(rpycdl.JobTimeoutError, match="timeout"):
         generic.root.run_container(BASE, ["sleep", "60"], ngpus=1, timeout=1)
     assert not _job_containers(engine)
 
@@ -278,7 +280,7 @@ def test_timeout_and_cancel_remove_the_container(generic: rpycdl.Connection, eng
     job = next(j for j in generic.root.jobs() if j["state"] == "running")
     generic.root.cancel(job["job_id"])
     thread.join(10)
-    assert errors and "cancel" in str(errors[0])
+    assert errors and isinstance(errors[0], rpycdl.JobCancelledError), errors
     assert not _job_containers(engine)
 
 
