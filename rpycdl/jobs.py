@@ -68,7 +68,9 @@ def new_job_id() -> str:
 
 
 class JobStore:
-    """Job records as one JSON file each under `<lock_dir>/jobs/`."""
+    """Job records as one JSON file each under `<lock_dir>/jobs/`, written only by the connection
+    process serving the job (and by the sweep once it is gone); a cancel request is an empty
+    `<id>.cancel` file beside it, so nobody overwrites anyone's record."""
 
     def __init__(self, lock_dir: str | os.PathLike[str]) -> None:
         self.root = Path(lock_dir) / "jobs"
@@ -80,18 +82,20 @@ class JobStore:
         return self.root / f"{job_id}.json"
 
     def save(self, record: JobRecord) -> None:
-        """Write a record; a cancel request already on file is kept."""
-        path = self._path(record.job_id)
-        if not record.cancel_requested:
-            on_file = self.load(record.job_id)
-            record.cancel_requested = on_file is not None and on_file.cancel_requested
-        shared_file(path, json.dumps(record.to_dict()).encode())
+        """Write a record (its owner's view; a cancel request lives in a file of its own)."""
+        shared_file(self._path(record.job_id), json.dumps(record.to_dict()).encode())
 
     def load(self, job_id: str) -> JobRecord | None:
         try:
-            return JobRecord.from_dict(json.loads(self._path(job_id).read_text()))
+            record = JobRecord.from_dict(json.loads(self._path(job_id).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
+        record.cancel_requested = self.cancel_requested(job_id)
+        return record
+
+    def cancel_requested(self, job_id: str) -> bool:
+        """Whether someone asked to cancel the job (one stat, cheap to poll)."""
+        return self._path(job_id).with_suffix(".cancel").exists()
 
     def all(self) -> list[JobRecord]:
         records = []
@@ -106,8 +110,8 @@ class JobStore:
         record = self.load(job_id)
         if record is None or record.state.finished:
             return record
+        shared_file(self._path(job_id).with_suffix(".cancel"))
         record.cancel_requested = True
-        self.save(record)
         return record
 
     def sweep(self, server_id: str) -> list[JobRecord]:
@@ -128,6 +132,7 @@ class JobStore:
         finished = [r for r in records if r.state.finished]
         for record in finished[: max(0, len(finished) - FINISHED_JOBS_KEPT)]:
             self._path(record.job_id).unlink(missing_ok=True)
+            self._path(record.job_id).with_suffix(".cancel").unlink(missing_ok=True)
         return failed
 
 

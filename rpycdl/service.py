@@ -117,10 +117,6 @@ class GPUService(rpyc.Service):
         while select.select(fds, [], [], 0)[0]:
             self._conn.serve(0)
 
-    def _cancel_requested(self, job_id: str) -> bool:
-        record = self._store.load(job_id)
-        return record is not None and record.cancel_requested
-
     # -- running a job ----------------------------------------------------------------
 
     def _submit(self, execute: Executor, ngpus: Any, timeout: Any, queue_timeout: Any,
@@ -159,7 +155,7 @@ class GPUService(rpyc.Service):
                 error = check.error()
                 if error:
                     raise InvalidRequestError(f"the callable cannot be loaded on this server: {error}")
-            if self._cancel_requested(record.job_id):
+            if self._store.cancel_requested(record.job_id):
                 raise JobCancelledError(f"job {record.job_id} was cancelled while waiting")
 
         grant = result = None
@@ -202,7 +198,7 @@ class GPUService(rpyc.Service):
 
             return runner.run(body, env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
                               watch_fds=self._socket_fd(), on_watch=self._serve_client,
-                              cancelled=lambda: self._cancel_requested(record.job_id))
+                              cancelled=lambda: self._store.cancel_requested(record.job_id))
 
         return execute
 
@@ -277,7 +273,7 @@ class GPUService(rpyc.Service):
                 code = containers.run_job_container(
                     spec, record.gpus, simulated=ctx.inventory.simulated, owner=ctx.server_id, job_id=record.job_id,
                     lock_dir=ctx.lock_dir, on_stdout=stdout or _discard, on_stderr=stderr or _discard, timeout=timeout,
-                    poll=self._serve_client, cancelled=lambda: self._cancel_requested(record.job_id),
+                    poll=self._serve_client, cancelled=lambda: self._store.cancel_requested(record.job_id),
                     extra_env={k: v for k, v in gpu_env.items() if k.startswith("RPYCDL_")})
             except JobTimeoutError as exc:
                 return runner.Result(runner.Ending.TIMED_OUT, reason=str(exc))
