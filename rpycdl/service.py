@@ -22,6 +22,9 @@ from rpycdl.jobs import JobRecord, JobState, JobStore, new_job_id
 from rpycdl.locks import GPULockManager
 
 MAX_TIMEOUT = 366 * 24 * 3600.0
+LOAD_CHECK_AFTER = 0.2
+"""Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits
+are not worth a process."""
 
 Executor = Callable[[JobRecord, dict[str, str], float | None], runner.Result]
 """Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout) -> how it ended."""
@@ -133,23 +136,24 @@ class GPUService(rpyc.Service):
                                       "concurrent job (rpycdl.connect() again)")
         record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
 
-        waiting = False
+        waiting_since: float | None = None
         wake_fds = self._socket_fd()
         check: runner.LoadCheck | None = None
 
         def on_position(ahead: int) -> None:
-            nonlocal waiting, check
-            if not waiting:  # it has to wait: make it visible to `jobs` and `cancel`, and check it loads
-                waiting = True
+            nonlocal waiting_since
+            if waiting_since is None:  # it has to wait: make it visible to `jobs` and `cancel`
+                waiting_since = time.monotonic()
                 self._store.save(record)
-                if body is not None:
-                    check = runner.LoadCheck(body)
-                    wake_fds.append(check.fd)
             if on_state is not None:
                 on_state("pending", json.dumps({"job_id": record.job_id, "ahead": ahead, "ngpus": count}))
 
         def on_wake() -> None:
+            nonlocal check
             self._serve_client()
+            if body is not None and check is None and time.monotonic() - waiting_since >= LOAD_CHECK_AFTER:
+                check = runner.LoadCheck(body)  # a request that waits longer learns early if it cannot load
+                wake_fds.append(check.fd)
             if check is not None and check.fd in wake_fds and select.select([check.fd], [], [], 0)[0]:
                 wake_fds.remove(check.fd)
                 error = check.error()
