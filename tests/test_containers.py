@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -282,6 +283,20 @@ def test_timeout_and_cancel_remove_the_container(generic: rpycdl.Connection, eng
     thread.join(10)
     assert errors and isinstance(errors[0], rpycdl.JobCancelledError), errors
     assert not _job_containers(engine)
+
+
+def test_a_client_going_away_removes_its_job_container(generic: rpycdl.Connection, engine: Any) -> None:
+    client = subprocess.Popen([sys.executable, "-c", (
+        "import sys, rpycdl; conn = rpycdl.connect(host='127.0.0.1', port=int(sys.argv[1])); "
+        f"conn.root.run_container({BASE!r}, ['sleep', '60'], ngpus=1)"), str(generic.address[1])])
+    try:
+        _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
+        client.kill()
+        _wait(lambda: not _job_containers(engine), "the container to be removed", timeout=5)
+        assert all(gpu["holder"] is None for gpu in generic.root.gpu_status()["gpus"])
+    finally:
+        client.kill()
+        client.wait()
 
 
 def test_a_job_container_is_removed_when_its_connection_process_dies(
