@@ -4,22 +4,23 @@ from __future__ import annotations
 
 from rpycdl.client import Connection, connect
 from rpycdl.errors import (
-                           DiscoveryError,
-                           InvalidRequestError,
-                           JobCancelledError,
-                           JobCrashedError,
-                           JobTimeoutError,
-                           NoInventoryError,
-                           QueueTimeoutError,
-                           RemoteError,
-                           RpycdlError,
-                           VersionMismatchError,
+    AuthFailedError,
+    DiscoveryError,
+    InvalidRequestError,
+    JobCancelledError,
+    JobCrashedError,
+    JobTimeoutError,
+    NoInventoryError,
+    QueueTimeoutError,
+    RemoteError,
+    RpycdlError,
+    VersionMismatchError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Connection", "connect", "DiscoveryError", "InvalidRequestError", "JobCancelledError", "JobCrashedError",
-    "JobTimeoutError", "NoInventoryError", "QueueTimeoutError", "RemoteError", "RpycdlError",
+    "AuthFailedError", "Connection", "connect", "DiscoveryError", "InvalidRequestError", "JobCancelledError",
+    "JobCrashedError", "JobTimeoutError", "NoInventoryError", "QueueTimeoutError", "RemoteError", "RpycdlError",
     "VersionMismatchError", "__version__",
 ]

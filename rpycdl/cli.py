@@ -16,7 +16,7 @@ from typing import Any
 
 from rpycdl import registry
 from rpycdl.client import connect
-from rpycdl.defaults import ENV_GPUS, ENV_LOCK_DIR, ENV_REGISTRY, REGISTRY_PORT, SERVER_PORT
+from rpycdl.defaults import ENV_GPUS, ENV_LOCK_DIR, ENV_REGISTRY, ENV_SECRET_FILE, REGISTRY_PORT, SERVER_PORT
 from rpycdl.errors import NoInventoryError, RpycdlError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="version to announce (default: read from the installed framework package)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow listening on a non-loopback address without authentication")
+    serve.add_argument("--secret-file", default=None, metavar="PATH",
+                       help=f"require clients to prove they know the shared secret in PATH (mode 600); "
+                            f"default ${ENV_SECRET_FILE}, else no authentication")
 
     for name, text in (("status", "show each GPU, who holds it, and who waits"),
                        ("jobs", "list a server's jobs"), ("cancel", "cancel a job")):
@@ -64,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--registry", default=None, metavar="HOST[:PORT]",
                          help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
         sub.add_argument("--json", action="store_true", help="print JSON")
+        sub.add_argument("--secret-file", default=None, metavar="PATH",
+                         help=f"the servers' shared secret (default: ${ENV_SECRET_FILE})")
 
     demo = commands.add_parser("demo", help="start a local registry and server and run the example client")
     demo.add_argument("--gpus", default=None, metavar="SPEC",
@@ -105,7 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
     from rpycdl.server import ServerConfig, serve  # the server's imports are not the client's
 
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
-                          gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version)
+                          gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
+                          secret_file=args.secret_file)
     serve(config)
     return 0
 
@@ -130,7 +136,7 @@ def _each_server(args: argparse.Namespace, call: str) -> list[tuple[tuple[str, i
     results = []
     for host, port in _targets(args):
         try:
-            with connect(host=host, port=port) as conn:
+            with connect(host=host, port=port, secret_file=args.secret_file) as conn:
                 results.append(((host, port), getattr(conn.root, call)()))
         except (OSError, EOFError) as exc:
             results.append(((host, port), exc))
@@ -204,7 +210,7 @@ def _jobs(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     for host, port in _targets(args):
-        with connect(host=host, port=port) as conn:
+        with connect(host=host, port=port, secret_file=args.secret_file) as conn:
             if any(job["job_id"] == args.job_id for job in conn.root.jobs()):
                 state = conn.root.cancel(args.job_id)
                 print(f"job {args.job_id} ({state}) on {host}:{port}: cancel requested")

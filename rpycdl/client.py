@@ -9,9 +9,9 @@ from typing import IO, Any
 
 import rpyc
 
-from rpycdl import registry, transport, wire
+from rpycdl import auth, registry, transport, wire
 from rpycdl.defaults import SERVER_PORT
-from rpycdl.errors import DiscoveryError, InvalidRequestError
+from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError
 
 CLIENT_CONFIG = {
     "allow_public_attrs": False,
@@ -142,7 +142,7 @@ def _sink(stream: IO[str]) -> Callable[[str], None]:
 
 
 def connect(service: str | None = None, *, host: str | None = None, port: int | None = None,
-            registry_address: str | None = None) -> Connection:
+            registry_address: str | None = None, secret_file: str | None = None) -> Connection:
     """Connect to a server of `service` found through the registry, or to host:port directly.
 
     Among the live servers of the service, the one with the most free GPUs and the shortest
@@ -152,14 +152,18 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
         service: a service name or alias: "pytorch", "PYTORCH-2.5", "deeplearning", ...
         host, port: connect directly instead (port defaults to 18861).
         registry_address: "HOST[:PORT]" of the registry; default $RPYCDL_REGISTRY, else broadcast.
+        secret_file: file holding the team's shared secret; default $RPYCDL_SECRET_FILE, else
+            none (only servers without authentication, on loopback or --insecure, answer).
 
     Raises:
         DiscoveryError: no live server of the service answered.
+        AuthFailedError: the server does not know the secret, or wants one we do not have.
         InvalidRequestError: neither a service nor a host was given.
     """
+    secret = auth.load_secret(secret_file)
     if host is not None:
         address = (host, port or SERVER_PORT)
-        return Connection(transport.connect(*address, CLIENT_CONFIG), address)
+        return Connection(transport.connect(*address, CLIENT_CONFIG, secret), address)
     if not service:
         raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
     addresses = registry.discover(service, registry_address)
@@ -167,10 +171,14 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
         raise DiscoveryError(f"no server of service {service.upper()!r} is registered "
                              f"(registry {registry.registry_address(registry_address)})")
     best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
+    refused: list[str] = []
     for address in addresses:
         try:
-            conn = transport.connect(*address, CLIENT_CONFIG)
+            conn = transport.connect(*address, CLIENT_CONFIG, secret)
             free, waiting, _ = conn.root.load()
+        except AuthFailedError as exc:  # a server without our secret gets nothing
+            refused.append(f"{address[0]}:{address[1]}: {exc}")
+            continue
         except (OSError, EOFError):
             continue
         score = (-free, waiting)
@@ -180,6 +188,8 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
             best = (score, conn, address)
         else:
             conn.close()
+    if best is None and refused:
+        raise AuthFailedError(f"no server of {service.upper()!r} passed authentication: " + "; ".join(refused))
     if best is None:
         raise DiscoveryError(f"every server of {service.upper()!r} is down: {list(addresses)}")
     return Connection(best[1], best[2])

@@ -35,6 +35,10 @@ class VersionMismatchError(RpycdlError):
     """Client and server run different Python minor versions, so dill cannot move code."""
 
 
+class AuthFailedError(RpycdlError):
+    """The other side does not know the shared secret (or does not speak the handshake)."""
+
+
 class DiscoveryError(RpycdlError):
     """No live server of the requested service could be found."""
 

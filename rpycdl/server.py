@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from rpyc.utils.server import ForkingServer
 
-from rpycdl import transport
+from rpycdl import auth, transport
 from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
@@ -64,6 +64,7 @@ class ServerConfig:
     gpus: str | None = None  # fake:N, fake:NxSIZE, nvml, or None for $RPYCDL_GPUS / NVML
     lock_dir: str | None = None
     insecure: bool = False
+    secret_file: str | None = None  # None: $RPYCDL_SECRET_FILE, else no authentication
     version: str | None = None  # framework version to announce; None reads package metadata
 
 
@@ -178,10 +179,12 @@ def _poke(fd: int) -> None:
 
 def build_server(config: ServerConfig) -> DLServer:
     """Check the configuration, load the inventory, and bind the server (not started yet)."""
-    if not _is_loopback(config.host) and not config.insecure:
+    secret = auth.load_secret(config.secret_file)
+    if not _is_loopback(config.host) and not config.insecure and secret is None:
         raise InvalidRequestError(
             f"refusing to listen on {config.host} without authentication: anyone who reaches it can run "
-            "code here. Bind to 127.0.0.1, or pass --insecure if the network is trusted")
+            "code here. Give a shared secret (--secret-file), bind to 127.0.0.1, or pass --insecure if "
+            "the network is trusted")
     inventory = load_inventory(config.gpus)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
@@ -194,14 +197,15 @@ def build_server(config: ServerConfig) -> DLServer:
         registrar = registry_client(config.registry)
         registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
     return DLServer(context, hostname=config.host, port=config.port, registrar=registrar,
-                    auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"))
+                    auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"),
+                    authenticator=None if secret is None else auth.SecretAuthenticator(secret))
 
 
 def serve(config: ServerConfig) -> None:
     """Build the server and serve until SIGTERM or Ctrl-C."""
     server = build_server(config)
     ctx = server.context
-    if not _is_loopback(config.host):
+    if not _is_loopback(config.host) and server.authenticator is None:
         print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
               f"{server.port} can run code as {getpass.getuser()}",
               file=sys.stderr, flush=True)
@@ -209,7 +213,8 @@ def serve(config: ServerConfig) -> None:
     gpus = ", ".join(f"{g.index}:{g.name}" for g in ctx.gpus)
     kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
-          f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}", flush=True)
+          f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
+          f"{'shared-secret authentication' if server.authenticator else 'no authentication'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())

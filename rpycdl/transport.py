@@ -14,6 +14,8 @@ import rpyc
 from rpyc.core.channel import Channel
 from rpyc.core.stream import SocketStream
 
+from rpycdl import auth
+
 
 class BulkSocketStream(SocketStream):
     """A SocketStream whose writes are one sendall and whose reads fill one buffer."""
@@ -54,7 +56,14 @@ def channel(sock: socket.socket) -> Channel:
     return Channel(BulkSocketStream(sock), compress=False)
 
 
-def connect(host: str, port: int, config: dict[str, Any]) -> rpyc.Connection:
-    """rpyc.connect(host, port, config=config) over the bulk transport."""
+def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None) -> rpyc.Connection:
+    """rpyc.connect(host, port, config=config) over the bulk transport, after the shared-secret
+    handshake (rpycdl.auth) when a secret is given."""
     stream = BulkSocketStream.connect(host, port, nodelay=True)
+    if secret is not None:
+        try:
+            auth.client_handshake(stream.sock, secret)
+        except BaseException:
+            stream.close()
+            raise
     return rpyc.connect_channel(Channel(stream, compress=False), config=config)
