@@ -1,0 +1,72 @@
+"""Bad input never hurts the server: arbitrary run_code arguments and payload bytes get a clear
+error or run, bursts of connections are served, and nothing is left behind."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import rpycdl
+from rpycdl import wire
+
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-10, 10), st.floats(allow_nan=True, allow_infinity=True),
+                st.text(max_size=5))
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _valid(ngpus, timeout, queue_timeout) -> bool:
+    def seconds(value) -> bool:
+        return value is None or (not isinstance(value, bool) and isinstance(value, (int, float))
+                                 and math.isfinite(value) and 0 < value <= 366 * 24 * 3600)
+
+    return (not isinstance(ngpus, bool) and isinstance(ngpus, int) and (ngpus == -1 or 1 <= ngpus <= 2)
+            and seconds(timeout) and seconds(queue_timeout))
+
+
+@SETTINGS
+@given(ngpus=ANY, timeout=ANY, queue_timeout=ANY)
+def test_any_arguments_run_or_get_invalid_request(conn, ngpus, timeout, queue_timeout):
+    try:
+        value = conn.root.run_code(lambda x: x, "ok", ngpus=ngpus, timeout=timeout, queue_timeout=queue_timeout)
+    except rpycdl.InvalidRequestError:
+        assert not _valid(ngpus, timeout, queue_timeout)
+    else:
+        assert _valid(ngpus, timeout, queue_timeout) and value == "ok"
+    status = conn.root.gpu_status()
+    assert [gpu["holder"] for gpu in status["gpus"]] == [None, None] and status["queue"] == []
+
+
+@SETTINGS
+@given(junk=st.binary(max_size=200))
+def test_any_payload_bytes_get_a_clear_error(conn, junk):
+    for payload in (junk, wire.MAGIC + bytes(wire.PYTHON) + junk):
+        outcome = conn._conn.root.run(payload, 1)
+        try:
+            wire.decode_outcome(outcome)
+        except (rpycdl.InvalidRequestError, rpycdl.VersionMismatchError):
+            pass
+    assert conn.root.run_code(lambda x: x, 1) == 1
+
+
+def test_a_burst_of_connections_is_served_and_leaves_nothing(shared_port, conn):
+    silent = [socket.create_connection(("127.0.0.1", shared_port)) for _ in range(200)]  # connect, say nothing
+    results: list[object] = []
+
+    def client() -> None:
+        with rpycdl.connect(host="127.0.0.1", port=shared_port) as own:
+            results.append(own.root.run_code(lambda x: x, 1, queue_timeout=60))
+
+    threads = [threading.Thread(target=client) for _ in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for sock in silent:
+        sock.close()
+    assert results == [1] * 30
+    status = conn.root.gpu_status()
+    assert [gpu["holder"] for gpu in status["gpus"]] == [None, None] and status["queue"] == []
