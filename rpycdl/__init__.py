@@ -10,6 +10,7 @@ from rpycdl.errors import (
     JobCancelledError,
     JobCrashedError,
     JobTimeoutError,
+    LimitError,
     NoInventoryError,
     QueueTimeoutError,
     RemoteError,
@@ -21,6 +22,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthFailedError", "Connection", "connect", "DiscoveryError", "InvalidRequestError", "JobCancelledError",
-    "JobCrashedError", "JobTimeoutError", "NoInventoryError", "QueueTimeoutError", "RemoteError", "RpycdlError",
-    "VersionMismatchError", "__version__",
+    "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "QueueTimeoutError", "RemoteError",
+    "RpycdlError", "VersionMismatchError", "__version__",
 ]

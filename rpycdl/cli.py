@@ -16,8 +16,18 @@ from typing import Any
 
 from rpycdl import registry
 from rpycdl.client import connect
-from rpycdl.defaults import ENV_GPUS, ENV_LOCK_DIR, ENV_REGISTRY, ENV_SECRET_FILE, REGISTRY_PORT, SERVER_PORT
-from rpycdl.errors import NoInventoryError, RpycdlError
+from rpycdl.defaults import (
+    ENV_GPUS,
+    ENV_LOCK_DIR,
+    ENV_REGISTRY,
+    ENV_SECRET_FILE,
+    IDLE_TIMEOUT,
+    MAX_PAYLOAD,
+    MAX_QUEUED,
+    REGISTRY_PORT,
+    SERVER_PORT,
+)
+from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="version to announce (default: read from the installed framework package)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow listening on a non-loopback address without authentication")
+    serve.add_argument("--max-payload", default=str(MAX_PAYLOAD), metavar="SIZE",
+                       help="largest call accepted, e.g. 8GiB (default: %(default)s bytes)")
+    serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
+                       help="most requests waiting at once (default: %(default)s)")
+    serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
+                       help="close connections idle this long (default: %(default)s)")
     serve.add_argument("--secret-file", default=None, metavar="PATH",
                        help=f"require clients to prove they know the shared secret in PATH (mode 600); "
                             f"default ${ENV_SECRET_FILE}, else no authentication")
@@ -107,11 +123,17 @@ def _registry(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from rpycdl.gpus import parse_size
     from rpycdl.server import ServerConfig, serve  # the server's imports are not the client's
+    from rpycdl.service import Limits
 
+    if args.max_queued < 1 or not args.idle_timeout > 0:
+        raise InvalidRequestError("--max-queued must be at least 1 and --idle-timeout positive")
+    limits = Limits(max_payload=parse_size(args.max_payload), max_queued=args.max_queued,
+                    idle_timeout=args.idle_timeout)
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
                           gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
-                          secret_file=args.secret_file)
+                          secret_file=args.secret_file, limits=limits)
     serve(config)
     return 0
 

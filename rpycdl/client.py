@@ -11,7 +11,7 @@ import rpyc
 
 from rpycdl import auth, registry, transport, wire
 from rpycdl.defaults import SERVER_PORT
-from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError
+from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError, LimitError
 
 CLIENT_CONFIG = {
     "allow_public_attrs": False,
@@ -29,6 +29,18 @@ class RemoteRoot:
 
     def __init__(self, conn: rpyc.Connection) -> None:
         self._conn = conn
+        self._max_payload: int | None = None
+
+    def _check_size(self, payload: bytes) -> None:
+        """Refuse here, with the limit's name, what the server would drop unread."""
+        if self._max_payload is None:
+            try:
+                self._max_payload = int(json.loads(self._conn.root.limits())["max_payload"])
+            except AttributeError:  # a server from before limits: it checks nothing either
+                self._max_payload = sys.maxsize
+        if len(payload) > self._max_payload:
+            raise LimitError(f"the call is {len(payload)} bytes, over the server's limit of {self._max_payload} "
+                             "(--max-payload)")
 
     def run_code(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int = 1, *,
                  timeout: float | None = None, queue_timeout: float | None = None,
@@ -52,6 +64,7 @@ class RemoteRoot:
             KeyboardInterrupt cancels the job: the connection is closed.
         """
         payload = wire.encode_payload(fn, args)
+        self._check_size(payload)
         out = stdout if stdout is not None else sys.stdout
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))

@@ -37,6 +37,15 @@ KILL_WAIT = 2.0
 FINISHED_JOBS_KEPT = 200
 """Finished job records kept per lock directory for `rpycdl status --all`."""
 
+MAX_PAYLOAD = 8 * 1024**3
+"""Largest call a server accepts, in bytes (`--max-payload`); a larger RPyC frame drops the connection."""
+
+MAX_QUEUED = 1000
+"""Most requests of one server waiting at once (`--max-queued`)."""
+
+IDLE_TIMEOUT = 3600.0
+"""Seconds a connection may stay idle (no request, no job) before the server closes it (`--idle-timeout`)."""
+
 DISCOVERY_TIMEOUT = 2.0
 """Seconds to wait for the registry to answer."""
 

@@ -15,6 +15,10 @@ class NoInventoryError(RpycdlError):
     """No GPU inventory could be loaded (NVML failed and no simulated one was asked for)."""
 
 
+class LimitError(RpycdlError):
+    """A request over one of the server's limits; the message names the limit and its option."""
+
+
 class QueueTimeoutError(RpycdlError, TimeoutError):
     """A request waited longer than its queue_timeout for its GPUs."""
 

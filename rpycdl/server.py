@@ -14,9 +14,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import rpyc
 from rpyc.utils.server import ForkingServer
 
 from rpycdl import auth, transport
@@ -26,7 +28,7 @@ from rpycdl.gpus import load_inventory
 from rpycdl.jobs import JobStore
 from rpycdl.locks import GPULockManager
 from rpycdl.registry import registry_client
-from rpycdl.service import GPUService, ServerContext
+from rpycdl.service import GPUService, Limits, ServerContext
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -42,6 +44,9 @@ so the server parent never imports, let alone initialises, the framework)."""
 
 CONTAINER_SERVICE = "deeplearning"
 """The generic service, whose jobs may run in containers of their own."""
+
+FRAME_SLACK = 1 << 20
+"""Bytes an RPyC frame may carry beyond the payload limit (the call around the payload)."""
 
 PROTOCOL_CONFIG = {
     "allow_public_attrs": False,
@@ -65,6 +70,7 @@ class ServerConfig:
     lock_dir: str | None = None
     insecure: bool = False
     secret_file: str | None = None  # None: $RPYCDL_SECRET_FILE, else no authentication
+    limits: Limits = field(default_factory=Limits)
     version: str | None = None  # framework version to announce; None reads package metadata
 
 
@@ -143,7 +149,18 @@ class DLServer(ForkingServer):
         """RPyC's own, over the bulk transport (rpycdl.transport)."""
         config = dict(self.protocol_config, credentials=credentials,
                       endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
-        self._handle_connection(self.service._connect(transport.channel(sock), config))
+        channel = transport.channel(sock, self.context.limits.max_payload + FRAME_SLACK)
+        self._handle_connection(self.service._connect(channel, config))
+
+    def _handle_connection(self, conn: rpyc.Connection) -> None:
+        """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout."""
+        idle_since = time.monotonic()
+        while not conn.closed:
+            if conn.serve(1.0):
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
+                self.logger.info("closing a connection idle for %.0f s (--idle-timeout)", time.monotonic() - idle_since)
+                conn.close()
 
     def _sweep(self) -> None:
         store = JobStore(self.context.lock_dir)
@@ -191,7 +208,7 @@ def build_server(config: ServerConfig) -> DLServer:
     GPULockManager(directory)  # create the layout, fail early on permissions
     context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
-                            host=config.host, framework_version=version)
+                            host=config.host, framework_version=version, limits=config.limits)
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)

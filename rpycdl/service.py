@@ -8,7 +8,7 @@ import os
 import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import dill
@@ -16,7 +16,15 @@ import rpyc
 from rpyc.core.netref import BaseNetref
 
 from rpycdl import runner, wire
-from rpycdl.errors import InvalidRequestError, JobCancelledError, JobCrashedError, JobTimeoutError, RpycdlError
+from rpycdl.defaults import IDLE_TIMEOUT, MAX_PAYLOAD, MAX_QUEUED
+from rpycdl.errors import (
+    InvalidRequestError,
+    JobCancelledError,
+    JobCrashedError,
+    JobTimeoutError,
+    LimitError,
+    RpycdlError,
+)
 from rpycdl.gpus import GPU, Inventory
 from rpycdl.jobs import JobRecord, JobState, JobStore, new_job_id
 from rpycdl.locks import GPULockManager
@@ -28,6 +36,18 @@ are not worth a process."""
 
 Executor = Callable[[JobRecord, dict[str, str], float | None], runner.Result]
 """Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout) -> how it ended."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server accepts (see rpycdl.defaults); each refusal names the limit's option."""
+
+    max_payload: int = MAX_PAYLOAD
+    max_queued: int = MAX_QUEUED
+    idle_timeout: float = IDLE_TIMEOUT
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -42,6 +62,7 @@ class ServerContext:
     host: str = ""
     port: int = 0
     framework_version: str | None = None
+    limits: Limits = field(default_factory=Limits)
     gpus: list[GPU] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -51,7 +72,7 @@ class ServerContext:
         return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,
                 "server_id": self.server_id, "inventory": self.inventory.spec,
                 "simulated": self.inventory.simulated, "framework_version": self.framework_version,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "limits": self.limits.to_dict()}
 
 
 def check_ngpus(ngpus: Any, total: int) -> int:
@@ -120,6 +141,11 @@ class GPUService(rpyc.Service):
         while select.select(fds, [], [], 0)[0]:
             self._conn.serve(0)
 
+    def _check_size(self, data: Any, what: str) -> None:
+        limit = self.context.limits.max_payload
+        if isinstance(data, (bytes, bytearray)) and len(data) > limit:
+            raise LimitError(f"the {what} is {len(data)} bytes, over this server's limit of {limit} (--max-payload)")
+
     # -- running a job ----------------------------------------------------------------
 
     def _submit(self, execute: Executor, ngpus: Any, timeout: Any, queue_timeout: Any,
@@ -134,6 +160,10 @@ class GPUService(rpyc.Service):
         if self._busy:
             raise InvalidRequestError("this connection is already running a job: use one connection per "
                                       "concurrent job (rpycdl.connect() again)")
+        waiting = sum(1 for w in self._locks.snapshot()["queue"] if w.get("server_id") == ctx.server_id)
+        if waiting >= ctx.limits.max_queued:
+            raise LimitError(f"this server's queue is full: {waiting} requests wait, the limit is "
+                             f"{ctx.limits.max_queued} (--max-queued); try again later or another server")
         record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
 
         waiting_since: float | None = None
@@ -235,6 +265,7 @@ class GPUService(rpyc.Service):
                     on_state: Callable[[str, str], None] | None = None) -> bytes:
         """Run a payload made by wire.encode_payload; return outcome bytes (see rpycdl.client)."""
         try:
+            self._check_size(payload, "payload")
             body = wire.check_payload(payload)
             return self._submit(self._run_payload(body, stdout or _discard, stderr or _discard), ngpus, timeout,
                                 queue_timeout, on_state, body)
@@ -246,6 +277,7 @@ class GPUService(rpyc.Service):
         """The original servers' call: `fn` is dill bytes, `stdout`/`stderr` file-like objects.
 
         Returns the job's value and raises its exception, as the original servers did."""
+        self._check_size(fn, "fn")
         wire.check_pickle(fn, "fn")
         body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
         outcome = self._submit(self._run_payload(body, _writer(stdout), _writer(stderr)), ngpus, timeout,
@@ -323,6 +355,10 @@ class GPUService(rpyc.Service):
         self._store.request_cancel(job_id)
         self._locks.wake_all()
         return record.state.value
+
+    def exposed_limits(self) -> str:
+        """JSON: this server's limits (max_payload, max_queued, idle_timeout)."""
+        return json.dumps(self.context.limits.to_dict())
 
     def exposed_server_info(self) -> str:
         """JSON description of this server."""

@@ -8,6 +8,7 @@ peers that do not understand each other."""
 from __future__ import annotations
 
 import socket
+import zlib
 from typing import Any
 
 import rpyc
@@ -50,10 +51,30 @@ class BulkSocketStream(SocketStream):
         return bytes(buffer)
 
 
-def channel(sock: socket.socket) -> Channel:
-    """An uncompressed RPyC channel over a connected socket, without Nagle's delay."""
+class LimitedChannel(Channel):
+    """A Channel that drops the connection rather than read a frame over `max_frame` bytes."""
+
+    __slots__ = ("max_frame",)
+
+    def __init__(self, stream: SocketStream, max_frame: int) -> None:
+        super().__init__(stream, compress=False)
+        self.max_frame = max_frame
+
+    def recv(self) -> bytes:
+        header = self.stream.read(self.FRAME_HEADER.size)
+        length, compressed = self.FRAME_HEADER.unpack(header)
+        if length > self.max_frame:
+            self.close()
+            raise EOFError(f"a frame of {length} bytes is over this server's limit of {self.max_frame} (--max-payload)")
+        data = self.stream.read(length + len(self.FLUSHER))[: -len(self.FLUSHER)]
+        return zlib.decompress(data) if compressed else data
+
+
+def channel(sock: socket.socket, max_frame: int) -> Channel:
+    """An uncompressed RPyC channel over a connected socket, without Nagle's delay, that drops
+    the connection on a frame over `max_frame` bytes."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return Channel(BulkSocketStream(sock), compress=False)
+    return LimitedChannel(BulkSocketStream(sock), max_frame)
 
 
 def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None) -> rpyc.Connection:
