@@ -64,10 +64,8 @@ if [ -z "$PYTHON" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
-run() {
-    printf '%q ' "$@"; echo
-    [ "$DRY_RUN" = 1 ] || "$@"
-}
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
 
 if [ "$SKIP_WHEELHOUSE" = 0 ]; then
     run mkdir -p "$WHEELHOUSE"
@@ -79,13 +77,7 @@ for spec in "${SPECS[@]}"; do
     name=${spec%%=*}
     base=$BASE_IMAGE
     [ "$name" = "$spec" ] || base=${spec#*=}
-    service=${name%%:*}
-    version=""
-    [ "$service" = "$name" ] || version=${name#*:}
-    if ! [[ $service =~ ^[a-z][a-z0-9_-]*$ && $version =~ ^[A-Za-z0-9._-]*$ ]]; then
-        echo "bad SPEC '$spec': SERVICE[:VERSION][=BASE_IMAGE] (see --help)" >&2
-        exit 2
-    fi
+    parse_spec "$name"
     [ -n "$base" ] || base=$(vendor_base "$service")
     run docker build --quiet -f dockerfiles/Dockerfile \
         --build-arg "BASE_IMAGE=$base" --build-arg "SERVICE=$service" \

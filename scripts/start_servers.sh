@@ -76,10 +76,8 @@ done
 [[ $GPUS == all || $GPUS =~ ^fake:[0-9]+(x[0-9A-Za-z.]+)?$ ]] || { echo "--gpus must be all or fake:N" >&2; exit 2; }
 [[ $LOCK_DIR == /* ]] || { echo "--lock-dir must be an absolute path" >&2; exit 2; }
 
-run() {
-    printf '%q ' "$@"; echo
-    [ "$DRY_RUN" = 1 ] || "$@"
-}
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
 
 if [ ! -d "$LOCK_DIR" ]; then
     run mkdir -p "$LOCK_DIR"
@@ -87,6 +85,7 @@ if [ ! -d "$LOCK_DIR" ]; then
 fi
 
 common=(--detach --network host --restart unless-stopped)
+for spec in "${SPECS[@]}"; do parse_spec "$spec"; done  # all of them before starting anything
 first=${SPECS[0]}
 if [ "$START_REGISTRY" = 1 ]; then
     run docker run "${common[@]}" --name rpycdl-registry --label rpycdl.role=registry \
@@ -96,13 +95,7 @@ fi
 
 port=$PORT
 for spec in "${SPECS[@]}"; do
-    service=${spec%%:*}
-    version=""
-    [ "$service" = "$spec" ] || version=${spec#*:}
-    if ! [[ $service =~ ^[a-z][a-z0-9_-]*$ && $version =~ ^[A-Za-z0-9._-]*$ ]]; then
-        echo "bad spec '$spec': SERVICE[:VERSION]" >&2
-        exit 2
-    fi
+    parse_spec "$spec"
     options=(--name "rpycdl-$service${version:+-$version}" --label rpycdl.role=server --label "rpycdl.service=$service"
              -v "$LOCK_DIR:$LOCK_DIR" --shm-size "$SHM_SIZE" "${ULIMITS[@]}")
     [ -z "$RUN_AS" ] || options+=(--user "$RUN_AS")

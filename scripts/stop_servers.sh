@@ -23,10 +23,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-run() {
-    printf '%q ' "$@"; echo
-    [ "$DRY_RUN" = 1 ] || "$@"
-}
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
 
 for role in server registry job; do
     mapfile -t ids < <(docker ps -aq --filter "label=rpycdl.role=$role")
