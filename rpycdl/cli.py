@@ -22,8 +22,10 @@ from rpycdl.defaults import (
     ENV_REGISTRY,
     ENV_SECRET_FILE,
     IDLE_TIMEOUT,
+    LOCK_DIR,
     MAX_PAYLOAD,
     MAX_QUEUED,
+    MIN_MAX_PAYLOAD,
     REGISTRY_PORT,
     SERVER_PORT,
 )
@@ -62,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--insecure", action="store_true",
                        help="allow listening on a non-loopback address without authentication")
     serve.add_argument("--max-payload", default=str(MAX_PAYLOAD), metavar="SIZE",
-                       help="largest call accepted, e.g. 8GiB (default: %(default)s bytes)")
+                       help="largest call accepted, at least 1MiB, e.g. 8GiB (default: %(default)s bytes)")
     serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
                        help="most requests waiting at once (default: %(default)s)")
     serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
@@ -127,10 +129,11 @@ def _serve(args: argparse.Namespace) -> int:
     from rpycdl.server import ServerConfig, serve  # the server's imports are not the client's
     from rpycdl.service import Limits
 
-    if args.max_queued < 1 or not args.idle_timeout > 0:
-        raise InvalidRequestError("--max-queued must be at least 1 and --idle-timeout positive")
-    limits = Limits(max_payload=parse_size(args.max_payload), max_queued=args.max_queued,
-                    idle_timeout=args.idle_timeout)
+    max_payload = parse_size(args.max_payload)
+    if max_payload < MIN_MAX_PAYLOAD or args.max_queued < 1 or not args.idle_timeout > 0:
+        raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued at least 1, "
+                                  "--idle-timeout positive")
+    limits = Limits(max_payload=max_payload, max_queued=args.max_queued, idle_timeout=args.idle_timeout)
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
                           gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
                           secret_file=args.secret_file, limits=limits)
@@ -275,8 +278,6 @@ def _selftest(args: argparse.Namespace) -> int:
 
 
 def _container_commands(commands: Any) -> None:
-    from rpycdl.defaults import LOCK_DIR
-
     up = commands.add_parser("up", help="start the registry and server containers (see scripts/start_servers.sh)")
     up.add_argument("specs", nargs="+", metavar="SERVICE[:VERSION]",
                     help="a server per spec, from image rpycdl-SERVICE:VERSION (default tag: latest)")

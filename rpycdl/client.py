@@ -10,7 +10,7 @@ from typing import IO, Any
 import rpyc
 
 from rpycdl import auth, registry, transport, wire
-from rpycdl.defaults import SERVER_PORT
+from rpycdl.defaults import MIN_MAX_PAYLOAD, SERVER_PORT
 from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError, LimitError
 
 CLIENT_CONFIG = {
@@ -33,6 +33,8 @@ class RemoteRoot:
 
     def _check_size(self, payload: bytes) -> None:
         """Refuse here, with the limit's name, what the server would drop unread."""
+        if len(payload) <= MIN_MAX_PAYLOAD:  # every server takes this much: no round trip
+            return
         if self._max_payload is None:
             try:
                 self._max_payload = int(json.loads(self._conn.root.limits())["max_payload"])

@@ -40,6 +40,9 @@ FINISHED_JOBS_KEPT = 200
 MAX_PAYLOAD = 8 * 1024**3
 """Largest call a server accepts, in bytes (`--max-payload`); a larger RPyC frame drops the connection."""
 
+MIN_MAX_PAYLOAD = 1024**2
+"""The smallest --max-payload a server takes: calls up to this size need no look at the limit."""
+
 MAX_QUEUED = 1000
 """Most requests of one server waiting at once (`--max-queued`)."""
 

@@ -50,7 +50,6 @@ class JobRecord:
     started: float | None = None
     ended: float | None = None
     error: str = ""
-    cancel_requested: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -87,11 +86,9 @@ class JobStore:
 
     def load(self, job_id: str) -> JobRecord | None:
         try:
-            record = JobRecord.from_dict(json.loads(self._path(job_id).read_text()))
+            return JobRecord.from_dict(json.loads(self._path(job_id).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
-        record.cancel_requested = self.cancel_requested(job_id)
-        return record
 
     def cancel_requested(self, job_id: str) -> bool:
         """Whether someone asked to cancel the job (one stat, cheap to poll)."""
@@ -111,7 +108,6 @@ class JobStore:
         if record is None or record.state.finished:
             return record
         shared_file(self._path(job_id).with_suffix(".cancel"))
-        record.cancel_requested = True
         return record
 
     def sweep(self, server_id: str) -> list[JobRecord]:
@@ -124,7 +120,7 @@ class JobStore:
                 continue
             if record.pgid:
                 kill_group(record.pgid)
-            record.state = JobState.CANCELLED if record.cancel_requested else JobState.FAILED
+            record.state = JobState.CANCELLED if self.cancel_requested(record.job_id) else JobState.FAILED
             record.error = record.error or "the connection process serving this job died"
             record.ended = time.time()
             self.save(record)

@@ -339,6 +339,11 @@ class GPULockManager:
 
     # -- status ----------------------------------------------------------------------
 
+    def queue(self) -> list[dict[str, Any]]:
+        """The live waiting requests, in ticket order."""
+        with self._locked():
+            return self._waiters()
+
     def snapshot(self) -> dict[str, Any]:
         """Who holds which GPU and who waits, in order: {"held": {uuid: info}, "queue": [info]}.
 

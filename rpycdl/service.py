@@ -160,10 +160,6 @@ class GPUService(rpyc.Service):
         if self._busy:
             raise InvalidRequestError("this connection is already running a job: use one connection per "
                                       "concurrent job (rpycdl.connect() again)")
-        waiting = sum(1 for w in self._locks.snapshot()["queue"] if w.get("server_id") == ctx.server_id)
-        if waiting >= ctx.limits.max_queued:
-            raise LimitError(f"this server's queue is full: {waiting} requests wait, the limit is "
-                             f"{ctx.limits.max_queued} (--max-queued); try again later or another server")
         record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
 
         waiting_since: float | None = None
@@ -172,7 +168,11 @@ class GPUService(rpyc.Service):
 
         def on_position(ahead: int) -> None:
             nonlocal waiting_since
-            if waiting_since is None:  # it has to wait: make it visible to `jobs` and `cancel`
+            if waiting_since is None:  # it has to wait: within the limit? make it visible to `jobs` and `cancel`
+                others = sum(1 for w in self._locks.queue() if w["server_id"] == ctx.server_id) - 1
+                if others >= ctx.limits.max_queued:
+                    raise LimitError(f"this server's queue is full: {others} requests wait, the limit is "
+                                     f"{ctx.limits.max_queued} (--max-queued); try again later or another server")
                 waiting_since = time.monotonic()
                 self._store.save(record)
             if on_state is not None:
@@ -324,22 +324,25 @@ class GPUService(rpyc.Service):
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 
+    def _snapshot(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Holders by GPU UUID, and the waiting requests that compete for this server's GPUs."""
+        snapshot = self._locks.snapshot()
+        mine = {gpu.uuid for gpu in self.context.gpus}
+        return snapshot["held"], [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
+
     def exposed_gpu_status(self) -> str:
         """JSON: this server, each GPU with its holder and memory use, and the waiting queue in order."""
         ctx = self.context
-        snapshot = self._locks.snapshot()
+        held, queue = self._snapshot()
         used = ctx.inventory.memory_used()
-        gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holder": snapshot["held"].get(gpu.uuid)}
-                for gpu in ctx.gpus]
-        mine = {gpu.uuid for gpu in ctx.gpus}
-        queue = [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
+        gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holder": held.get(gpu.uuid)} for gpu in ctx.gpus]
         return json.dumps({"server": ctx.info(), "gpus": gpus, "queue": queue, "time": time.time()})
 
     def exposed_load(self) -> tuple[int, int, int]:
         """(free GPUs, waiting requests, GPUs): how soon a new job would run here."""
-        status = json.loads(self.exposed_gpu_status())
-        free = sum(1 for gpu in status["gpus"] if gpu["holder"] is None)
-        return free, len(status["queue"]), len(status["gpus"])
+        held, queue = self._snapshot()
+        gpus = self.context.gpus
+        return sum(1 for gpu in gpus if gpu.uuid not in held), len(queue), len(gpus)
 
     def exposed_jobs(self) -> str:
         """JSON list of this server's job records, oldest first."""
