@@ -6,6 +6,7 @@ from rpycdl.client import Connection, connect
 from rpycdl.errors import (
     AuthFailedError,
     DiscoveryError,
+    GPUMemoryExceededError,
     InvalidRequestError,
     JobCancelledError,
     JobCrashedError,
@@ -21,7 +22,7 @@ from rpycdl.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthFailedError", "Connection", "connect", "DiscoveryError", "InvalidRequestError", "JobCancelledError",
-    "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "QueueTimeoutError", "RemoteError",
-    "RpycdlError", "VersionMismatchError", "__version__",
+    "AuthFailedError", "Connection", "connect", "DiscoveryError", "GPUMemoryExceededError", "InvalidRequestError",
+    "JobCancelledError", "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "QueueTimeoutError",
+    "RemoteError", "RpycdlError", "VersionMismatchError", "__version__",
 ]

@@ -21,15 +21,18 @@ from rpycdl.defaults import (
     ENV_LOCK_DIR,
     ENV_REGISTRY,
     ENV_SECRET_FILE,
+    GPU_UNIT,
     IDLE_TIMEOUT,
     LOCK_DIR,
     MAX_PAYLOAD,
     MAX_QUEUED,
+    MEMORY_ALLOWANCE,
     MIN_MAX_PAYLOAD,
     REGISTRY_PORT,
     SERVER_PORT,
 )
 from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError
+from rpycdl.locks import describe_need
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="most requests waiting at once (default: %(default)s)")
     serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
                        help="close connections idle this long (default: %(default)s)")
+    serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
+                       help="granularity of shares of a GPU (gpus=0.25, gpu_memory='6GiB'): a size such as "
+                            "1GiB or a fraction such as 1/8; shares are rounded up to it (default: %(default)s)")
+    serve.add_argument("--memory-allowance", default=str(MEMORY_ALLOWANCE), metavar="SIZE",
+                       help="GPU memory a job on a share may use beyond its grant (for the CUDA context) before "
+                            "the watchdog stops it (default: %(default)s bytes)")
     serve.add_argument("--secret-file", default=None, metavar="PATH",
                        help=f"require clients to prove they know the shared secret in PATH (mode 600); "
                             f"default ${ENV_SECRET_FILE}, else no authentication")
@@ -128,15 +137,17 @@ def _serve(args: argparse.Namespace) -> int:
     from rpycdl.gpus import parse_size
     from rpycdl.server import ServerConfig, serve  # the server's imports are not the client's
     from rpycdl.service import Limits
+    from rpycdl.shares import ShareRules
 
     max_payload = parse_size(args.max_payload)
     if max_payload < MIN_MAX_PAYLOAD or args.max_queued < 1 or not args.idle_timeout > 0:
         raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued at least 1, "
                                   "--idle-timeout positive")
     limits = Limits(max_payload=max_payload, max_queued=args.max_queued, idle_timeout=args.idle_timeout)
+    shares = ShareRules(unit=args.gpu_unit, allowance=parse_size(args.memory_allowance))
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
                           gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
-                          secret_file=args.secret_file, limits=limits)
+                          secret_file=args.secret_file, limits=limits, shares=shares)
     serve(config)
     return 0
 
@@ -187,23 +198,35 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
     server = status["server"]
     kind = "simulated " + server["inventory"] if server["simulated"] else "NVML"
     lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}"]
-    lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<20}HOLDER")
+    lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<20}HELD BY")
     for gpu in status["gpus"]:
         used = "?" if gpu["memory_used"] is None else f"{gpu['memory_used'] / 2**30:.1f}"
         memory = f"{used}/{gpu['memory_total'] / 2**30:.1f} GiB"
-        holder = gpu["holder"]
-        who = "free" if holder is None else (
-            f"job {holder['job_id']} from {holder['client']} ({holder['server']}) "
-            f"since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} ({_ago(now - holder['since'])})")
+        holders = gpu["holders"]
+        if not holders:
+            who = "free"
+        elif not holders[0]["memory"]:
+            who = "whole: " + _holder(holders[0], now)
+        else:
+            granted = sum(holder["memory"] for holder in holders) * 2**20 / 2**30
+            who = f"shared: {granted:.1f}/{gpu['memory_total'] / 2**30:.1f} GiB granted to {len(holders)} job(s)"
         lines.append(f"  {gpu['index']:<4}{gpu['uuid']:<42}{gpu['name'][:23]:<24}{memory:<20}{who}")
+        if holders and holders[0]["memory"]:
+            lines.extend(f"      {holder['memory'] / 1024:.1f} GiB: {_holder(holder, now)}" for holder in holders)
     if status["queue"]:
         lines.append(f"  waiting ({len(status['queue'])}), first come first served:")
         for place, waiter in enumerate(status["queue"], 1):
-            lines.append(f"    {place}. job {waiter['job_id']} wants {waiter['count']} GPU(s), from {waiter['client']} "
+            wants = describe_need(waiter["count"], waiter["memory"])
+            lines.append(f"    {place}. job {waiter['job_id']} wants {wants}, from {waiter['client']} "
                          f"({waiter['server']}), waiting {_ago(now - waiter['since'])}")
     else:
         lines.append("  nobody waiting")
     return "\n".join(lines) + "\n"
+
+
+def _holder(holder: dict[str, Any], now: float) -> str:
+    return (f"job {holder['job_id']} from {holder['client']} ({holder['server']}) "
+            f"since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} ({_ago(now - holder['since'])})")
 
 
 def _ago(seconds: float) -> str:
@@ -228,7 +251,8 @@ def _jobs(args: argparse.Namespace) -> int:
             continue
         for job in jobs:
             when = time.strftime("%H:%M:%S", time.localtime(job["submitted"]))
-            print(f"  {job['job_id']}  {job['state']:<10} {job['ngpus']} GPU(s)  from {job['client']:<22} "
+            print(f"  {job['job_id']}  {job['state']:<10} {describe_need(job['ngpus'], job['gpu_memory']):<18} "
+                  f"from {job['client']:<22} "
                   f"submitted {when}  {job['error']}")
     return 0
 

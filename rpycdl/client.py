@@ -44,16 +44,23 @@ class RemoteRoot:
             raise LimitError(f"the call is {len(payload)} bytes, over the server's limit of {self._max_payload} "
                              "(--max-payload)")
 
-    def run_code(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int = 1, *,
+    def run_code(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
+                 gpus: float | None = None, gpu_memory: str | int | None = None,
                  timeout: float | None = None, queue_timeout: float | None = None,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
                  on_state: StateCallback | None = None) -> Any:
-        """Run `fn(args)` on the server with `ngpus` GPUs of its own and return its value.
+        """Run `fn(args)` on the server with `ngpus` GPUs of its own, or a share of one GPU, and
+        return its value.
 
         Args:
             fn: a callable (serialised here with dill), or dill bytes of one.
             args: the single argument passed to fn.
-            ngpus: whole GPUs to lock, or -1 for all of the server's.
+            ngpus: whole GPUs to lock, or -1 for all of the server's (default 1).
+            gpus: instead of ngpus, a share of one GPU (0.25: a quarter of its memory), or a whole
+                number of GPUs.
+            gpu_memory: instead of ngpus, a share of one GPU by memory ("6GiB", or bytes). A share
+                is rounded up to the server's unit; the job is held to it (rpycdl.caps and the
+                server's watchdog, which raises GPUMemoryExceededError).
             timeout: seconds the job may run; past it, JobTimeoutError.
             queue_timeout: seconds to wait for the GPUs; past it, QueueTimeoutError.
             stdout, stderr: where the job's output goes, live (default: this process's).
@@ -71,7 +78,9 @@ class RemoteRoot:
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
         try:
-            outcome = self._conn.root.run(payload, ngpus, _sink(out), _sink(err), timeout, queue_timeout, state_cb)
+            share = () if gpus is None and gpu_memory is None else (gpus, gpu_memory)  # servers before shares
+            outcome = self._conn.root.run(payload, 1 if ngpus is None and not share else ngpus, _sink(out), _sink(err),
+                                          timeout, queue_timeout, state_cb, *share)
         except KeyboardInterrupt:
             self._conn.close()  # the server sees the client go and cancels the job
             raise

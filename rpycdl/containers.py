@@ -413,7 +413,8 @@ def remove_orphans(lock_dir: str, client: docker.DockerClient | None = None) -> 
     containers = _listed(client, f"{LABEL_ROLE}=job", f"{LABEL_LOCK_DIR}={lock_dir}")
     if not containers:
         return []
-    holding = {info.get("job_id") for info in GPULockManager(lock_dir).snapshot()["held"].values()}
+    holding = {info.get("job_id") for holders in GPULockManager(lock_dir).snapshot()["held"].values()
+               for info in holders}
     removed = []
     for container in containers:
         if container.attrs["Labels"].get(LABEL_JOB) not in holding:

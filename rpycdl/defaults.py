@@ -56,8 +56,20 @@ ENV_GPUS = "RPYCDL_GPUS"
 ENV_LOCK_DIR = "RPYCDL_LOCK_DIR"
 ENV_REGISTRY = "RPYCDL_REGISTRY"
 ENV_SECRET_FILE = "RPYCDL_SECRET_FILE"
+ENV_SIMULATED_GPUS = "RPYCDL_SIMULATED_GPUS"
+"""Set in jobs on simulated GPUs: where rpycdl.gpus.simulate_memory records their memory use."""
 
 
 def lock_dir() -> str:
     """The lock directory: $RPYCDL_LOCK_DIR, else LOCK_DIR."""
     return os.environ.get(ENV_LOCK_DIR) or LOCK_DIR
+
+GPU_UNIT = "256MiB"
+"""Granularity of fractional grants (`--gpu-unit`): shares are rounded up to whole units."""
+
+MEMORY_ALLOWANCE = 1024**3
+"""Bytes of GPU memory a fractional job may use beyond its grant before the watchdog stops it
+(`--memory-allowance`): room for the CUDA context, which no framework cap covers."""
+
+WATCH_INTERVAL = 1.0
+"""Seconds between the watchdog's looks at a fractional job's GPU memory."""

@@ -35,6 +35,10 @@ class JobCrashedError(RpycdlError):
     """The job process ended without a result (killed by a signal, or exited early)."""
 
 
+class GPUMemoryExceededError(RpycdlError):
+    """A job on a share of a GPU used more memory than its grant plus the allowance, and was stopped."""
+
+
 class VersionMismatchError(RpycdlError):
     """Client and server run different Python minor versions, so dill cannot move code."""
 

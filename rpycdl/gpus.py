@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rpycdl.defaults import ENV_GPUS
+from rpycdl.defaults import ENV_GPUS, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
+from rpycdl.jobs import process_alive
 
 GiB = 1024**3
 FAKE_DEFAULT_MEMORY = 16 * GiB
@@ -53,14 +56,22 @@ class Inventory:
         """Bytes in use per GPU UUID right now; None where the query failed."""
         raise NotImplementedError
 
+    def process_memory(self, uuid: str) -> dict[int, int] | None:
+        """Bytes each process uses on the GPU right now, by pid; None where the query failed."""
+        raise NotImplementedError
+
 
 class FakeInventory(Inventory):
     """A simulated inventory: `fake:4` or `fake:2x16GiB`.
 
     UUIDs are fixed by index, so every server given the same spec on one host (one lock
-    directory) shares the same simulated GPUs, like containers sharing real ones."""
+    directory) shares the same simulated GPUs, like containers sharing real ones. Jobs on
+    simulated GPUs "allocate" memory with simulate_memory(), which records it under
+    `state_dir` (the server sets it to <lock dir>/simulated-gpus): the per-process figures
+    a driver would report."""
 
     simulated = True
+    state_dir: Path | None = None
 
     def __init__(self, spec: str) -> None:
         match = re.fullmatch(r"fake:(\d+)(?:x(.+))?", spec.strip())
@@ -82,7 +93,17 @@ class FakeInventory(Inventory):
         return list(self._gpus)
 
     def memory_used(self) -> dict[str, int | None]:
-        return {gpu.uuid: 0 for gpu in self._gpus}
+        return {gpu.uuid: sum(self.process_memory(gpu.uuid).values()) for gpu in self._gpus}
+
+    def process_memory(self, uuid: str) -> dict[int, int]:
+        used = {}
+        folder = self.state_dir / uuid if self.state_dir else None
+        for entry in folder.iterdir() if folder and folder.is_dir() else ():
+            with contextlib.suppress(ValueError, OSError):
+                pid, size = int(entry.name), int(entry.read_text() or 0)
+                if process_alive(pid):
+                    used[pid] = size
+        return used
 
 
 class NvmlInventory(Inventory):
@@ -147,6 +168,37 @@ class NvmlInventory(Inventory):
             return used
         finally:
             nvml.nvmlShutdown()
+
+
+    def process_memory(self, uuid: str) -> dict[int, int] | None:
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+        except Exception:
+            return None
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+            return {int(p.pid): int(p.usedGpuMemory or 0) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        except Exception:
+            return None
+        finally:
+            nvml.nvmlShutdown()
+
+
+def simulate_memory(size: int, device: int = 0) -> None:
+    """In a job on simulated GPUs: say this process now uses `size` bytes of its `device`-th GPU,
+    as if it had allocated them (what the server's watchdog and `rpycdl status` then see).
+
+    Raises:
+        RuntimeError: not in a job on simulated GPUs.
+    """
+    state, uuids = os.environ.get(ENV_SIMULATED_GPUS), os.environ.get("RPYCDL_GPU_UUIDS", "").split(",")
+    if not state or not 0 <= device < len(uuids) or not uuids[device]:
+        raise RuntimeError(f"simulate_memory works in jobs on simulated GPUs ({ENV_SIMULATED_GPUS} is not set "
+                           f"or there is no GPU {device})")
+    folder = Path(state) / uuids[device]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(os.getpid())).write_text(str(int(size)))
 
 
 def _text(value: str | bytes) -> str:

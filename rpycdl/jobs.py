@@ -42,6 +42,7 @@ class JobRecord:
     server_id: str
     client: str
     ngpus: int
+    gpu_memory: int = 0  # MiB of its one GPU for a share; 0 for whole GPUs
     state: JobState = JobState.PENDING
     owner_pid: int = 0
     pgid: int = 0
@@ -116,7 +117,7 @@ class JobStore:
         failed = []
         records = self.all()
         for record in records:
-            if record.server_id != server_id or record.state.finished or _alive(record.owner_pid):
+            if record.server_id != server_id or record.state.finished or process_alive(record.owner_pid):
                 continue
             if record.pgid:
                 kill_group(record.pgid)
@@ -151,7 +152,8 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (perhaps as another user's)."""
     if pid <= 0:
         return False
     try:

@@ -1,14 +1,21 @@
-"""The GPU lock manager: first-come-first-served grants of whole GPUs with fasteners file locks.
+"""The GPU lock manager: first-come-first-served grants of whole GPUs, or of a share of one
+GPU's memory, with file locks.
 
 Everything lives in one lock directory shared by every server of a host (and mounted into
 every container):
 
-    gpus/<uuid>.lock     held (fcntl lock, through fasteners) by the process that holds the GPU
-    held/<uuid>.json     who holds it: job id, client, server, since (for status only)
-    queue/<ticket>.json  a waiting request: what it asks for and who it is
-    queue/<ticket>.fifo  its wake-up pipe; a request that has died has no reader on it
-    queue.lock           serialises taking tickets, granting and probing
-    counters             the last ticket and the last grant sequence number, one line each
+    gpus/<uuid>.lock             the GPU's lock file (fcntl locks; see below)
+    held/<uuid>.<ticket>.json    who holds (part of) it: job id, client, server, share, since
+    queue/<ticket>.json          a waiting request: what it asks for and who it is
+    queue/<ticket>.fifo          its wake-up pipe; a request that has died has no reader on it
+    queue.lock                   serialises taking tickets, granting and probing
+    counters                     the last ticket and the last grant sequence number, one line each
+
+A GPU's lock file is its memory, one byte per MiB. A whole-GPU grant locks the whole file
+(fasteners.InterProcessLock: byte 0 to infinity). A fractional grant of M MiB locks M bytes of
+it with byte-range fcntl locks, so shares of one GPU never overlap, never add up to more than
+the GPU, and never coexist with a whole-GPU grant: the kernel refuses conflicting locks.
+Probes ask the kernel which ranges others hold (F_GETLK), without taking anything.
 
 Arrival order is the ticket order. A request is granted when the GPUs it may use are free
 after every earlier request has been served or has reserved what it waits for (so a later
@@ -18,23 +25,29 @@ now goes first, the later one waiting for its wake-up, so competing requests are
 (numbered by Grant.sequence) in arrival order. A release, a grant and a cancelled wait write
 a byte to every waiter's FIFO, so the next request is granted at once, not at the next poll.
 
+A fractional request goes to the fullest GPU that has room for it (best fit among GPUs that
+already hold shares) and only breaks into an idle GPU when none has room, so whole GPUs stay
+available for whole-GPU requests.
+
 What the locks do not guarantee: they are fcntl locks, so they belong to a process (one
-process must not open a held GPU's lock file twice; this module keeps a registry so it never
-does), and they are freed by the kernel when the holder dies, without any wake-up: waiters
-re-check at least every WAIT_FALLBACK_POLL seconds, and a server parent that sees one of
-its connection processes die wakes them at once.
+process must not close a descriptor of a lock file it holds a lock in; this module keeps a
+registry so it never does), and they are freed by the kernel when the holder dies, without
+any wake-up: waiters re-check at least every WAIT_FALLBACK_POLL seconds, and a server parent
+that sees one of its connection processes die wakes them at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import select
 import stat
+import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,29 +57,56 @@ import fasteners
 from rpycdl.defaults import WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 
-# GPU locks held by this process, by uuid. fcntl locks are per process, so a second
-# open-and-close of the same file here would silently drop the first lock.
-_HELD: dict[str, fasteners.InterProcessLock] = {}
+Range = tuple[int, int]  # (first MiB, MiB count) in a GPU's lock file
+
+# What this process holds. fcntl locks are per process: the kernel never reports a process its
+# own locks, and closing any descriptor of a file drops all of them, so they are tracked here.
+# All are keyed by the lock file's path (the same UUID may live in several lock directories).
+_WHOLE: dict[str, fasteners.InterProcessLock] = {}  # its whole-GPU lock
+_SHARES: dict[str, dict[int, tuple[Range, ...]]] = {}  # ticket -> ranges locked
+_FDS: dict[str, int] = {}  # a descriptor of the lock file, open for the process's life
+
+
+def _forget_held() -> None:
+    """In a forked child: fcntl locks are not inherited, so neither is the record of them."""
+    _WHOLE.clear()
+    _SHARES.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held)
 
 _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path
 
 TICKET, GRANT = 0, 1  # lines of the counters file
 _COUNTER_WIDTH = 20
+_FLOCK = "hhqqi4x"  # struct flock on Linux: type, whence, start, len, pid
 
 
 @dataclass(frozen=True)
 class Grant:
-    """GPUs granted to one job.
+    """GPUs, or a share of one GPU, granted to one job.
 
     Attributes:
         uuids: the granted GPUs' UUIDs, in the order of `candidates` given to acquire.
         ticket: the request's place in arrival order.
         sequence: the grant's place in grant order (for checking first come, first served).
+        memory: MiB of uuids[0] for a fractional grant; 0 for whole GPUs.
+        ranges: the byte ranges of the GPU's lock file that the fractional grant holds.
     """
 
     uuids: tuple[str, ...]
     ticket: int
     sequence: int
+    memory: int = 0
+    ranges: tuple[Range, ...] = ()
+
+
+@dataclass
+class _Room:
+    """On paper, while planning grants: whether a GPU is untouched, and its free MiB."""
+
+    idle: bool
+    free: int
 
 
 SHARED_DIR_MODE = 0o777
@@ -111,8 +151,14 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def describe_need(count: int, memory: int) -> str:
+    """'2 GPU(s)' or '6144 MiB of one GPU', for messages."""
+    return f"{memory} MiB of one GPU" if memory else f"{count} GPU(s)"
+
+
 class GPULockManager:
-    """Grants whole GPUs first come, first served, across every process sharing `lock_dir`.
+    """Grants whole GPUs, or MiB of one GPU, first come, first served, across every process
+    sharing `lock_dir`.
 
     Args:
         lock_dir: the directory shared by every server on the host.
@@ -154,22 +200,38 @@ class GPULockManager:
     def _lock_path(self, uuid: str) -> str:
         return str(self.root / "gpus" / f"{uuid}.lock")
 
-    def _try_lock(self, uuid: str) -> fasteners.InterProcessLock | None:
-        """Take the GPU's lock if nobody holds it; only under the queue lock."""
-        if uuid in _HELD:
-            return None
-        shared_file(Path(self._lock_path(uuid)))
-        lock = fasteners.InterProcessLock(self._lock_path(uuid))
-        return lock if lock.acquire(blocking=False) else None
+    def _fd(self, uuid: str) -> int:
+        """This process's descriptor of the GPU's lock file, for probes and shares; never closed."""
+        path = self._lock_path(uuid)
+        fd = _FDS.get(path)
+        if fd is None:
+            shared_file(Path(path))
+            fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        return fd
 
-    def _free(self, uuids: set[str]) -> set[str]:
-        free = set()
+    def _taken(self, uuid: str, end: int) -> list[Range]:
+        """Under the queue lock: ranges below MiB `end` (0: all of the file) that others hold,
+        plus this process's own; one covering [0, end) if the GPU is held whole."""
+        if self._lock_path(uuid) in _WHOLE:
+            return [(0, end)]
+        taken = [r for ranges in _SHARES.get(self._lock_path(uuid), {}).values() for r in ranges]
+        _others(self._fd(uuid), 0, end, taken)
+        return taken
+
+    def _rooms(self, sizes: Mapping[str, int], uuids: set[str], fractional: bool) -> dict[str, _Room]:
+        """Under the queue lock: each GPU's room. Free MiB of a busy GPU are counted only when a
+        fractional request is involved (sizes are known for every GPU such a request may use)."""
+        rooms = {}
         for uuid in uuids:
-            lock = self._try_lock(uuid)
-            if lock is not None:
-                lock.release()
-                free.add(uuid)
-        return free
+            size = sizes.get(uuid, 0)
+            taken = self._taken(uuid, size if fractional else 0)
+            if not taken:
+                rooms[uuid] = _Room(True, size)
+            elif fractional and size:
+                rooms[uuid] = _Room(False, size - sum(length for _, length in taken))
+            else:
+                rooms[uuid] = _Room(False, 0)
+        return rooms
 
     def _waiters(self, before: int | None = None) -> list[dict[str, Any]]:
         """Live waiting requests in ticket order (only those before ticket `before`, if given);
@@ -206,31 +268,43 @@ class GPULockManager:
         wake_fds: Sequence[int] = (),
         on_wake: Callable[[], None] | None = None,
         on_position: Callable[[int], None] | None = None,
+        memory: int = 0,
+        sizes: Mapping[str, int] | None = None,
     ) -> Grant:
-        """Wait in line for `count` of the GPUs `candidates` and lock them.
+        """Wait in line for `count` whole GPUs of `candidates`, or for `memory` MiB of one, and lock them.
 
         Args:
-            count: how many GPUs, 1 to len(candidates).
+            count: how many GPUs, 1 to len(candidates); 1 for a fractional request.
             candidates: UUIDs of the GPUs this request may use (the server's inventory).
             info: shown to others while waiting and holding (job_id, client, server, ...).
             queue_timeout: seconds to wait at most; None waits for as long as it takes.
             wake_fds: other file descriptors that end a sleep when readable.
             on_wake: called after each sleep; it may raise to give up waiting (cancel).
             on_position: called with the number of requests ahead whenever it changes.
+            memory: MiB of one GPU for a fractional request; 0 (the default) for whole GPUs.
+            sizes: each candidate's memory in MiB; needed for a fractional request.
 
         Raises:
-            InvalidRequestError: count is not between 1 and len(candidates).
+            InvalidRequestError: an impossible request (count, memory or sizes).
             QueueTimeoutError: queue_timeout passed first; nothing is left locked.
         """
+        sizes = dict(sizes or {})
         if not 1 <= count <= len(candidates):
             raise InvalidRequestError(f"cannot lock {count} GPUs of {len(candidates)}")
+        if memory:
+            if count != 1 or any(sizes.get(uuid, 0) < 1 for uuid in candidates):
+                raise InvalidRequestError("a fractional request is for one GPU, with every candidate's size known")
+            if not 0 < memory <= max(sizes[uuid] for uuid in candidates):
+                raise InvalidRequestError(f"cannot lock {memory} MiB: the largest GPU has "
+                                          f"{max(sizes[uuid] for uuid in candidates)} MiB")
+        need = {"count": count, "memory": memory, "candidates": list(candidates), "sizes": sizes}
         deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
         with self._locked():
             ticket = self._next(TICKET)
-            grant, position = self._try_grant(ticket, count, candidates, info)
+            grant, position = self._try_grant(ticket, need, info)
             if grant is not None:  # nobody to wait for: no queue entry at all
                 return grant
-            entry, fifo_fd = self._enqueue(ticket, count, candidates, info)
+            entry, fifo_fd = self._enqueue(ticket, need, info)
         last_position = -1
         try:
             while True:
@@ -244,8 +318,8 @@ class GPULockManager:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise QueueTimeoutError(
-                            f"waited {queue_timeout:g} s for {count} GPU(s) and they did not come free "
-                            f"({position} request(s) were still ahead)")
+                            f"waited {queue_timeout:g} s for {describe_need(count, memory)} and they did not "
+                            f"come free ({position} request(s) were still ahead)")
                     timeout = min(timeout, remaining)
                 readable, _, _ = select.select([fifo_fd, *wake_fds], [], [], timeout)
                 if fifo_fd in readable:
@@ -253,7 +327,7 @@ class GPULockManager:
                 if on_wake is not None:
                     on_wake()
                 with self._locked():
-                    grant, position = self._try_grant(ticket, count, candidates, info)
+                    grant, position = self._try_grant(ticket, need, info)
                 if grant is not None:
                     self.wake_all()  # the next request may be able to go now
                     return grant
@@ -267,7 +341,7 @@ class GPULockManager:
             else:
                 os.close(fifo_fd)
 
-    def _enqueue(self, ticket: int, count: int, candidates: Sequence[str], info: dict[str, Any]) -> tuple[Path, int]:
+    def _enqueue(self, ticket: int, need: dict[str, Any], info: dict[str, Any]) -> tuple[Path, int]:
         """Under the queue lock: join the queue with a wake-up FIFO."""
         entry = self.root / "queue" / f"{ticket:016d}.json"
         fifo = entry.with_suffix(".fifo")
@@ -276,60 +350,99 @@ class GPULockManager:
         # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
         # and writers see a reader for exactly as long as this process lives.
         fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-        _write_json(entry, {**info, "ticket": ticket, "count": count, "candidates": list(candidates),
-                            "since": time.time()})
+        _write_json(entry, {**info, **need, "ticket": ticket, "since": time.time()})
         return entry, fifo_fd
 
-    def _try_grant(self, ticket: int, count: int, candidates: Sequence[str],
-                   info: dict[str, Any]) -> tuple[Grant | None, int]:
+    def _try_grant(self, ticket: int, need: dict[str, Any], info: dict[str, Any]) -> tuple[Grant | None, int]:
         """Under the queue lock: grant to `ticket` if every earlier request is served first."""
         earlier = self._waiters(before=ticket)
-        involved = set(candidates)
+        candidates = need["candidates"]
+        involved, sizes = set(candidates), {}
         for waiter in earlier:
             involved.update(waiter["candidates"])
-        free = self._free(involved)
+            sizes.update(waiter.get("sizes", {}))
+        sizes.update(need["sizes"])
+        fractional = bool(need["memory"]) or any(waiter.get("memory") for waiter in earlier)
+        rooms = self._rooms(sizes, involved, fractional)
         ahead = 0
         behind_a_grant = False
         for waiter in earlier:
-            theirs = [u for u in waiter["candidates"] if u in free]
             competes = bool(set(waiter["candidates"]) & set(candidates))
-            if competes:
-                ahead += 1
-            if len(theirs) >= waiter["count"]:
-                free.difference_update(theirs[: waiter["count"]])  # they will take these first
+            ahead += competes
+            theirs = _pick(rooms, waiter["count"], waiter.get("memory", 0), waiter["candidates"])
+            if theirs:
+                _take(rooms, theirs, waiter.get("memory", 0))  # they will take these first
                 behind_a_grant |= competes  # and be granted first: their grant wakes us
             else:
-                free.difference_update(waiter["candidates"])  # reserved while they wait
-        mine = [u for u in candidates if u in free][:count]
-        if behind_a_grant or len(mine) < count:
+                for uuid in waiter["candidates"]:  # reserved while they wait
+                    rooms[uuid] = _Room(False, 0)
+        mine = _pick(rooms, need["count"], need["memory"], candidates)
+        if behind_a_grant or not mine:
             return None, ahead
-        locks = []
-        for uuid in mine:
-            lock = self._try_lock(uuid)
-            if lock is None:  # cannot happen under the queue lock, but never double-book
-                for taken in locks:
-                    taken.release()
-                return None, ahead
-            locks.append(lock)
-        sequence = self._next(GRANT)
+        grant = self._lock(mine, need["memory"], sizes, ticket)
+        if grant is None:  # cannot happen under the queue lock, but never double-book
+            return None, ahead
         since = time.time()
-        for uuid, lock in zip(mine, locks, strict=True):
-            _HELD[uuid] = lock
-            _write_json(self.root / "held" / f"{uuid}.json",
-                        {**info, "ticket": ticket, "sequence": sequence, "since": since})
+        for uuid in grant.uuids:
+            self._clear_records(uuid, grant.ranges)
+            _write_json(self.root / "held" / f"{uuid}.{ticket}.json",
+                        {**info, "ticket": ticket, "sequence": grant.sequence, "memory": grant.memory,
+                         "ranges": [list(r) for r in grant.ranges], "since": since})
         entry = self.root / "queue" / f"{ticket:016d}.json"
         entry.unlink(missing_ok=True)
         entry.with_suffix(".fifo").unlink(missing_ok=True)
-        return Grant(tuple(mine), ticket, sequence), ahead
+        return grant, ahead
+
+    def _lock(self, uuids: list[str], memory: int, sizes: Mapping[str, int], ticket: int) -> Grant | None:
+        """Under the queue lock: take the locks of a planned grant; None (nothing held) if one fails."""
+        if memory:
+            uuid = uuids[0]
+            fd = self._fd(uuid)
+            ranges = _fit(self._taken(uuid, sizes[uuid]), sizes[uuid], memory)
+            done: list[Range] = []
+            for start, length in ranges:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, length, start)
+                except OSError:
+                    for taken in done:
+                        fcntl.lockf(fd, fcntl.LOCK_UN, taken[1], taken[0])
+                    return None
+                done.append((start, length))
+            _SHARES.setdefault(self._lock_path(uuid), {})[ticket] = tuple(ranges)
+            return Grant((uuid,), ticket, self._next(GRANT), memory, tuple(ranges))
+        locks = []
+        for uuid in uuids:
+            lock = fasteners.InterProcessLock(self._lock_path(uuid))
+            if not lock.acquire(blocking=False):
+                for taken in locks:
+                    taken.release()
+                return None
+            locks.append(lock)
+        _WHOLE.update(zip(map(self._lock_path, uuids), locks, strict=True))
+        return Grant(tuple(uuids), ticket, self._next(GRANT))
+
+    def _clear_records(self, uuid: str, ranges: tuple[Range, ...]) -> None:
+        """Under the queue lock, after locking `ranges` of the GPU (all of it if none): remove the
+        records of earlier holders that overlap them; they are dead, or we could not have locked."""
+        for path in (self.root / "held").glob(f"{uuid}.*.json"):
+            old = _read_json(path)
+            if old is None or not ranges or not old.get("ranges") or _overlap(ranges, old["ranges"]):
+                path.unlink(missing_ok=True)
 
     def release(self, grant: Grant) -> None:
-        """Free the grant's GPUs and wake every waiter. Releasing twice is harmless."""
+        """Free the grant's GPUs (or share) and wake every waiter. Releasing twice is harmless."""
         for uuid in grant.uuids:
-            lock = _HELD.pop(uuid, None)
-            if lock is None:
-                continue
-            (self.root / "held" / f"{uuid}.json").unlink(missing_ok=True)
-            lock.release()
+            (self.root / "held" / f"{uuid}.{grant.ticket}.json").unlink(missing_ok=True)
+            path = self._lock_path(uuid)
+            if grant.memory:
+                for start, length in _SHARES.get(path, {}).pop(grant.ticket, ()):
+                    fcntl.lockf(_FDS[path], fcntl.LOCK_UN, length, start)
+                if not _SHARES.get(path):
+                    _SHARES.pop(path, None)
+            else:
+                lock = _WHOLE.pop(path, None)
+                if lock is not None:
+                    lock.release()
         self.wake_all()
 
     def wake_all(self) -> None:
@@ -345,17 +458,102 @@ class GPULockManager:
             return self._waiters()
 
     def snapshot(self) -> dict[str, Any]:
-        """Who holds which GPU and who waits, in order: {"held": {uuid: info}, "queue": [info]}.
+        """Who holds which GPU and who waits, in order: {"held": {uuid: [info]}, "queue": [info]}.
 
-        GPUs held by a process that died are not reported, whatever their stale files say."""
+        Each GPU's holders are in grant order; `memory` is a holder's MiB (0: the whole GPU).
+        Holders that died are not reported (and their stale records are removed)."""
         with self._locked():
-            held = {}
+            held: dict[str, list[dict[str, Any]]] = {}
             for path in (self.root / "held").glob("*.json"):
-                uuid = path.stem
+                uuid, _, ticket = path.name.removesuffix(".json").rpartition(".")
                 info = _read_json(path)
-                if info is not None and (uuid in _HELD or not self._free({uuid})):
-                    held[uuid] = info
+                if not (uuid and ticket.isdigit()):
+                    continue
+                if info is not None and self._holds(uuid, info):
+                    held.setdefault(uuid, []).append(info)
+                elif info is not None:
+                    path.unlink(missing_ok=True)
+            for holders in held.values():
+                holders.sort(key=lambda holder: holder["sequence"])
             return {"held": held, "queue": self._waiters()}
+
+    def _holds(self, uuid: str, info: dict[str, Any]) -> bool:
+        """Under the queue lock: whether the holder a held/ record names still holds its locks."""
+        ranges = [tuple(r) for r in info.get("ranges") or ()]
+        if not ranges:
+            return self._lock_path(uuid) in _WHOLE or bool(_others(self._fd(uuid), 0, 0, []))
+        if info["ticket"] in _SHARES.get(self._lock_path(uuid), {}):
+            return True
+        start, length = ranges[0]
+        return bool(_others(self._fd(uuid), start, start + length, []))
+
+
+def _pick(rooms: dict[str, _Room], count: int, memory: int, candidates: Sequence[str]) -> list[str]:
+    """The GPUs a request would get now ([] if none): the first idle ones for whole GPUs; for a
+    share, the fullest GPU already shared that has room, else the first idle one large enough."""
+    if not memory:
+        idle = [uuid for uuid in candidates if rooms[uuid].idle]
+        return idle[:count] if len(idle) >= count else []
+    shared = [uuid for uuid in candidates if not rooms[uuid].idle and rooms[uuid].free >= memory]
+    if shared:
+        return [min(shared, key=lambda uuid: rooms[uuid].free)]
+    idle = [uuid for uuid in candidates if rooms[uuid].idle and rooms[uuid].free >= memory]
+    return idle[:1]
+
+
+def _take(rooms: dict[str, _Room], uuids: list[str], memory: int) -> None:
+    for uuid in uuids:
+        rooms[uuid] = _Room(False, rooms[uuid].free - memory if memory else 0)
+
+
+def _fit(taken: list[Range], size: int, memory: int) -> list[Range]:
+    """Free ranges of a GPU of `size` MiB to lock for `memory` MiB: the smallest gap that fits,
+    else gaps in order."""
+    gaps, at = [], 0
+    for start, length in sorted(taken):
+        if start > at:
+            gaps.append((at, start - at))
+        at = max(at, start + length)
+    if at < size:
+        gaps.append((at, size - at))
+    fitting = [gap for gap in gaps if gap[1] >= memory]
+    if fitting:
+        start, _ = min(fitting, key=lambda gap: gap[1])
+        return [(start, memory)]
+    ranges, left = [], memory
+    for start, length in gaps:
+        ranges.append((start, min(length, left)))
+        left -= ranges[-1][1]
+        if not left:
+            return ranges
+    raise InvalidRequestError(f"no room for {memory} MiB")  # _pick checked the room: cannot happen
+
+
+def _overlap(ours: Sequence[Range], theirs: Sequence[Sequence[int]]) -> bool:
+    return any(a < c + d and c < a + b for a, b in ours for c, d in theirs)
+
+
+def _others(fd: int, start: int, end: int, found: list[Range]) -> list[Range]:
+    """Append to `found` the ranges in [start, end) of the file that other processes lock, clipped
+    (end 0: to infinity; a whole-file lock is then reported as (0, 0)); returns `found`.
+
+    F_GETLK reports one conflicting lock at a time, in no particular order, so the search
+    splits around each one it finds."""
+    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, end - start if end else 0, 0)
+    kind, _, lock_start, lock_len, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    if kind == fcntl.F_UNLCK:
+        return found
+    first = max(start, lock_start)
+    if not end:
+        found.append((first, lock_len))
+        return found
+    last = end if lock_len == 0 else min(end, lock_start + lock_len)
+    found.append((first, last - first))
+    if start < first:
+        _others(fd, start, first, found)
+    if last < end:
+        _others(fd, last, end, found)
+    return found
 
 
 def _fifo_has_reader(fifo: Path) -> bool:

@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from rpycdl import wire
+from rpycdl import caps, wire
 from rpycdl.defaults import KILL_WAIT
 from rpycdl.jobs import group_alive, kill_group
 
 PR_SET_PDEATHSIG = 1
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
-CANCEL_POLL = 0.25  # seconds between looks at the job record for a cancel request
+STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
 
 
 class Ending(str, Enum):
@@ -40,6 +40,7 @@ class Ending(str, Enum):
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
     CRASHED = "crashed"  # died without an outcome
+    OVER_MEMORY = "over_memory"  # stopped by the memory watchdog
 
 
 @dataclass
@@ -88,6 +89,7 @@ def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int,
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.environ.update(env)
+        caps.install_caps()
         try:
             fn, args = wire.load_call(body)
             outcome = wire.encode_ok(fn(args))
@@ -154,7 +156,7 @@ def run(
     timeout: float | None = None,
     watch_fds: Sequence[int] = (),
     on_watch: Callable[[], None] | None = None,
-    cancelled: Callable[[], bool] | None = None,
+    stop: Callable[[int], tuple[Ending, str] | None] | None = None,
 ) -> Result:
     """Run the checked payload `body` in a new job process and wait for it.
 
@@ -166,7 +168,8 @@ def run(
         timeout: seconds the job may run; past it the group is killed.
         watch_fds: other descriptors to watch (the client connection).
         on_watch: called when one is readable; may raise (client gone), which kills the job.
-        cancelled: polled after every wake-up; True kills the job as cancelled.
+        stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
+            kills the job, which then ends that way (a cancel request, the memory watchdog).
     """
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -199,11 +202,11 @@ def run(
         if on_start is not None:
             on_start(pid)
         open_fds = [out_r, err_r, res_r]
-        next_cancel_check = 0.0
+        next_stop_check = 0.0
         while ending is None:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if cancelled is not None:
-                wait = CANCEL_POLL if wait is None else min(wait, CANCEL_POLL)
+            if stop is not None:
+                wait = STOP_POLL if wait is None else min(wait, STOP_POLL)
             readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
             for fd in readable:
                 if fd == res_r:
@@ -217,10 +220,9 @@ def run(
                 ending = Ending.FINISHED
             elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
                 on_watch()
-            if ending is None and cancelled is not None and time.monotonic() >= next_cancel_check:
-                next_cancel_check = time.monotonic() + CANCEL_POLL
-                if cancelled():
-                    ending, reason = Ending.CANCELLED, "the job was cancelled"
+            if ending is None and stop is not None and time.monotonic() >= next_stop_check:
+                next_stop_check = time.monotonic() + STOP_POLL
+                ending, reason = stop(pid) or (None, "")
             if ending is None and deadline is not None and time.monotonic() >= deadline:
                 ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
     finally:

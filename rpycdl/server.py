@@ -29,6 +29,7 @@ from rpycdl.jobs import JobStore
 from rpycdl.locks import GPULockManager
 from rpycdl.registry import registry_client
 from rpycdl.service import GPUService, Limits, ServerContext
+from rpycdl.shares import ShareRules
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -71,6 +72,7 @@ class ServerConfig:
     insecure: bool = False
     secret_file: str | None = None  # None: $RPYCDL_SECRET_FILE, else no authentication
     limits: Limits = field(default_factory=Limits)
+    shares: ShareRules = field(default_factory=ShareRules)
     version: str | None = None  # framework version to announce; None reads package metadata
 
 
@@ -208,7 +210,8 @@ def build_server(config: ServerConfig) -> DLServer:
     GPULockManager(directory)  # create the layout, fail early on permissions
     context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
-                            host=config.host, framework_version=version, limits=config.limits)
+                            host=config.host, framework_version=version, limits=config.limits,
+                            shares=config.shares)
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)

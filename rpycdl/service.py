@@ -9,15 +9,17 @@ import select
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import dill
 import rpyc
 from rpyc.core.netref import BaseNetref
 
-from rpycdl import runner, wire
-from rpycdl.defaults import IDLE_TIMEOUT, MAX_PAYLOAD, MAX_QUEUED
+from rpycdl import caps, runner, wire
+from rpycdl.defaults import ENV_SIMULATED_GPUS, IDLE_TIMEOUT, MAX_PAYLOAD, MAX_QUEUED
 from rpycdl.errors import (
+    GPUMemoryExceededError,
     InvalidRequestError,
     JobCancelledError,
     JobCrashedError,
@@ -25,17 +27,22 @@ from rpycdl.errors import (
     LimitError,
     RpycdlError,
 )
-from rpycdl.gpus import GPU, Inventory
+from rpycdl.gpus import GPU, FakeInventory, Inventory
 from rpycdl.jobs import JobRecord, JobState, JobStore, new_job_id
-from rpycdl.locks import GPULockManager
+from rpycdl.locks import GPULockManager, Grant
+from rpycdl.shares import GPURequest, MiB, ShareRules, parse_request
+from rpycdl.watchdog import MemoryWatch
 
 MAX_TIMEOUT = 366 * 24 * 3600.0
 LOAD_CHECK_AFTER = 0.2
 """Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits
 are not worth a process."""
 
-Executor = Callable[[JobRecord, dict[str, str], float | None], runner.Result]
-"""Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout) -> how it ended."""
+Stop = Callable[[int], tuple[runner.Ending, str] | None]
+"""Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
+
+Executor = Callable[[JobRecord, dict[str, str], float | None, Stop], runner.Result]
+"""Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout, its Stop) -> how it ended."""
 
 
 @dataclass(frozen=True)
@@ -63,29 +70,19 @@ class ServerContext:
     port: int = 0
     framework_version: str | None = None
     limits: Limits = field(default_factory=Limits)
+    shares: ShareRules = field(default_factory=ShareRules)
     gpus: list[GPU] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.gpus = self.inventory.gpus()
+        if isinstance(self.inventory, FakeInventory):
+            self.inventory.state_dir = Path(self.lock_dir) / "simulated-gpus"
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,
                 "server_id": self.server_id, "inventory": self.inventory.spec,
                 "simulated": self.inventory.simulated, "framework_version": self.framework_version,
-                "pid": os.getpid(), "limits": self.limits.to_dict()}
-
-
-def check_ngpus(ngpus: Any, total: int) -> int:
-    """Turn a request's ngpus into a GPU count, or raise InvalidRequestError at once."""
-    if isinstance(ngpus, bool) or not isinstance(ngpus, int):
-        raise InvalidRequestError(f"ngpus must be an integer (or -1 for all GPUs), not {ngpus!r}")
-    if ngpus == -1:
-        return total
-    if ngpus < 1:
-        raise InvalidRequestError(f"ngpus must be at least 1, or -1 for all GPUs; got {ngpus}")
-    if ngpus > total:
-        raise InvalidRequestError(f"asked for {ngpus} GPUs but this server has {total}")
-    return ngpus
+                "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict()}
 
 
 def check_seconds(value: Any, name: str) -> float | None:
@@ -148,19 +145,22 @@ class GPUService(rpyc.Service):
 
     # -- running a job ----------------------------------------------------------------
 
-    def _submit(self, execute: Executor, ngpus: Any, timeout: Any, queue_timeout: Any,
+    def _request(self, ngpus: Any, gpus: Any, gpu_memory: Any) -> GPURequest:
+        return parse_request(ngpus, gpus, gpu_memory, self.context.gpus, self.context.shares)
+
+    def _submit(self, execute: Executor, request: GPURequest, timeout: Any, queue_timeout: Any,
                 on_state: Callable[[str, str], None] | None, body: bytes | None = None) -> bytes:
-        """Queue, lock GPUs, run `execute(record, env, timeout)`, release. Returns outcome bytes;
-        raises RpycdlError. The executor saves the record once the job runs. A payload `body`
-        is test-loaded while the request waits (runner.LoadCheck)."""
+        """Queue, lock GPUs, run `execute(record, env, timeout, stop)`, release. Returns outcome
+        bytes; raises RpycdlError. The executor saves the record once the job runs. A payload
+        `body` is test-loaded while the request waits (runner.LoadCheck)."""
         ctx = self.context
-        count = check_ngpus(ngpus, len(ctx.gpus))
+        count = request.count
         timeout = check_seconds(timeout, "timeout")
         queue_timeout = check_seconds(queue_timeout, "queue_timeout")
         if self._busy:
             raise InvalidRequestError("this connection is already running a job: use one connection per "
                                       "concurrent job (rpycdl.connect() again)")
-        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, owner_pid=os.getpid())
+        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, request.memory, owner_pid=os.getpid())
 
         waiting_since: float | None = None
         wake_fds = self._socket_fd()
@@ -176,7 +176,8 @@ class GPUService(rpyc.Service):
                 waiting_since = time.monotonic()
                 self._store.save(record)
             if on_state is not None:
-                on_state("pending", json.dumps({"job_id": record.job_id, "ahead": ahead, "ngpus": count}))
+                on_state("pending", json.dumps({"job_id": record.job_id, "ahead": ahead, "ngpus": count,
+                                                "gpu_memory": request.memory}))
 
         def on_wake() -> None:
             nonlocal check
@@ -198,15 +199,15 @@ class GPUService(rpyc.Service):
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id},
-                queue_timeout=queue_timeout, wake_fds=wake_fds, on_wake=on_wake, on_position=on_position)
+                queue_timeout=queue_timeout, wake_fds=wake_fds, on_wake=on_wake, on_position=on_position,
+                memory=request.memory, sizes={gpu.uuid: gpu.memory_total // MiB for gpu in ctx.gpus})
             by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
             indices = [by_uuid[uuid].index for uuid in grant.uuids]
             record.state, record.gpus, record.started = JobState.RUNNING, list(grant.uuids), time.time()
             if on_state is not None:
-                on_state("running", json.dumps({"job_id": record.job_id, "gpus": indices, "uuids": list(grant.uuids)}))
-            env = {**runner.gpu_environment(indices, grant.uuids), "RPYCDL_JOB_ID": record.job_id,
-                   "RPYCDL_TICKET": str(grant.ticket), "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
-            result = execute(record, env, timeout)
+                on_state("running", json.dumps({"job_id": record.job_id, "gpus": indices, "uuids": list(grant.uuids),
+                                                "gpu_memory": grant.memory}))
+            result = execute(record, self._environment(record, grant, indices), timeout, self._stopper(record, grant))
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
             record.error = str(exc) or type(exc).__name__
@@ -221,18 +222,44 @@ class GPUService(rpyc.Service):
             self._finish(record, result)
         return self._outcome(record, result)
 
+    def _environment(self, record: JobRecord, grant: Grant, indices: list[int]) -> dict[str, str]:
+        """The job's variables: its GPUs, its ids, its share's caps, the simulated driver's state."""
+        ctx = self.context
+        env = {**runner.gpu_environment(indices, grant.uuids), "RPYCDL_JOB_ID": record.job_id,
+               "RPYCDL_TICKET": str(grant.ticket), "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
+        if grant.memory:
+            env.update(caps.cap_environment(grant.memory * MiB, ctx.gpus[indices[0]].memory_total))
+        if isinstance(ctx.inventory, FakeInventory) and ctx.inventory.state_dir is not None:
+            env[ENV_SIMULATED_GPUS] = str(ctx.inventory.state_dir)
+        return env
+
+    def _stopper(self, record: JobRecord, grant: Grant) -> Stop:
+        """The job's Stop: a cancel request, or (for a share of a GPU) the memory watchdog."""
+        ctx = self.context
+        watch = None
+        if grant.memory:
+            gpu = next(gpu for gpu in ctx.gpus if gpu.uuid == grant.uuids[0])
+            watch = MemoryWatch(ctx.inventory, gpu, grant.memory * MiB, ctx.shares.allowance)
+
+        def stop(pid: int) -> tuple[runner.Ending, str] | None:
+            if self._store.cancel_requested(record.job_id):
+                return runner.Ending.CANCELLED, "the job was cancelled"
+            reason = watch.check(pid) if watch is not None else None
+            return (runner.Ending.OVER_MEMORY, reason) if reason else None
+
+        return stop
+
     def _run_payload(self, body: bytes, on_stdout: Callable[[str], None],
                      on_stderr: Callable[[str], None]) -> Executor:
         """The executor of run and run_code: the payload in a job process (rpycdl.runner)."""
 
-        def execute(record: JobRecord, env: dict[str, str], timeout: float | None) -> runner.Result:
+        def execute(record: JobRecord, env: dict[str, str], timeout: float | None, stop: Stop) -> runner.Result:
             def on_start(pid: int) -> None:
                 record.pgid = pid
                 self._store.save(record)
 
             return runner.run(body, env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
-                              watch_fds=self._socket_fd(), on_watch=self._serve_client,
-                              cancelled=lambda: self._store.cancel_requested(record.job_id))
+                              watch_fds=self._socket_fd(), on_watch=self._serve_client, stop=stop)
 
         return execute
 
@@ -246,6 +273,7 @@ class GPUService(rpyc.Service):
                 runner.Ending.TIMED_OUT: JobState.TIMED_OUT,
                 runner.Ending.CANCELLED: JobState.CANCELLED,
                 runner.Ending.CRASHED: JobState.FAILED,
+                runner.Ending.OVER_MEMORY: JobState.FAILED,
             }[result.ending]
             record.error = result.reason
         self._store.save(record)
@@ -255,32 +283,38 @@ class GPUService(rpyc.Service):
         if result.ending is runner.Ending.FINISHED:
             return result.outcome
         error = {runner.Ending.TIMED_OUT: JobTimeoutError, runner.Ending.CANCELLED: JobCancelledError,
-                 runner.Ending.CRASHED: JobCrashedError}[result.ending]
+                 runner.Ending.CRASHED: JobCrashedError,
+                 runner.Ending.OVER_MEMORY: GPUMemoryExceededError}[result.ending]
         raise error(f"job {record.job_id}: {result.reason}")
 
     # -- exposed API ---------------------------------------------------------------------
 
-    def exposed_run(self, payload: bytes, ngpus: Any = 1, stdout: Callable[[str], None] | None = None,
+    def exposed_run(self, payload: bytes, ngpus: Any = None, stdout: Callable[[str], None] | None = None,
                     stderr: Callable[[str], None] | None = None, timeout: Any = None, queue_timeout: Any = None,
-                    on_state: Callable[[str, str], None] | None = None) -> bytes:
-        """Run a payload made by wire.encode_payload; return outcome bytes (see rpycdl.client)."""
+                    on_state: Callable[[str, str], None] | None = None, gpus: Any = None,
+                    gpu_memory: Any = None) -> bytes:
+        """Run a payload made by wire.encode_payload on `ngpus` whole GPUs, or on a share of one
+        GPU (`gpus` below 1, or `gpu_memory`); return outcome bytes (see rpycdl.client)."""
         try:
             self._check_size(payload, "payload")
+            request = self._request(ngpus, gpus, gpu_memory)
             body = wire.check_payload(payload)
-            return self._submit(self._run_payload(body, stdout or _discard, stderr or _discard), ngpus, timeout,
+            return self._submit(self._run_payload(body, stdout or _discard, stderr or _discard), request, timeout,
                                 queue_timeout, on_state, body)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 
-    def exposed_run_code(self, fn: Any, args: Any = None, ngpus: Any = 1, stdout: Any = None, stderr: Any = None,
-                         timeout: Any = None, queue_timeout: Any = None) -> Any:
+    def exposed_run_code(self, fn: Any, args: Any = None, ngpus: Any = None, stdout: Any = None, stderr: Any = None,
+                         timeout: Any = None, queue_timeout: Any = None, gpus: Any = None,
+                         gpu_memory: Any = None) -> Any:
         """The original servers' call: `fn` is dill bytes, `stdout`/`stderr` file-like objects.
 
         Returns the job's value and raises its exception, as the original servers did."""
         self._check_size(fn, "fn")
+        request = self._request(ngpus, gpus, gpu_memory)
         wire.check_pickle(fn, "fn")
         body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
-        outcome = self._submit(self._run_payload(body, _writer(stdout), _writer(stderr)), ngpus, timeout,
+        outcome = self._submit(self._run_payload(body, _writer(stdout), _writer(stderr)), request, timeout,
                                queue_timeout, None, body)
         return wire.decode_outcome(outcome)
 
@@ -299,11 +333,12 @@ class GPUService(rpyc.Service):
         try:
             spec = containers.check_job(image, _materialize(command), _materialize(env), workdir,
                                         _materialize(mounts))
+            request = self._request(ngpus, None, None)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
         ctx = self.context
 
-        def execute(record: JobRecord, gpu_env: dict[str, str], timeout: float | None) -> runner.Result:
+        def execute(record: JobRecord, gpu_env: dict[str, str], timeout: float | None, _: Stop) -> runner.Result:
             self._store.save(record)
             try:
                 code = containers.run_job_container(
@@ -320,7 +355,7 @@ class GPUService(rpyc.Service):
             return runner.Result(runner.Ending.FINISHED, wire.encode_ok(code))
 
         try:
-            return self._submit(execute, ngpus, timeout, queue_timeout, on_state)
+            return self._submit(execute, request, timeout, queue_timeout, on_state)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 
@@ -331,11 +366,13 @@ class GPUService(rpyc.Service):
         return snapshot["held"], [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
 
     def exposed_gpu_status(self) -> str:
-        """JSON: this server, each GPU with its holder and memory use, and the waiting queue in order."""
+        """JSON: this server, each GPU with its holders (one whole-GPU job, or the jobs sharing it, each
+        with its `memory` in MiB, 0 for the whole GPU) and memory use, and the waiting queue in order."""
         ctx = self.context
         held, queue = self._snapshot()
         used = ctx.inventory.memory_used()
-        gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holder": held.get(gpu.uuid)} for gpu in ctx.gpus]
+        gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holders": held.get(gpu.uuid, [])}
+                for gpu in ctx.gpus]
         return json.dumps({"server": ctx.info(), "gpus": gpus, "queue": queue, "time": time.time()})
 
     def exposed_load(self) -> tuple[int, int, int]:

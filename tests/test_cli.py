@@ -94,8 +94,8 @@ def test_status_json(cluster, queue):
     (status,) = json.loads(result.stdout)
     assert status["server"]["port"] == port and status["server"]["simulated"] is True
     assert [gpu["index"] for gpu in status["gpus"]] == [0, 1]
-    assert [gpu["holder"]["job_id"] for gpu in status["gpus"]] == [a.job_id, a.job_id]
-    assert [gpu["holder"]["client"] for gpu in status["gpus"]] == [clients[0], clients[0]]
+    assert [gpu["holders"][0]["job_id"] for gpu in status["gpus"]] == [a.job_id, a.job_id]
+    assert [gpu["holders"][0]["client"] for gpu in status["gpus"]] == [clients[0], clients[0]]
     assert [(w["job_id"], w["count"], w["client"]) for w in status["queue"]] == [
         (b.job_id, 1, clients[1]), (c.job_id, 2, clients[2])]
 

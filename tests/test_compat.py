@@ -95,7 +95,7 @@ def test_remote_exception_is_raised_in_the_original_client(original_client, tens
     assert "ValueError: remote failure xyz" in result.stderr
     assert 'raise ValueError("remote failure " + code_args[1])' in result.stderr  # the job's own frame
     status = connect(tensorflow).root.gpu_status()
-    assert all(gpu["holder"] is None for gpu in status["gpus"])
+    assert all(not gpu["holders"] for gpu in status["gpus"])
 
 
 @pytest.mark.parametrize("service", ["deeplearning", "caffe"])

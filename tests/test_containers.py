@@ -293,7 +293,7 @@ def test_a_client_going_away_removes_its_job_container(generic: rpycdl.Connectio
         _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
         client.kill()
         _wait(lambda: not _job_containers(engine), "the container to be removed", timeout=5)
-        assert all(gpu["holder"] is None for gpu in generic.root.gpu_status()["gpus"])
+        assert all(not gpu["holders"] for gpu in generic.root.gpu_status()["gpus"])
     finally:
         client.kill()
         client.wait()

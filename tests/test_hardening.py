@@ -23,8 +23,24 @@ def _valid(ngpus, timeout, queue_timeout) -> bool:
         return value is None or (not isinstance(value, bool) and isinstance(value, (int, float))
                                  and math.isfinite(value) and 0 < value <= 366 * 24 * 3600)
 
-    return (not isinstance(ngpus, bool) and isinstance(ngpus, int) and (ngpus == -1 or 1 <= ngpus <= 2)
-            and seconds(timeout) and seconds(queue_timeout))
+    return (ngpus is None or not isinstance(ngpus, bool) and isinstance(ngpus, int) and (ngpus == -1 or 1 <= ngpus <= 2)
+            ) and seconds(timeout) and seconds(queue_timeout)
+
+
+MEMORY = {"1GiB": True, "16GiB": True, "16385MiB": False, "0": False, "lots": False, "1.5GiB": True}
+
+
+def _valid_share(gpus, gpu_memory) -> bool:
+    """The share arguments of the shared fake:2 server (two 16 GiB GPUs); ngpus is not given."""
+    if gpus is not None and gpu_memory is not None:
+        return False
+    if gpus is not None:
+        return (not isinstance(gpus, bool) and isinstance(gpus, (int, float)) and math.isfinite(gpus)
+                and (0 < gpus < 1 or gpus in (1, 2)))
+    if isinstance(gpu_memory, str):
+        return MEMORY[gpu_memory]
+    return gpu_memory is None or (not isinstance(gpu_memory, bool) and isinstance(gpu_memory, int)
+                                  and 0 < gpu_memory <= 16 * 1024**3)
 
 
 @SETTINGS
@@ -34,10 +50,26 @@ def test_any_arguments_run_or_get_invalid_request(conn, ngpus, timeout, queue_ti
         value = conn.root.run_code(lambda x: x, "ok", ngpus=ngpus, timeout=timeout, queue_timeout=queue_timeout)
     except rpycdl.InvalidRequestError:
         assert not _valid(ngpus, timeout, queue_timeout)
+    except rpycdl.JobTimeoutError:  # a valid but tiny timeout: the job cannot start in time
+        assert _valid(ngpus, timeout, queue_timeout) and timeout < 1
     else:
         assert _valid(ngpus, timeout, queue_timeout) and value == "ok"
     status = conn.root.gpu_status()
-    assert [gpu["holder"] for gpu in status["gpus"]] == [None, None] and status["queue"] == []
+    assert [gpu["holders"] for gpu in status["gpus"]] == [[], []] and status["queue"] == []
+
+
+@SETTINGS
+@given(gpus=ANY, gpu_memory=st.one_of(st.none(), st.booleans(), st.integers(-2, 2**35), st.floats(),
+                                      st.sampled_from(sorted(MEMORY))))
+def test_any_share_arguments_run_or_get_invalid_request(conn, gpus, gpu_memory):
+    try:
+        value = conn.root.run_code(lambda x: x, "ok", gpus=gpus, gpu_memory=gpu_memory)
+    except rpycdl.InvalidRequestError:
+        assert not _valid_share(gpus, gpu_memory)
+    else:
+        assert _valid_share(gpus, gpu_memory) and value == "ok"
+    status = conn.root.gpu_status()
+    assert [gpu["holders"] for gpu in status["gpus"]] == [[], []] and status["queue"] == []
 
 
 @SETTINGS
@@ -69,4 +101,4 @@ def test_a_burst_of_connections_is_served_and_leaves_nothing(shared_port, conn):
         sock.close()
     assert results == [1] * 30
     status = conn.root.gpu_status()
-    assert [gpu["holder"] for gpu in status["gpus"]] == [None, None] and status["queue"] == []
+    assert [gpu["holders"] for gpu in status["gpus"]] == [[], []] and status["queue"] == []

@@ -138,14 +138,14 @@ def assert_nothing_leaks(port: int, connect, pids: dict[str, int], ended: float)
 
     def clean() -> bool:
         status = status_conn.root.gpu_status()
-        return (all(gpu["holder"] is None for gpu in status["gpus"]) and not status["queue"]
+        return (all(not gpu["holders"] for gpu in status["gpus"]) and not status["queue"]
                 and all(gone(pid) for pid in pids.values()))
 
     wait_until(clean, max(0.0, ended + GRACE - time.time()))
     status = status_conn.root.gpu_status()
     took = time.time() - ended
-    holders = [gpu["holder"] for gpu in status["gpus"]]
-    assert holders == [None] * len(holders), f"GPUs still held {took:.2f} s after the end"
+    holders = [gpu["holders"] for gpu in status["gpus"]]
+    assert holders == [[]] * len(holders), f"GPUs still held {took:.2f} s after the end"
     assert status["queue"] == []
     still = {name: pid for name, pid in pids.items() if not gone(pid)}
     assert not still, f"still running {took:.2f} s after the end: {still}"
@@ -291,7 +291,7 @@ def test_queue_timeout_leaves_nothing_in_the_queue(server, connect, tmp_path):
     assert 0.5 <= time.time() - started < 3
     status = connect(port).root.gpu_status()
     assert status["queue"] == []
-    assert [gpu["holder"]["job_id"] for gpu in status["gpus"]] == [info["job_id"]] * 4
+    assert [gpu["holders"][0]["job_id"] for gpu in status["gpus"]] == [info["job_id"]] * 4
     (tmp_path / "release").touch()
     assert holder.join()["job_id"] == info["job_id"]
     assert conn.root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=1)["uuids"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rpycdl.errors import QueueTimeoutError
+from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 from rpycdl.jobs import JobRecord, JobStore
 from rpycdl.locks import GPULockManager
 
@@ -304,3 +304,117 @@ def test_processes_of_two_users_share_one_lock_directory(procs):
         assert JobStore(lock_dir).load(f"job{NOBODY}") is not None
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+# -- shares of a GPU --------------------------------------------------------------------------
+
+SIZES = {uuid: 16384 for uuid in UUIDS}  # MiB: four 16 GiB GPUs
+
+
+def _share(locks: GPULockManager, memory: int, name: str, **kwargs):
+    return locks.acquire(1, UUIDS, {"name": name, "pid": os.getpid()}, memory=memory, sizes=SIZES, **kwargs)
+
+
+def _share_holder(lock_dir: str, memory: int, held, release, die: bool) -> None:
+    """Take `memory` MiB of one GPU, report which, and on `release` release it or die holding it."""
+    grant = _share(GPULockManager(lock_dir), memory, "share")
+    held.put(grant.uuids[0])
+    release.wait(60)
+    if die:
+        os._exit(0)
+    GPULockManager(lock_dir).release(grant)
+
+
+def _share_waiter(lock_dir: str, memory: int, name: str, out) -> None:
+    locks = GPULockManager(lock_dir)
+    grant = _share(locks, memory, name) if memory else locks.acquire(len(UUIDS), UUIDS, {"name": name})
+    out.put((name, list(grant.uuids), time.time()))
+    locks.release(grant)
+
+
+def test_shares_pack_onto_a_shared_gpu_before_taking_an_idle_one(lock_dir):
+    locks = GPULockManager(lock_dir)
+    first = _share(locks, 4096, "a")
+    assert first.uuids == (UUIDS[0],) and first.memory == 4096
+    # The second and third shares fit beside the first: GPUs 1 to 3 stay idle for whole-GPU jobs.
+    second, third = _share(locks, 8192, "b"), _share(locks, 4096, "c")
+    assert second.uuids == third.uuids == (UUIDS[0],)
+    spans = sorted(first.ranges + second.ranges + third.ranges)
+    assert sum(length for _, length in spans) == 16384
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False)), f"overlapping shares {spans}"
+    fourth = _share(locks, 1024, "d")  # GPU 0 is full
+    assert fourth.uuids == (UUIDS[1],)
+    whole = locks.acquire(2, UUIDS, {"name": "whole"})
+    assert whole.uuids == (UUIDS[2], UUIDS[3])
+    # Best fit: with 3 GiB free on GPU 0 and 15 GiB on GPU 1, a 2 GiB share goes to GPU 0.
+    locks.release(third)
+    locks.release(fourth)
+    other = _share(locks, 15360, "e")
+    assert other.uuids == (UUIDS[1],)
+    assert _share(locks, 2048, "f").uuids == (UUIDS[0],)
+    held = locks.snapshot()["held"]
+    assert [h["memory"] for h in held[UUIDS[0]]] == [4096, 8192, 2048]
+    assert [h["name"] for h in held[UUIDS[0]]] == ["a", "b", "f"]
+    assert [h["memory"] for h in held[UUIDS[2]]] == [0]
+
+
+def test_fractional_requests_are_checked(lock_dir):
+    locks = GPULockManager(lock_dir)
+    with pytest.raises(InvalidRequestError, match="largest GPU has 16384 MiB"):
+        _share(locks, 16385, "too big")
+    with pytest.raises(InvalidRequestError, match="one GPU"):
+        locks.acquire(2, UUIDS, {}, memory=1024, sizes=SIZES)
+    with pytest.raises(InvalidRequestError, match="size known"):
+        locks.acquire(1, UUIDS, {}, memory=1024)
+    assert locks.snapshot() == {"held": {}, "queue": []}
+
+
+def test_a_whole_gpu_never_goes_to_a_job_while_shares_hold_it(lock_dir, procs):
+    held, release = CTX.Queue(), CTX.Event()
+    for _ in range(len(UUIDS)):  # a 12 GiB share on every GPU: none is idle
+        procs.append(_start(_share_holder, lock_dir, 12288, held, release, False))
+    assert sorted(held.get(timeout=10) for _ in UUIDS) == UUIDS
+    locks = GPULockManager(lock_dir)
+    with pytest.raises(QueueTimeoutError):
+        locks.acquire(1, UUIDS, {"name": "whole"}, queue_timeout=0.5)
+    release.set()
+    _wait_until(lambda: not locks.snapshot()["held"], 5, "the shares to be released")
+    whole = locks.acquire(4, UUIDS, {"name": "whole"})
+    out = CTX.Queue()
+    procs.append(_start(_share_waiter, lock_dir, 1024, "share", out))
+    time.sleep(0.7)
+    assert out.empty(), "a share was granted on a GPU held whole"
+    locks.release(whole)
+    assert out.get(timeout=5)[0] == "share"
+
+
+def test_a_share_does_not_overtake_an_earlier_whole_gpu_request(lock_dir, procs):
+    held, release = CTX.Queue(), CTX.Event()
+    procs.append(_start(_share_holder, lock_dir, 8192, held, release, False))
+    assert held.get(timeout=10) == UUIDS[0]
+    out = CTX.Queue()
+    locks = GPULockManager(lock_dir)
+    procs.append(_start(_share_waiter, lock_dir, 0, "all four", out))
+    _wait_until(lambda: "all four" in _queue_names(locks), 10, "the whole-GPU request to wait")
+    procs.append(_start(_share_waiter, lock_dir, 4096, "small share", out))
+    _wait_until(lambda: "small share" in _queue_names(locks), 10, "the share to wait")
+    # The share would fit beside the held one, but the earlier request for all four GPUs goes first.
+    time.sleep(0.7)
+    assert out.empty(), "a later share overtook an earlier whole-GPU request"
+    release.set()
+    first, second = out.get(timeout=5), out.get(timeout=5)
+    assert [first[0], second[0]] == ["all four", "small share"]
+    assert first[2] <= second[2]
+
+
+def test_a_dead_share_holder_frees_its_share(lock_dir, procs):
+    held, release = CTX.Queue(), CTX.Event()
+    holder = _start(_share_holder, lock_dir, 16384, held, release, True)
+    procs.append(holder)
+    assert held.get(timeout=10) == UUIDS[0]
+    locks = GPULockManager(lock_dir)
+    assert [h["memory"] for h in locks.snapshot()["held"][UUIDS[0]]] == [16384]
+    release.set()  # it dies holding the share: only the kernel frees it
+    holder.join(5)
+    assert locks.snapshot() == {"held": {}, "queue": []}
+    assert _share(locks, 16384, "next").uuids == (UUIDS[0],)

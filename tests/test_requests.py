@@ -26,7 +26,7 @@ BAD_SECONDS = [-1, -0.5, 0, math.nan, math.inf, "3", "soon"]
 
 def _all_gpus_free(conn: rpycdl.Connection) -> bool:
     status = conn.root.gpu_status()
-    return all(gpu["holder"] is None for gpu in status["gpus"]) and not status["queue"]
+    return all(not gpu["holders"] for gpu in status["gpus"]) and not status["queue"]
 
 
 @pytest.fixture

@@ -159,7 +159,7 @@ def test_unpicklable_return_value_gives_a_clear_error(conn):
     with pytest.raises(TypeError, match="return value could not be serialised.*generator"):
         conn.root.run_code(job, None)
     status = conn.root.gpu_status()
-    assert all(gpu["holder"] is None for gpu in status["gpus"])
+    assert all(not gpu["holders"] for gpu in status["gpus"])
     assert conn.root.run_code(lambda x: x, "still serving") == "still serving"
 
 

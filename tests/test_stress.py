@@ -1,6 +1,7 @@
-"""Promises 1 and 2 under load: many client processes, mixed requests, one or two servers
-sharing four simulated GPUs through one lock directory. Every job reports, from inside, the
-GPUs it saw, when it ran, and its arrival (ticket) and grant (sequence) numbers."""
+"""Promises 1 and 2 under load: many client processes, mixed requests (whole GPUs and shares of
+one), one or two servers sharing four simulated GPUs through one lock directory. Every job
+reports, from inside, the GPUs it saw, its share, when it ran, and its arrival (ticket) and
+grant (sequence) numbers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import pytest
 import rpycdl
 
 GPUS = 4
+GPU_MEMORY = 16 * 1024**3  # fake:4 GPUs have 16 GiB each
+REQUESTS = [{"ngpus": 1}, {"ngpus": 1}, {"ngpus": 2}, {"ngpus": 4}, {"ngpus": -1},
+            {"gpus": 0.25}, {"gpus": 0.5}, {"gpu_memory": "3GiB"}, {"gpu_memory": "6GiB"}, {"gpu_memory": "10GiB"}]
 CLIENTS = 8
 JOBS_PER_CLIENT = 6
 
@@ -31,7 +35,7 @@ def job(args):
     end = time.time()
     return {"visible": os.environ["CUDA_VISIBLE_DEVICES"], "uuids": os.environ["RPYCDL_GPU_UUIDS"],
             "ticket": int(os.environ["RPYCDL_TICKET"]), "sequence": int(os.environ["RPYCDL_GRANT_SEQUENCE"]),
-            "start": start, "end": end, "pid": os.getpid()}
+            "memory": int(os.environ.get("RPYCDL_GPU_MEMORY", 0)), "start": start, "end": end, "pid": os.getpid()}
 
 port, out, go, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 results = []
@@ -41,8 +45,8 @@ with rpycdl.connect(host="127.0.0.1", port=port) as conn:
         time.sleep(0.005)
     for spec in specs:
         submitted = time.time()
-        result = conn.root.run_code(job, spec, ngpus=spec["ngpus"])
-        results.append({**result, "ngpus": spec["ngpus"], "port": port, "submitted": submitted})
+        result = conn.root.run_code(job, spec, **spec["request"])
+        results.append({**result, "request": spec["request"], "port": port, "submitted": submitted})
 with open(out + ".tmp", "w") as f:
     json.dump(results, f)
 os.replace(out + ".tmp", out)
@@ -56,7 +60,7 @@ def _run_clients(ports: list[int], tmp_path: Path, seed: int) -> list[dict[str, 
     clients = []
     try:
         for i in range(CLIENTS):
-            specs = [{"ngpus": rng.choice([1, 1, 2, 4, -1]), "hold": rng.uniform(0.02, 0.08)}
+            specs = [{"request": rng.choice(REQUESTS), "hold": rng.uniform(0.02, 0.08)}
                      for _ in range(JOBS_PER_CLIENT)]
             out = tmp_path / f"client{i}.json"
             argv = [sys.executable, "-c", CLIENT, str(ports[i % len(ports)]), str(out), str(go), json.dumps(specs)]
@@ -84,24 +88,42 @@ def _check(results: list[dict[str, Any]]) -> None:
 
     # Each job saw exactly the GPUs it asked for, and CUDA's indices name the same GPUs.
     for r in results:
-        wanted = GPUS if r["ngpus"] == -1 else r["ngpus"]
+        request = r["request"]
+        wanted = GPUS if request.get("ngpus") == -1 else request.get("ngpus", 1)
+        if "ngpus" in request:
+            assert r["memory"] == 0, r
+        else:  # a share, rounded up to the default 256MiB unit
+            asked = request["gpus"] * GPU_MEMORY if "gpus" in request else int(request["gpu_memory"][:-3]) * 1024**3
+            assert asked <= r["memory"] < asked + 256 * 1024**2, r
         uuids = r["uuids"].split(",")
         indices = [int(i) for i in r["visible"].split(",")]
         assert len(uuids) == len(set(uuids)) == wanted, r
         assert [int(uuid[-12:]) for uuid in uuids] == indices, r  # fake UUIDs end in their index
         assert all(0 <= i < GPUS for i in indices), r
 
-    # Promise 1: on each GPU, the jobs that ran on it never overlapped in time.
+    # Promise 1: at every instant, a GPU ran one whole-GPU job, or shares adding up to at most
+    # its memory. Walk each GPU's job starts and ends in time order (ends first on ties).
     by_gpu: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         for uuid in r["uuids"].split(","):
             by_gpu[uuid].append(r)
+    shared_at_once = 0
     for uuid, jobs in by_gpu.items():
-        jobs.sort(key=lambda r: r["start"])
-        for before, after in zip(jobs, jobs[1:], strict=False):
-            assert before["end"] <= after["start"], (
-                f"{uuid} held by two jobs at once: {before['pid']} until {before['end']:.4f}, "
-                f"{after['pid']} from {after['start']:.4f}")
+        events = sorted([(r["start"], 1, r) for r in jobs] + [(r["end"], 0, r) for r in jobs],
+                        key=lambda event: event[:2])
+        running: dict[int, dict[str, Any]] = {}
+        for _, starts, r in events:
+            if not starts:
+                running.pop(r["pid"])
+                continue
+            running[r["pid"]] = r
+            whole = [job for job in running.values() if not job["memory"]]
+            shared = sum(job["memory"] for job in running.values())
+            assert (len(whole) == len(running) == 1) or (not whole and shared <= GPU_MEMORY), (
+                f"{uuid} over-committed at {r['start']:.4f}: "
+                f"{[(job['pid'], job['memory']) for job in running.values()]}")
+            shared_at_once += len(running) > 1
+    assert shared_at_once, "no two shares ever ran on one GPU at once: the test did not test sharing"
 
     # Promise 2: every request competes for the same four GPUs, so grant order is arrival order.
     tickets = [r["ticket"] for r in results]
@@ -118,7 +140,7 @@ def _check(results: list[dict[str, Any]]) -> None:
 
 def _assert_idle(conn: rpycdl.Connection) -> None:
     status = conn.root.gpu_status()
-    assert [gpu["holder"] for gpu in status["gpus"]] == [None] * GPUS
+    assert [gpu["holders"] for gpu in status["gpus"]] == [[]] * GPUS
     assert status["queue"] == []
 
 
