@@ -12,6 +12,7 @@ from rpycdl.errors import (
     JobTimeoutError,
     LimitError,
     NoInventoryError,
+    NotAllowedError,
     QueueTimeoutError,
     RemoteError,
     RpycdlError,
@@ -22,6 +23,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthFailedError", "Connection", "connect", "DiscoveryError", "InvalidRequestError", "JobCancelledError",
-    "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "QueueTimeoutError", "RemoteError",
-    "RpycdlError", "VersionMismatchError", "__version__",
+    "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "NotAllowedError", "QueueTimeoutError",
+    "RemoteError", "RpycdlError", "VersionMismatchError", "__version__",
 ]
