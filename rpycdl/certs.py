@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +24,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from rpycdl.auth import USER_NAME
 from rpycdl.defaults import CA_DAYS, SERVER_CERT_DAYS, USER_CERT_DAYS
 from rpycdl.errors import InvalidRequestError
 from rpycdl.tls import ADMIN_UNIT
-
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-"""What a user or host name may look like (it becomes part of file names)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +39,8 @@ class Issued:
 
 
 def _check_name(name: str, what: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name):
+    """A user or host name (it becomes part of file names): what auth.USER_NAME allows."""
+    if not isinstance(name, str) or not USER_NAME.match(name):
         raise InvalidRequestError(f"bad {what} {name!r}: 1 to 64 letters, digits, '.', '_' or '-'")
     return name
 

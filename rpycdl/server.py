@@ -116,10 +116,10 @@ class DLServer(ForkingServer):
 
     The parent only accepts and forks: it never imports a framework or touches CUDA. It is a
     child subreaper, so what a job leaves behind is reaped here. It counts its connection
-    processes and refuses a connection over --max-connections without forking. When one of its connection
-    processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose connection
-    process is gone (kill -9): it kills their process groups, marks them failed, and wakes the
-    waiting requests."""
+    processes and refuses one over --max-connections without forking. When one of its
+    connection processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose
+    connection process is gone (kill -9): it kills their process groups, marks them failed,
+    and wakes the waiting requests."""
 
     _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # self-pipe: wakes the sweeper from SIGCHLD
 
