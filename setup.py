@@ -17,6 +17,8 @@ setup(
         "fasteners>=0.19",
         "nvidia-ml-py>=12.535",
         "docker>=7.0",
+        "cryptography>=41",
+        "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"]},
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

@@ -13,6 +13,7 @@ from rpycdl.errors import (
     JobTimeoutError,
     LimitError,
     NoInventoryError,
+    NotAllowedError,
     QueueTimeoutError,
     RemoteError,
     RpycdlError,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthFailedError", "Connection", "connect", "DiscoveryError", "GPUMemoryExceededError", "InvalidRequestError",
-    "JobCancelledError", "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "QueueTimeoutError",
+    "JobCancelledError", "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError", "NotAllowedError",
+    "QueueTimeoutError",
     "RemoteError", "RpycdlError", "VersionMismatchError", "__version__",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -11,27 +12,39 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rpycdl import registry
-from rpycdl.client import connect
+from rpycdl import credentials, registry
+from rpycdl.auth import Identity
+from rpycdl.client import Connection, connect
 from rpycdl.defaults import (
+    CA_DAYS,
+    CONFIG_FILE,
+    ENV_CONFIG,
     ENV_GPUS,
     ENV_LOCK_DIR,
     ENV_REGISTRY,
     ENV_SECRET_FILE,
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
     GPU_UNIT,
     IDLE_TIMEOUT,
     LOCK_DIR,
+    MAX_CONNECTIONS,
     MAX_PAYLOAD,
     MAX_QUEUED,
+    MAX_QUEUED_PER_USER,
     MEMORY_ALLOWANCE,
     MIN_MAX_PAYLOAD,
     REGISTRY_PORT,
+    SERVER_CERT_DAYS,
     SERVER_PORT,
+    USER_CERT_DAYS,
 )
-from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError
+from rpycdl.errors import AuthFailedError, InvalidRequestError, LimitError, NoInventoryError, RpycdlError
 from rpycdl.locks import describe_need
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="largest call accepted, at least 1MiB, e.g. 8GiB (default: %(default)s bytes)")
     serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
                        help="most requests waiting at once (default: %(default)s)")
+    serve.add_argument("--max-queued-per-user", type=int, default=MAX_QUEUED_PER_USER, metavar="N",
+                       help="most requests of one user waiting at once (default: %(default)s)")
+    serve.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                       help="most client connections served at once (default: %(default)s)")
     serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
                        help="close connections idle this long (default: %(default)s)")
     serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
@@ -81,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--secret-file", default=None, metavar="PATH",
                        help=f"require clients to prove they know the shared secret in PATH (mode 600); "
                             f"default ${ENV_SECRET_FILE}, else no authentication")
+    serve.add_argument("--tls-cert", default=None, metavar="FILE",
+                       help="this server's certificate (rpycdl certs server): require mutual TLS")
+    serve.add_argument("--tls-key", default=None, metavar="FILE", help="its key (mode 600)")
+    serve.add_argument("--tls-ca", default=None, metavar="FILE",
+                       help="the team's CA certificate: clients must present a certificate it signed")
 
     for name, text in (("status", "show each GPU, who holds it, and who waits"),
                        ("jobs", "list a server's jobs"), ("cancel", "cancel a job")):
@@ -94,8 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--registry", default=None, metavar="HOST[:PORT]",
                          help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
         sub.add_argument("--json", action="store_true", help="print JSON")
-        sub.add_argument("--secret-file", default=None, metavar="PATH",
-                         help=f"the servers' shared secret (default: ${ENV_SECRET_FILE})")
+        _credential_flags(sub)
 
     demo = commands.add_parser("demo", help="start a local registry and server and run the example client")
     demo.add_argument("--gpus", default=None, metavar="SPEC",
@@ -105,9 +126,20 @@ def _parser() -> argparse.ArgumentParser:
 
     selftest = commands.add_parser("selftest", help="check a machine with real GPUs end to end")
     selftest.add_argument("--report", default=None, help="also write the report to this file")
+    _certs_commands(commands)
     _container_commands(commands)
     return parser
 
+
+def _credential_flags(parser: argparse.ArgumentParser) -> None:
+    where = f"else the credentials file (${ENV_CONFIG}, else {CONFIG_FILE})"
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help=f"the servers' shared secret (default: ${ENV_SECRET_FILE}, {where})")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help=f"your certificate (default: ${ENV_TLS_CERT}, {where})")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help=f"its key (default: ${ENV_TLS_KEY}, {where})")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help=f"the team's CA certificate (default: ${ENV_TLS_CA}, {where})")
 
 def main(argv: list[str] | None = None) -> int:
     """Run the rpycdl command; returns the exit code."""
@@ -140,42 +172,51 @@ def _serve(args: argparse.Namespace) -> int:
     from rpycdl.shares import ShareRules
 
     max_payload = parse_size(args.max_payload)
-    if max_payload < MIN_MAX_PAYLOAD or args.max_queued < 1 or not args.idle_timeout > 0:
-        raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued at least 1, "
-                                  "--idle-timeout positive")
-    limits = Limits(max_payload=max_payload, max_queued=args.max_queued, idle_timeout=args.idle_timeout)
+    if max_payload < MIN_MAX_PAYLOAD or min(args.max_queued, args.max_queued_per_user, args.max_connections) < 1 \
+            or not args.idle_timeout > 0:
+        raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued, --max-queued-per-user and "
+                                  "--max-connections at least 1, --idle-timeout positive")
+    limits = Limits(max_payload=max_payload, max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
+                    max_connections=args.max_connections, idle_timeout=args.idle_timeout)
     shares = ShareRules(unit=args.gpu_unit, allowance=parse_size(args.memory_allowance))
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
                           gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
-                          secret_file=args.secret_file, limits=limits, shares=shares)
+                          secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          tls_ca=args.tls_ca, limits=limits, shares=shares)
     serve(config)
     return 0
 
 
-def _targets(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """The servers a status/jobs/cancel command talks to."""
+def _servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[], Connection]]]:
+    """The servers a status/jobs/cancel command talks to, each with a way to connect to it
+    with the command's credentials (flags, else environment, else the credentials file)."""
+    settings = credentials.resolve(secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                   tls_ca=args.tls_ca, registry=args.registry)
     if args.host:
-        return [(args.host, args.port)]
-    names = [args.service.upper()] if args.service else registry.list_services(args.registry)
-    addresses: list[tuple[str, int]] = []
-    for name in names:
-        for address in registry.discover(name, args.registry):
-            if address not in addresses:
-                addresses.append(address)
+        addresses = [(args.host, args.port)]
+    else:
+        names = [args.service.upper()] if args.service else registry.list_services(settings.registry)
+        addresses = []
+        for name in names:
+            for address in registry.discover(name, settings.registry):
+                if address not in addresses:
+                    addresses.append(address)
     if not addresses:
-        raise RpycdlError(f"the registry {registry.registry_address(args.registry)} knows no "
+        raise RpycdlError(f"the registry {registry.registry_address(settings.registry)} knows no "
                           f"{'server of ' + args.service.upper() if args.service else 'server'}")
-    return addresses
+    return [(address, functools.partial(connect, host=address[0], port=address[1], secret_file=settings.secret_file,
+                                        tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_ca=settings.tls_ca))
+            for address in addresses]
 
 
 def _each_server(args: argparse.Namespace, call: str) -> list[tuple[tuple[str, int], Any]]:
     results = []
-    for host, port in _targets(args):
+    for address, open_connection in _servers(args):
         try:
-            with connect(host=host, port=port, secret_file=args.secret_file) as conn:
-                results.append(((host, port), getattr(conn.root, call)()))
-        except (OSError, EOFError) as exc:
-            results.append(((host, port), exc))
+            with open_connection() as conn:
+                results.append((address, getattr(conn.root, call)()))
+        except (OSError, EOFError, AuthFailedError, LimitError) as exc:  # one server's trouble is not the others'
+            results.append((address, exc))
     return results
 
 
@@ -193,7 +234,7 @@ def _status(args: argparse.Namespace) -> int:
 def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) -> str:
     """Human-readable status of one server."""
     if isinstance(status, Exception):
-        return f"{address[0]}:{address[1]}  UNREACHABLE ({status})\n"
+        return f"{address[0]}:{address[1]}  {_unreachable(status)}\n"
     now = status["time"]
     server = status["server"]
     kind = "simulated " + server["inventory"] if server["simulated"] else "NVML"
@@ -217,16 +258,20 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
         lines.append(f"  waiting ({len(status['queue'])}), first come first served:")
         for place, waiter in enumerate(status["queue"], 1):
             wants = describe_need(waiter["count"], waiter["memory"])
-            lines.append(f"    {place}. job {waiter['job_id']} wants {wants}, from {waiter['client']} "
-                         f"({waiter['server']}), waiting {_ago(now - waiter['since'])}")
+            lines.append(f"    {place}. job {waiter['job_id']} of {waiter.get('user', 'unknown')} wants {wants}, "
+                         f"from {waiter['client']} ({waiter['server']}), waiting {_ago(now - waiter['since'])}")
     else:
         lines.append("  nobody waiting")
     return "\n".join(lines) + "\n"
 
 
 def _holder(holder: dict[str, Any], now: float) -> str:
-    return (f"job {holder['job_id']} from {holder['client']} ({holder['server']}) "
+    return (f"job {holder['job_id']} of {holder.get('user', 'unknown')} from {holder['client']} ({holder['server']}) "
             f"since {time.strftime('%H:%M:%S', time.localtime(holder['since']))} ({_ago(now - holder['since'])})")
+
+
+def _unreachable(exc: Exception) -> str:
+    return f"{'REFUSED' if isinstance(exc, RpycdlError) else 'UNREACHABLE'} ({exc})"
 
 
 def _ago(seconds: float) -> str:
@@ -247,22 +292,23 @@ def _jobs(args: argparse.Namespace) -> int:
     for (host, port), jobs in results:
         print(f"{host}:{port}")
         if isinstance(jobs, Exception):
-            print(f"  UNREACHABLE ({jobs})")
+            print(f"  {_unreachable(jobs)}")
             continue
         for job in jobs:
             when = time.strftime("%H:%M:%S", time.localtime(job["submitted"]))
+            user = Identity(job["user"], job["user_verified"]).label
             print(f"  {job['job_id']}  {job['state']:<10} {describe_need(job['ngpus'], job['gpu_memory']):<18} "
-                  f"from {job['client']:<22} "
+                  f"{user:<24} from {job['client']:<22} "
                   f"submitted {when}  {job['error']}")
     return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    for host, port in _targets(args):
-        with connect(host=host, port=port, secret_file=args.secret_file) as conn:
+    for (host, port), open_connection in _servers(args):
+        with open_connection() as conn:
             if any(job["job_id"] == args.job_id for job in conn.root.jobs()):
                 state = conn.root.cancel(args.job_id)
-                print(f"job {args.job_id} ({state}) on {host}:{port}: cancel requested")
+                print(f"job {args.job_id} ({state}) on {host}:{port}: cancel requested as {conn.identity['label']}")
                 return 0
     raise RpycdlError(f"no server knows job {args.job_id}")
 
@@ -296,6 +342,50 @@ def _selftest(args: argparse.Namespace) -> int:
     from rpycdl.selftest import run_selftest
 
     return run_selftest(args.report)
+
+
+# -- rpycdl certs: a small team's certificate authority (rpycdl.certs) -----------------------
+
+
+def _certs_commands(commands: Any) -> None:
+    certs = commands.add_parser("certs", help="create a team's CA, server and user certificates for mutual TLS")
+    kinds = certs.add_subparsers(dest="kind", required=True, metavar="KIND")
+
+    def kind(name: str, text: str) -> argparse.ArgumentParser:
+        parser = kinds.add_parser(name, help=text)
+        parser.add_argument("dir", metavar="DIR", help="the CA's directory")
+        return parser
+
+    ca = kind("ca", "create the certificate authority in DIR (ca.crt, ca.key)")
+    ca.add_argument("--days", type=int, default=CA_DAYS, help="validity (default: %(default)s)")
+    server = kind("server", "issue DIR/server-NAME.crt and .key for a server host")
+    server.add_argument("--name", action="append", required=True, metavar="HOST",
+                        help="a host name clients dial (repeat for more; the first names the files)")
+    server.add_argument("--ip", action="append", default=[], metavar="ADDR",
+                        help="an IP address clients dial, e.g. the one the registry hands out (repeat for more)")
+    server.add_argument("--days", type=int, default=SERVER_CERT_DAYS, help="validity (default: %(default)s)")
+    user = kind("user", "issue DIR/user-NAME.crt and .key for a user")
+    user.add_argument("user", metavar="NAME", help="the user's name, as jobs will show it")
+    user.add_argument("--admin", action="store_true", help="may cancel anyone's job")
+    user.add_argument("--days", type=int, default=USER_CERT_DAYS, help="validity (default: %(default)s)")
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from rpycdl import certs  # cryptography is needed only here
+
+    if args.kind == "ca":
+        issued = certs.create_ca(args.dir, days=args.days)
+        print(f"created the CA {issued.cert} (give it to every server and user) and its key {issued.key} "
+              "(keep it here, mode 600)")
+    elif args.kind == "server":
+        issued = certs.issue_server(args.dir, args.name, args.ip, days=args.days)
+        print(f"issued {issued.cert} and {issued.key} for {', '.join(args.name + args.ip)}: "
+              f"rpycdl serve --tls-cert {issued.cert} --tls-key {issued.key} --tls-ca {Path(args.dir) / 'ca.crt'}")
+    else:
+        issued = certs.issue_user(args.dir, args.user, admin=args.admin, days=args.days)
+        print(f"issued {issued.cert} and {issued.key} for {args.user}{' (admin)' if args.admin else ''}: give "
+              f"them with ca.crt to the user, for tls_cert, tls_key and tls_ca in {CONFIG_FILE}")
+    return 0
 
 
 # -- rpycdl up / down: service containers through the docker SDK (rpycdl.containers) -------
@@ -344,7 +434,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"registry": _registry, "serve": _serve, "status": _status, "jobs": _jobs, "cancel": _cancel,
-            "demo": _demo, "selftest": _selftest, "up": _up, "down": _down}
+            "demo": _demo, "selftest": _selftest, "certs": _certs, "up": _up, "down": _down}
 
 
 def serve_service(service: str) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import getpass
 import json
+import ssl
 import sys
 from collections.abc import Callable
 from typing import IO, Any
 
 import rpyc
 
-from rpycdl import auth, registry, transport, wire
+from rpycdl import auth, credentials, registry, transport, wire
 from rpycdl.defaults import MIN_MAX_PAYLOAD, SERVER_PORT
 from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError, LimitError
 
@@ -125,20 +127,33 @@ class RemoteRoot:
         return json.loads(self._conn.root.jobs())
 
     def cancel(self, job_id: str) -> str:
-        """Cancel a pending or running job; returns its state when the request was made."""
-        return self._conn.root.cancel(job_id)
+        """Cancel a pending or running job; returns its state when the request was made.
+
+        Raises:
+            NotAllowedError: the job is another user's, and this user is no admin.
+            InvalidRequestError: the server has no such job.
+        """
+        return wire.decode_outcome(self._conn.root.cancel(job_id))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn.root, name)
 
 
 class Connection:
-    """A connection to one rpycdl server. Use as a context manager, or call close()."""
+    """A connection to one rpycdl server. Use as a context manager, or call close().
+
+    Attributes:
+        address: the server's (host, port).
+        identity: who the server takes this client for: {"user", "verified", "admin", "label"}.
+    """
 
     def __init__(self, conn: rpyc.Connection, address: tuple[str, int]) -> None:
         self._conn = conn
         self.address = address
         self.root = RemoteRoot(conn)
+        user = getpass.getuser()
+        user = user if auth.USER_NAME.match(user) else "unknown"
+        self.identity: dict[str, Any] = json.loads(conn.root.identify(user))
 
     @property
     def closed(self) -> bool:
@@ -166,42 +181,56 @@ def _sink(stream: IO[str]) -> Callable[[str], None]:
 
 
 def connect(service: str | None = None, *, host: str | None = None, port: int | None = None,
-            registry_address: str | None = None, secret_file: str | None = None) -> Connection:
+            registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
+            tls_key: str | None = None, tls_ca: str | None = None) -> Connection:
     """Connect to a server of `service` found through the registry, or to host:port directly.
 
     Among the live servers of the service, the one with the most free GPUs and the shortest
-    queue is chosen.
+    queue is chosen. Each credential and the registry come from the argument, else its
+    environment variable ($RPYCDL_SECRET_FILE, $RPYCDL_TLS_CERT, $RPYCDL_TLS_KEY, $RPYCDL_TLS_CA,
+    $RPYCDL_REGISTRY), else the credentials file (rpycdl.credentials). With credentials, a client
+    talks only to servers that prove themselves (the team's CA signed their certificate for the
+    address dialled, or they know the secret); without, only to servers without authentication.
 
     Args:
         service: a service name or alias: "pytorch", "PYTORCH-2.5", "deeplearning", ...
         host, port: connect directly instead (port defaults to 18861).
-        registry_address: "HOST[:PORT]" of the registry; default $RPYCDL_REGISTRY, else broadcast.
-        secret_file: file holding the team's shared secret; default $RPYCDL_SECRET_FILE, else
-            none (only servers without authentication, on loopback or --insecure, answer).
+        registry_address: "HOST[:PORT]" of the registry; default: UDP broadcast.
+        secret_file: file holding the team's shared secret.
+        tls_cert, tls_key, tls_ca: this user's certificate and key, and the team's CA certificate.
 
     Raises:
         DiscoveryError: no live server of the service answered.
-        AuthFailedError: the server does not know the secret, or wants one we do not have.
-        InvalidRequestError: neither a service nor a host was given.
+        AuthFailedError: client and server could not authenticate each other.
+        LimitError: the server refused the connection (--max-connections).
+        InvalidRequestError: neither a service nor a host was given, or unusable credentials.
     """
-    secret = auth.load_secret(secret_file)
+    settings = credentials.resolve(secret_file=secret_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+                                   registry=registry_address)
+    secret, tls_context = settings.secret(), settings.tls_context()
     if host is not None:
         address = (host, port or SERVER_PORT)
-        return Connection(transport.connect(*address, CLIENT_CONFIG, secret), address)
+        return Connection(transport.connect(*address, CLIENT_CONFIG, secret, tls_context), address)
     if not service:
         raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
+    return _discover(service, settings.registry, secret, tls_context)
+
+
+def _discover(service: str, registry_address: str | None, secret: bytes | None,
+              tls_context: ssl.SSLContext | None) -> Connection:
+    """Connect to the best live server of `service` that passes authentication."""
     addresses = registry.discover(service, registry_address)
     if not addresses:
         raise DiscoveryError(f"no server of service {service.upper()!r} is registered "
                              f"(registry {registry.registry_address(registry_address)})")
     best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
-    refused: list[str] = []
+    refused: list[tuple[tuple[str, int], AuthFailedError | LimitError]] = []
     for address in addresses:
         try:
-            conn = transport.connect(*address, CLIENT_CONFIG, secret)
+            conn = transport.connect(*address, CLIENT_CONFIG, secret, tls_context)
             free, waiting, _ = conn.root.load()
-        except AuthFailedError as exc:  # a server without our secret gets nothing
-            refused.append(f"{address[0]}:{address[1]}: {exc}")
+        except (AuthFailedError, LimitError) as exc:  # a server that cannot prove itself gets nothing
+            refused.append((address, exc))
             continue
         except (OSError, EOFError):
             continue
@@ -213,7 +242,9 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
         else:
             conn.close()
     if best is None and refused:
-        raise AuthFailedError(f"no server of {service.upper()!r} passed authentication: " + "; ".join(refused))
+        error = LimitError if all(isinstance(exc, LimitError) for _, exc in refused) else AuthFailedError
+        raise error(f"no server of {service.upper()!r} let us in: "
+                    + "; ".join(f"{host}:{port}: {exc}" for (host, port), exc in refused))
     if best is None:
         raise DiscoveryError(f"every server of {service.upper()!r} is down: {list(addresses)}")
     return Connection(best[1], best[2])

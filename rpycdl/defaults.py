@@ -46,11 +46,28 @@ MIN_MAX_PAYLOAD = 1024**2
 MAX_QUEUED = 1000
 """Most requests of one server waiting at once (`--max-queued`)."""
 
+MAX_QUEUED_PER_USER = 100
+"""Most requests of one user waiting at once on one server (`--max-queued-per-user`)."""
+
+MAX_CONNECTIONS = 256
+"""Most client connections a server serves at once (`--max-connections`); one more is refused at once."""
+
 IDLE_TIMEOUT = 3600.0
 """Seconds a connection may stay idle (no request, no job) before the server closes it (`--idle-timeout`)."""
 
 DISCOVERY_TIMEOUT = 2.0
 """Seconds to wait for the registry to answer."""
+
+HANDSHAKE_TIMEOUT = 5.0
+"""Seconds a client and a server may take to greet and authenticate each other."""
+
+CA_DAYS = 3650
+SERVER_CERT_DAYS = 825
+USER_CERT_DAYS = 365
+"""Validity of the certificates `rpycdl certs` issues, in days (`--days` overrides)."""
+
+CONFIG_FILE = "~/.config/rpycdl/credentials.toml"
+"""The client's credentials file (`secret_file`, `tls_cert`, `tls_key`, `tls_ca`, `registry`)."""
 
 ENV_GPUS = "RPYCDL_GPUS"
 ENV_LOCK_DIR = "RPYCDL_LOCK_DIR"
@@ -58,6 +75,10 @@ ENV_REGISTRY = "RPYCDL_REGISTRY"
 ENV_SECRET_FILE = "RPYCDL_SECRET_FILE"
 ENV_SIMULATED_GPUS = "RPYCDL_SIMULATED_GPUS"
 """Set in jobs on simulated GPUs: where rpycdl.gpus.simulate_memory records their memory use."""
+ENV_TLS_CERT = "RPYCDL_TLS_CERT"
+ENV_TLS_KEY = "RPYCDL_TLS_KEY"
+ENV_TLS_CA = "RPYCDL_TLS_CA"
+ENV_CONFIG = "RPYCDL_CONFIG"
 
 
 def lock_dir() -> str:

@@ -44,7 +44,12 @@ class VersionMismatchError(RpycdlError):
 
 
 class AuthFailedError(RpycdlError):
-    """The other side does not know the shared secret (or does not speak the handshake)."""
+    """Client and server could not authenticate each other: a wrong or missing shared secret or
+    certificate, a certificate the other side does not trust, or a server that asks for none."""
+
+
+class NotAllowedError(RpycdlError, PermissionError):
+    """The authenticated user may not do this (e.g. cancel another user's job without being an admin)."""
 
 
 class DiscoveryError(RpycdlError):

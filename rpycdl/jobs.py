@@ -36,7 +36,8 @@ class JobRecord:
     """One run_code call.
 
     `owner_pid` is the connection process serving it and `pgid` the job's process group,
-    both in the server's own PID namespace; `server_id` says which server started it."""
+    both in the server's own PID namespace; `server_id` says which server started it; `user`
+    who sent it, proven by a client certificate when `user_verified`, else declared."""
 
     job_id: str
     server_id: str
@@ -51,6 +52,8 @@ class JobRecord:
     started: float | None = None
     ended: float | None = None
     error: str = ""
+    user: str = "unknown"
+    user_verified: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import rpyc
 from rpyc.utils.server import ForkingServer
 
-from rpycdl import auth, transport
+from rpycdl import auth, tls, transport
 from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
@@ -71,6 +71,9 @@ class ServerConfig:
     lock_dir: str | None = None
     insecure: bool = False
     secret_file: str | None = None  # None: $RPYCDL_SECRET_FILE, else no authentication
+    tls_cert: str | None = None  # all three, or none: mutual TLS (rpycdl.tls)
+    tls_key: str | None = None
+    tls_ca: str | None = None
     limits: Limits = field(default_factory=Limits)
     shares: ShareRules = field(default_factory=ShareRules)
     version: str | None = None  # framework version to announce; None reads package metadata
@@ -114,10 +117,11 @@ class DLServer(ForkingServer):
     """The ForkingServer of one rpycdl service.
 
     The parent only accepts and forks: it never imports a framework or touches CUDA. It is a
-    child subreaper, so what a job leaves behind is reaped here. When one of its connection
-    processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose connection
-    process is gone (kill -9): it kills their process groups, marks them failed, and wakes the
-    waiting requests."""
+    child subreaper, so what a job leaves behind is reaped here. It counts its connection
+    processes and refuses one over --max-connections without forking. When one of its
+    connection processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose
+    connection process is gone (kill -9): it kills their process groups, marks them failed,
+    and wakes the waiting requests."""
 
     _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # self-pipe: wakes the sweeper from SIGCHLD
 
@@ -127,6 +131,7 @@ class DLServer(ForkingServer):
         super().__init__(service, protocol_config=PROTOCOL_CONFIG, **kwargs)
         context.port = self.port
         self._stop = threading.Event()
+        self._connections: set[int] = set()  # pids of the connection processes
 
     def start(self) -> None:
         try:
@@ -146,6 +151,33 @@ class DLServer(ForkingServer):
     def _handle_sigchld(cls, signum: int, frame: object) -> None:
         super()._handle_sigchld(signum, frame)
         _poke(cls._wake_w)
+
+    def _accept_method(self, sock: socket.socket) -> None:
+        """Fork a connection process for an accepted socket, unless --max-connections are served
+        already; greet it first when the server requires authentication (rpycdl.auth)."""
+        self.clients.discard(sock)
+        self._connections = {pid for pid in self._connections if _running(pid)}
+        limit = self.context.limits.max_connections
+        if len(self._connections) >= limit:
+            self.logger.warning("refused a connection: %d served at once (--max-connections)", limit)
+            auth.refuse(sock, f"this server serves at most {limit} connections at once (--max-connections); "
+                              "try again later or another server")
+            return
+        if self.authenticator is not None:
+            auth.greet(sock, self.authenticator.mode)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.signal(signal.SIGCHLD, self._prevhandler)
+                signal.siginterrupt(signal.SIGCHLD, False)
+                self.listener.close()
+                self._authenticate_and_serve_client(sock)
+            except Exception:
+                self.logger.exception("connection process failed")
+            finally:
+                os._exit(0)
+        sock.close()
+        self._connections.add(pid)
 
     def _serve_client(self, sock: socket.socket, credentials: object) -> None:
         """RPyC's own, over the bulk transport (rpycdl.transport)."""
@@ -191,6 +223,14 @@ def _remove_orphan_containers(lock_dir: str) -> None:
         log.info("orphaned job containers not checked: %s", exc)
 
 
+def _running(pid: int) -> bool:
+    """Whether a child process still runs (reaps it if it just ended)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
+
+
 def _poke(fd: int) -> None:
     with contextlib.suppress(BlockingIOError):
         os.write(fd, b"!")
@@ -199,11 +239,14 @@ def _poke(fd: int) -> None:
 def build_server(config: ServerConfig) -> DLServer:
     """Check the configuration, load the inventory, and bind the server (not started yet)."""
     secret = auth.load_secret(config.secret_file)
-    if not _is_loopback(config.host) and not config.insecure and secret is None:
+    tls_context = None
+    if config.tls_cert or config.tls_key or config.tls_ca:
+        tls_context = tls.server_context(config.tls_cert, config.tls_key, config.tls_ca)
+    if not _is_loopback(config.host) and not config.insecure and secret is None and tls_context is None:
         raise InvalidRequestError(
             f"refusing to listen on {config.host} without authentication: anyone who reaches it can run "
-            "code here. Give a shared secret (--secret-file), bind to 127.0.0.1, or pass --insecure if "
-            "the network is trusted")
+            "code here. Give TLS certificates (--tls-cert, --tls-key, --tls-ca) or a shared secret "
+            "(--secret-file), bind to 127.0.0.1, or pass --insecure if the network is trusted")
     inventory = load_inventory(config.gpus)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
@@ -218,7 +261,7 @@ def build_server(config: ServerConfig) -> DLServer:
         registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
     return DLServer(context, hostname=config.host, port=config.port, registrar=registrar,
                     auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"),
-                    authenticator=None if secret is None else auth.SecretAuthenticator(secret))
+                    authenticator=auth.ServerAuthenticator(tls_context, secret) if secret or tls_context else None)
 
 
 def serve(config: ServerConfig) -> None:
@@ -234,7 +277,7 @@ def serve(config: ServerConfig) -> None:
     kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
-          f"{'shared-secret authentication' if server.authenticator else 'no authentication'}", flush=True)
+          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())

@@ -16,8 +16,15 @@ import dill
 import rpyc
 from rpyc.core.netref import BaseNetref
 
-from rpycdl import caps, runner, wire
-from rpycdl.defaults import ENV_SIMULATED_GPUS, IDLE_TIMEOUT, MAX_PAYLOAD, MAX_QUEUED
+from rpycdl import auth, caps, runner, wire
+from rpycdl.defaults import (
+    ENV_SIMULATED_GPUS,
+    IDLE_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_PAYLOAD,
+    MAX_QUEUED,
+    MAX_QUEUED_PER_USER,
+)
 from rpycdl.errors import (
     GPUMemoryExceededError,
     InvalidRequestError,
@@ -25,6 +32,7 @@ from rpycdl.errors import (
     JobCrashedError,
     JobTimeoutError,
     LimitError,
+    NotAllowedError,
     RpycdlError,
 )
 from rpycdl.gpus import GPU, FakeInventory, Inventory
@@ -51,6 +59,8 @@ class Limits:
 
     max_payload: int = MAX_PAYLOAD
     max_queued: int = MAX_QUEUED
+    max_queued_per_user: int = MAX_QUEUED_PER_USER
+    max_connections: int = MAX_CONNECTIONS
     idle_timeout: float = IDLE_TIMEOUT
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,12 +119,16 @@ def _materialize(obj: Any) -> Any:
 
 
 class GPUService(rpyc.Service):
-    """One client connection of a server. `context` is set on the subclass the server builds."""
+    """One client connection of a server. `context` is set on the subclass the server builds.
+
+    Its user is the one its client certificate names, else the one the client declares
+    (`identify`, unverified), else auth.ANONYMOUS."""
 
     context: ServerContext
 
     def on_connect(self, conn: rpyc.Connection) -> None:
         self._conn = conn
+        self._identity: auth.Identity = conn._config.get("credentials") or auth.ANONYMOUS
         endpoints = conn._config.get("endpoints") or (None, ("?", 0))
         peer = endpoints[1]
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -160,7 +174,9 @@ class GPUService(rpyc.Service):
         if self._busy:
             raise InvalidRequestError("this connection is already running a job: use one connection per "
                                       "concurrent job (rpycdl.connect() again)")
-        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, request.memory, owner_pid=os.getpid())
+        user = self._identity
+        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, request.memory, owner_pid=os.getpid(),
+                           user=user.user, user_verified=user.verified)
 
         waiting_since: float | None = None
         wake_fds = self._socket_fd()
@@ -168,11 +184,8 @@ class GPUService(rpyc.Service):
 
         def on_position(ahead: int) -> None:
             nonlocal waiting_since
-            if waiting_since is None:  # it has to wait: within the limit? make it visible to `jobs` and `cancel`
-                others = sum(1 for w in self._locks.queue() if w["server_id"] == ctx.server_id) - 1
-                if others >= ctx.limits.max_queued:
-                    raise LimitError(f"this server's queue is full: {others} requests wait, the limit is "
-                                     f"{ctx.limits.max_queued} (--max-queued); try again later or another server")
+            if waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
+                self._check_queue_limits(record.job_id)
                 waiting_since = time.monotonic()
                 self._store.save(record)
             if on_state is not None:
@@ -198,7 +211,8 @@ class GPUService(rpyc.Service):
         try:
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
-                {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id},
+                {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id,
+                 "user": user.label},
                 queue_timeout=queue_timeout, wake_fds=wake_fds, on_wake=on_wake, on_position=on_position,
                 memory=request.memory, sizes={gpu.uuid: gpu.memory_total // MiB for gpu in ctx.gpus})
             by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
@@ -248,6 +262,18 @@ class GPUService(rpyc.Service):
             return (runner.Ending.OVER_MEMORY, reason) if reason else None
 
         return stop
+
+    def _check_queue_limits(self, job_id: str) -> None:
+        """Raise LimitError if this server's queue, or this user's share of it, is full."""
+        limits, label = self.context.limits, self._identity.label
+        others = [w for w in self._locks.queue() if w["server_id"] == self.context.server_id and w["job_id"] != job_id]
+        if len(others) >= limits.max_queued:
+            raise LimitError(f"this server's queue is full: {len(others)} requests wait, the limit is "
+                             f"{limits.max_queued} (--max-queued); try again later or another server")
+        mine = sum(1 for w in others if w.get("user") == label)
+        if mine >= limits.max_queued_per_user:
+            raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
+                             f"{limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
 
     def _run_payload(self, body: bytes, on_stdout: Callable[[str], None],
                      on_stderr: Callable[[str], None]) -> Executor:
@@ -385,19 +411,38 @@ class GPUService(rpyc.Service):
         """JSON list of this server's job records, oldest first."""
         return json.dumps([r.to_dict() for r in self._store.all() if r.server_id == self.context.server_id])
 
-    def exposed_cancel(self, job_id: str) -> str:
-        """Cancel a pending or running job of this server; returns its state afterwards."""
-        if not isinstance(job_id, str) or not job_id.isalnum():
-            raise InvalidRequestError(f"not a job id: {job_id!r}")
-        record = self._store.load(job_id)
-        if record is None or record.server_id != self.context.server_id:
-            raise InvalidRequestError(f"no job {job_id} on this server")
-        self._store.request_cancel(job_id)
-        self._locks.wake_all()
-        return record.state.value
+    def exposed_cancel(self, job_id: Any) -> bytes:
+        """Cancel a pending or running job of this server: its owner or an admin may.
+
+        Returns outcome bytes (see rpycdl.client): the job's state when the cancel was asked;
+        InvalidRequestError for an unknown job, NotAllowedError for someone else's."""
+        try:
+            if not isinstance(job_id, str) or not job_id.isalnum():
+                raise InvalidRequestError(f"not a job id: {job_id!r}")
+            record = self._store.load(job_id)
+            if record is None or record.server_id != self.context.server_id:
+                raise InvalidRequestError(f"no job {job_id} on this server")
+            me = self._identity
+            if not me.admin and (record.user, record.user_verified) != (me.user, me.verified):
+                owner = auth.Identity(record.user, record.user_verified).label
+                raise NotAllowedError(f"job {job_id} belongs to {owner} and you are {me.label}: only its owner "
+                                      "or an admin can cancel it")
+            self._store.request_cancel(job_id)
+            self._locks.wake_all()
+            return wire.encode_ok(record.state.value)
+        except RpycdlError as exc:
+            return wire.encode_error(exc, tb="")
+
+    def exposed_identify(self, user: Any) -> str:
+        """Declare the client's OS user, kept unless a client certificate names the user already.
+
+        Returns JSON: the connection's identity (user, verified, admin, label)."""
+        if not self._identity.verified:
+            self._identity = auth.declared(user)
+        return json.dumps({**asdict(self._identity), "label": self._identity.label})
 
     def exposed_limits(self) -> str:
-        """JSON: this server's limits (max_payload, max_queued, idle_timeout)."""
+        """JSON: this server's limits (see Limits)."""
         return json.dumps(self.context.limits.to_dict())
 
     def exposed_server_info(self) -> str:

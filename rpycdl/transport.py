@@ -8,6 +8,7 @@ peers that do not understand each other."""
 from __future__ import annotations
 
 import socket
+import ssl
 import zlib
 from typing import Any
 
@@ -15,7 +16,8 @@ import rpyc
 from rpyc.core.channel import Channel
 from rpyc.core.stream import SocketStream
 
-from rpycdl import auth
+from rpycdl import auth, tls
+from rpycdl.errors import AuthFailedError
 
 
 class BulkSocketStream(SocketStream):
@@ -50,6 +52,34 @@ class BulkSocketStream(SocketStream):
             done += received
         return bytes(buffer)
 
+    def poll(self, timeout: float) -> bool:
+        """Also ready when TLS holds decrypted bytes that the socket no longer shows."""
+        pending = getattr(self.sock, "pending", None)
+        return bool(pending and pending()) or super().poll(timeout)
+
+
+class ClientSocketStream(BulkSocketStream):
+    """The client's stream: the first bytes it reads may be the server's banner line instead of
+    RPyC (a refusal, or a greeting asking for credentials this client does not have)."""
+
+    __slots__ = ("_first",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._first = True
+
+    def read(self, count: int) -> bytes:
+        if not self._first:
+            return super().read(count)
+        self._first = False
+        data = super().read(count)
+        if auth.is_banner(data):
+            modes = auth.read_banner(self.sock, data)  # raises LimitError on a refusal
+            self.close()
+            raise AuthFailedError(f"the server requires authentication ({'+'.join(sorted(modes))}): give this "
+                                  "client a shared secret or a TLS certificate (see `rpycdl.connect` or README)")
+        return data
+
 
 class LimitedChannel(Channel):
     """A Channel that drops the connection rather than read a frame over `max_frame` bytes."""
@@ -77,14 +107,46 @@ def channel(sock: socket.socket, max_frame: int) -> Channel:
     return LimitedChannel(BulkSocketStream(sock), max_frame)
 
 
-def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None) -> rpyc.Connection:
-    """rpyc.connect(host, port, config=config) over the bulk transport, after the shared-secret
-    handshake (rpycdl.auth) when a secret is given."""
-    stream = BulkSocketStream.connect(host, port, nodelay=True)
-    if secret is not None:
+def _authenticate(sock: socket.socket, host: str, secret: bytes | None,
+                  tls_context: ssl.SSLContext | None) -> socket.socket:
+    """Read the server's greeting and take every step it asks for; returns the socket to use."""
+    modes = auth.read_banner(sock)
+    missing = [mode for mode, have in (("tls", tls_context), ("secret", secret)) if mode in modes and not have]
+    if missing or not modes <= {"tls", "secret"}:
+        raise AuthFailedError(f"the server asks for {'+'.join(sorted(modes))} authentication and this client has "
+                              f"no {' or '.join(missing) or 'such'} credentials")
+    try:
+        if "tls" in modes:
+            sock = tls.connect(sock, tls_context, host)  # type: ignore[arg-type]
+        if "secret" in modes:
+            auth.client_handshake(sock, secret)  # type: ignore[arg-type]
+    except ssl.SSLError as exc:  # TLS refused our certificate during the secret handshake
+        raise tls.explain(exc, host) from None
+    return sock
+
+
+def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None,
+            tls_context: ssl.SSLContext | None = None) -> rpyc.Connection:
+    """rpyc.connect(host, port, config=config) over the bulk transport, after the authentication
+    the server asks for (rpycdl.auth), when this client has credentials. The first request
+    (the root object) is made here, so a refusal is raised here.
+
+    Raises:
+        AuthFailedError: the server and this client could not authenticate each other.
+        LimitError: the server refused the connection (--max-connections).
+    """
+    sock = BulkSocketStream._connect(host, port, nodelay=True)
+    try:
+        if secret is not None or tls_context is not None:
+            sock = _authenticate(sock, host, secret, tls_context)
+        conn = rpyc.connect_channel(Channel(ClientSocketStream(sock), compress=False), config=config)
         try:
-            auth.client_handshake(stream.sock, secret)
-        except BaseException:
-            stream.close()
+            conn.root  # noqa: B018 - the first request: the server may still refuse our certificate
+        except EOFError as exc:
+            if isinstance(exc.__cause__, ssl.SSLError):
+                raise tls.explain(exc.__cause__, host) from None
             raise
-    return rpyc.connect_channel(Channel(stream, compress=False), config=config)
+    except BaseException:
+        sock.close()
+        raise
+    return conn

@@ -10,6 +10,7 @@ __init__ takes other arguments than its args) still gets its type name, message 
 
 from __future__ import annotations
 
+import pickle
 import pickletools
 import sys
 import traceback
@@ -76,7 +77,10 @@ def check_pickle(data: bytes, what: str) -> None:
 
 def load_call(body: bytes) -> tuple[Any, Any]:
     """Unpickle a checked payload body into (fn, args); runs in the job process."""
-    call = dill.loads(body)
+    try:
+        call = dill.loads(body)
+    except pickle.UnpicklingError as exc:  # opcodes that read well but do not build (b"." alone)
+        raise InvalidRequestError(f"the payload is not readable dill data ({exc})") from None
     if not isinstance(call, tuple) or len(call) != 3:
         raise InvalidRequestError(f"the payload holds a {type(call).__name__}, not an rpycdl call")
     fn, args, fn_is_dill = call

@@ -5,9 +5,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from helpers import Team
 
 import rpycdl
+from rpycdl import cli
 from rpycdl.local import LocalCluster
+
+
+@pytest.fixture(autouse=True)
+def no_credentials_file(tmp_path, monkeypatch) -> None:
+    """Tests never read the credentials file of whoever runs them."""
+    monkeypatch.setenv("RPYCDL_CONFIG", str(tmp_path / "no-credentials.toml"))
+
+
+@pytest.fixture(scope="session")
+def team(tmp_path_factory) -> Team:
+    """A team's CA made with `rpycdl certs`: a server certificate for localhost and 127.0.0.1,
+    users alice and bob, and root, an admin."""
+    directory = str(tmp_path_factory.mktemp("team-ca"))
+    for argv in (["ca", directory], ["server", directory, "--name", "localhost", "--ip", "127.0.0.1"],
+                 ["user", directory, "alice"], ["user", directory, "bob"], ["user", directory, "root", "--admin"]):
+        assert cli.main(["certs", *argv]) == 0
+    return Team(directory)
 
 
 @pytest.fixture

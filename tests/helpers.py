@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,42 @@ def quick_error(call: Callable[[], Any], limit: float = 5.0) -> tuple[BaseExcept
     if thread.is_alive():
         raise AssertionError(f"the call was still running after {limit} s instead of failing at once")
     return outcome.get("error"), outcome["seconds"]
+
+
+@dataclass(frozen=True)
+class Team:
+    """The files of a CA directory made by `rpycdl certs` (see the `team` fixture)."""
+
+    dir: str
+
+    def server_args(self, host: str = "localhost") -> list[str]:
+        """`rpycdl serve` flags for mutual TLS with the certificate of `host`."""
+        return ["--tls-cert", f"{self.dir}/server-{host}.crt", "--tls-key", f"{self.dir}/server-{host}.key",
+                "--tls-ca", f"{self.dir}/ca.crt"]
+
+    def user(self, name: str) -> dict[str, str]:
+        """rpycdl.connect() keyword arguments for user `name`."""
+        return {"tls_cert": f"{self.dir}/user-{name}.crt", "tls_key": f"{self.dir}/user-{name}.key",
+                "tls_ca": f"{self.dir}/ca.crt"}
+
+
+def connection_processes(server_pid: int) -> list[int]:
+    """The live children of a server process (its connection processes, and jobs they left)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    return [int(pid) for pid in children if _running(int(pid))]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def server_pid(cluster: Any, port: int) -> int:
+    """The pid of the cluster's server on `port`."""
+    for process in cluster.processes:
+        if any(f"127.0.0.1:{port} as" in line for line in process.lines):
+            return process.popen.pid
+    raise AssertionError(f"no server on port {port}")
+

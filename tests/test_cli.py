@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -13,11 +14,13 @@ from helpers import Background, gate_job, open_gate
 
 import rpycdl
 
-SUBCOMMANDS = ["registry", "serve", "status", "jobs", "cancel", "demo", "selftest"]
+SUBCOMMANDS = ["registry", "serve", "status", "jobs", "cancel", "demo", "selftest", "certs"]
+ME = f"{getpass.getuser()} (unverified)"
+"""How a server without authentication names the user of these tests."""
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RPYCDL_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPYCDL_") or k == "RPYCDL_CONFIG"}
     return {**env, **extra}
 
 
@@ -75,12 +78,12 @@ def test_status_shows_each_gpu_its_holder_and_the_queue_in_order(cluster, queue)
     assert len(gpu_lines) == 2, out
     for index, line in enumerate(gpu_lines):
         assert line.split()[0] == str(index)
-        assert f"job {a.job_id} from {clients[0]} (pytorch)" in line, line
+        assert f"job {a.job_id} of {ME} from {clients[0]} (pytorch)" in line, line
         assert "0.0/16.0 GiB" in line
     assert "waiting (2), first come first served:" in out
     waiting = [line.strip() for line in out.splitlines() if re.match(r"\s+\d+\. job ", line)]
-    assert waiting[0].startswith(f"1. job {b.job_id} wants 1 GPU(s), from {clients[1]}"), out
-    assert waiting[1].startswith(f"2. job {c.job_id} wants 2 GPU(s), from {clients[2]}"), out
+    assert waiting[0].startswith(f"1. job {b.job_id} of {ME} wants 1 GPU(s), from {clients[1]}"), out
+    assert waiting[1].startswith(f"2. job {c.job_id} of {ME} wants 2 GPU(s), from {clients[2]}"), out
     # by service name and directly by address, the same
     for args in (["pytorch", "--registry", cluster.registry_address], ["--host", "127.0.0.1", "--port", str(port)]):
         again = rpycdl_cli("status", *args)
@@ -108,6 +111,7 @@ def test_jobs_lists_the_servers_jobs(cluster, queue):
     assert lines[0] == f"127.0.0.1:{port}"
     states = {line.split()[0]: line.split()[1] for line in lines[1:]}
     assert states == {a.job_id: "running", b.job_id: "pending", c.job_id: "pending"}
+    assert all(ME in line for line in lines[1:]), lines
     as_json = json.loads(rpycdl_cli("jobs", "--json", "--registry", cluster.registry_address).stdout)
     jobs = as_json[f"127.0.0.1:{port}"]
     assert [(job["job_id"], job["state"], job["ngpus"]) for job in jobs] == [
@@ -118,7 +122,7 @@ def test_cancel_stops_a_running_and_a_waiting_job(cluster, queue):
     port, (a, b, c), _ = queue
     result = rpycdl_cli("cancel", a.job_id, "--registry", cluster.registry_address)
     assert result.returncode == 0, result.stderr
-    assert f"job {a.job_id} (running) on 127.0.0.1:{port}: cancel requested" in result.stdout
+    assert f"job {a.job_id} (running) on 127.0.0.1:{port}: cancel requested as {ME}" in result.stdout
     a.join(10)
     assert isinstance(a.error, rpycdl.JobCancelledError), repr(a.error)
     b.wait_state("running")  # the next in line got the GPU at once

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
-from helpers import Background, gate_job, open_gate
+from helpers import Background, connection_processes, gate_job, open_gate, quick_error, server_pid, wait_until
 
 import rpycdl
 
@@ -46,3 +47,58 @@ def test_an_idle_connection_is_closed_and_others_are_served(server, connect):
         idle.root.run_code(lambda x: x, 1)
     busy = connect(port)
     assert busy.root.run_code(lambda seconds: __import__("time").sleep(seconds) or "long job", 2) == "long job"
+
+
+def test_a_users_full_share_of_the_queue_refuses_by_name_and_others_still_wait(server, team, tmp_path):
+    port = server("pytorch", "fake:1", "--max-queued-per-user", "1", *team.server_args())
+
+    def as_user(name: str) -> rpycdl.Connection:
+        return rpycdl.connect(host="127.0.0.1", port=port, **team.user(name))
+
+    gate = str(tmp_path / "gate")
+    holder = Background(as_user("alice"), gate_job(gate), "held")
+    holder.wait_state("running")
+    waiting = Background(as_user("alice"), lambda x: x, "alice waited")
+    waiting.wait_state("pending")
+    with as_user("alice") as third:
+        with pytest.raises(rpycdl.LimitError, match=r"alice has 1 requests.*--max-queued-per-user"):
+            third.root.run_code(lambda x: x, "refused")
+    other = Background(as_user("bob"), lambda x: x, "bob waited")
+    other.wait_state("pending")
+    open_gate(gate)
+    assert (holder.result(), waiting.result(), other.result()) == ("held", "alice waited", "bob waited")
+
+
+def _auth(mode: str, team, tmp_path) -> tuple[list[str], dict[str, str]]:
+    """`rpycdl serve` flags and rpycdl.connect() arguments for an authentication mode."""
+    if mode == "tls":
+        return team.server_args(), team.user("alice")
+    if mode == "secret":
+        path = tmp_path / "secret"
+        path.write_text("the team's shared secret, long enough")
+        path.chmod(0o600)
+        return ["--secret-file", str(path)], {"secret_file": str(path)}
+    return [], {}
+
+
+@pytest.mark.parametrize("mode", ["none", "secret", "tls"])
+def test_connections_over_the_limit_are_refused_at_once_by_name(mode, server, cluster, team, tmp_path):
+    flags, client = _auth(mode, team, tmp_path)
+    port = server("pytorch", "fake:1", "--max-connections", "2", *flags)
+    pid = server_pid(cluster, port)
+
+    def open_() -> rpycdl.Connection:
+        return rpycdl.connect(host="127.0.0.1", port=port, **client)
+
+    first, silent = open_(), socket.create_connection(("127.0.0.1", port))  # a silent client counts too
+    wait_until(lambda: len(connection_processes(pid)) == 2, what="two connection processes")
+    for _ in range(3):
+        error, seconds = quick_error(open_)
+        assert isinstance(error, rpycdl.LimitError) and "at most 2 connections at once (--max-connections)" in str(
+            error), repr(error)
+    silent.close()
+    wait_until(lambda: len(connection_processes(pid)) == 1, what="the silent client's process to exit")
+    with open_() as second:
+        assert second.root.run_code(lambda x: x, "served") == "served"
+    assert first.root.run_code(lambda x: x, "still served") == "still served"
+    first.close()

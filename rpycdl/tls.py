@@ -1,0 +1,140 @@
+"""Mutual TLS: the server's and the client's SSL contexts, the user a client certificate names,
+and TLS failures turned into errors that say what is wrong.
+
+Both sides require a certificate signed by the team's CA (`rpycdl certs`). The client also
+checks that the server's certificate names the address it dialled (a host name or an IP
+address given to `rpycdl certs server`), so a server certificate is good for its own host only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+
+from rpycdl.defaults import HANDSHAKE_TIMEOUT
+from rpycdl.errors import AuthFailedError, InvalidRequestError
+
+LINGER = 1.0
+"""Seconds a refused client has to read the alert before its connection is closed."""
+
+ADMIN_UNIT = "rpycdl-admins"
+"""Organisational unit of an admin's certificate (may cancel anyone's job)."""
+
+
+def _check_files(cert: str | None, key: str | None, ca: str | None, what: str) -> tuple[str, str, str]:
+    given = {"certificate": cert, "key": key, "CA certificate": ca}
+    missing = [name for name, path in given.items() if not path]
+    if missing:
+        raise InvalidRequestError(f"TLS for {what} needs a certificate, its key and the CA certificate; "
+                                  f"missing: {', '.join(missing)}")
+    for name, path in given.items():
+        if not os.path.isfile(path):
+            raise InvalidRequestError(f"the {name} file {path} does not exist")
+    if os.stat(key).st_mode & 0o077:
+        raise InvalidRequestError(f"the key file {key} is readable by others: chmod 600 {key}")
+    return cert, key, ca  # type: ignore[return-value]
+
+
+def _context(purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if purpose is ssl.Purpose.CLIENT_AUTH
+                             else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidRequestError(f"cannot use the certificate {cert} with the key {key}: {exc}") from None
+    try:
+        context.load_verify_locations(cafile=ca)
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidRequestError(f"cannot read the CA certificate {ca}: {exc}") from None
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def server_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSLContext:
+    """The server's context: presents `cert`, requires a client certificate signed by `ca`.
+
+    Raises:
+        InvalidRequestError: a file is missing or unusable, or the key is readable by others.
+    """
+    return _context(ssl.Purpose.CLIENT_AUTH, *_check_files(cert, key, ca, "a server"))
+
+
+def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSLContext:
+    """The client's context: presents `cert`, requires a server certificate signed by `ca` that
+    names the address dialled.
+
+    Raises:
+        InvalidRequestError: a file is missing or unusable, or the key is readable by others.
+    """
+    context = _context(ssl.Purpose.SERVER_AUTH, *_check_files(cert, key, ca, "a client"))
+    context.check_hostname = True
+    return context
+
+
+def accept(sock: socket.socket, context: ssl.SSLContext) -> tuple[ssl.SSLSocket, str, bool]:
+    """Server side: the TLS handshake on an accepted socket; returns it, the user (the client
+    certificate's common name) and whether that user is an admin.
+
+    Raises:
+        ssl.SSLError, OSError: the handshake failed (no certificate, an untrusted or expired one).
+    """
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+    try:
+        wrapped.do_handshake()
+    except OSError:
+        _linger(wrapped)
+        raise
+    wrapped.settimeout(None)
+    subject = dict(item for rdn in wrapped.getpeercert()["subject"] for item in rdn)
+    user = subject.get("commonName", "")
+    if not user:
+        wrapped.close()
+        raise ssl.SSLError("the client certificate names no user (no common name)")
+    return wrapped, user, subject.get("organizationalUnitName") == ADMIN_UNIT
+
+
+def _linger(sock: ssl.SSLSocket) -> None:
+    """After a failed handshake, let the client read the alert that says why: close our side
+    with a FIN (a close with unread data would send a reset, which can discard the alert) and
+    read what the client still sends, for a moment."""
+    try:
+        sock.shutdown(socket.SHUT_WR)  # also leaves TLS: recv reads the plain socket
+        sock.settimeout(LINGER)
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+def connect(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.SSLSocket:
+    """Client side: the TLS handshake, checking the server's certificate against the CA and `host`.
+
+    Raises:
+        AuthFailedError: the server's certificate is not trusted or not for `host`, or the
+            server refused ours.
+    """
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    try:
+        wrapped = context.wrap_socket(sock, server_hostname=host)
+    except (ssl.SSLError, OSError) as exc:
+        raise explain(exc, host) from None
+    wrapped.settimeout(None)
+    return wrapped
+
+
+def explain(exc: BaseException, host: str) -> AuthFailedError:
+    """An AuthFailedError saying in words why a TLS connection to `host` failed."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return AuthFailedError(f"the server at {host} failed the certificate check ({exc.verify_message}): "
+                               "it gets nothing from us. Is it a team server, with a certificate for this address?")
+    reason = getattr(exc, "reason", None) or str(exc)
+    if isinstance(exc, ssl.SSLError) and "ALERT" in reason.upper():
+        reason = reason.lower().replace("_", " ")
+        return AuthFailedError(f"the server at {host} refused our client certificate ({reason}): "
+                               "is it signed by the team's CA, and still valid?")
+    return AuthFailedError(f"TLS with the server at {host} failed ({reason}): does it use TLS?")
