@@ -405,6 +405,11 @@ def _container_commands(commands: Any) -> None:
     up.add_argument("--gpus", default="all", help="'all' (NVIDIA runtime) or fake:N (default: %(default)s)")
     up.add_argument("--lock-dir", default=LOCK_DIR, help="host lock directory (default: %(default)s)")
     up.add_argument("--user", default=None, metavar="UID[:GID]", help="user to run as (default: the image's)")
+    up.add_argument("--secret-file", default=None, metavar="PATH",
+                    help="shared secret the servers require (mounted read-only; readable by the servers' user)")
+    for name, what in (("cert", "the servers' TLS certificate"), ("key", "its key"),
+                       ("ca", "the CA whose client certificates the servers accept")):
+        up.add_argument(f"--tls-{name}", default=None, metavar="PATH", help=f"{what} (mounted read-only)")
     up.add_argument("--shm-size", default="8g", help="shared memory per server (default: %(default)s)")
     up.add_argument("--no-ulimits", action="store_true",
                     help="keep the engine's ulimits instead of memlock=-1, stack=64 MiB")
@@ -417,6 +422,7 @@ def _up(args: argparse.Namespace) -> int:
 
     config = UpConfig(specs=args.specs, registry=args.registry, start_registry=not args.no_registry, host=args.host,
                       insecure=args.insecure, port=args.port, gpus=args.gpus, lock_dir=args.lock_dir, user=args.user,
+                      secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                       shm_size=args.shm_size)
     if args.no_ulimits:
         config.ulimits = []

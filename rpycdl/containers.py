@@ -104,6 +104,9 @@ class UpConfig:
         gpus: "all" for every GPU of the host through the NVIDIA runtime, or fake:N.
         lock_dir: host directory shared by every server, mounted at the same path.
         user: UID[:GID] the servers run as; None keeps the image's non-root user.
+        secret_file, tls_cert, tls_key, tls_ca: host files the servers authenticate with
+            (`rpycdl serve --secret-file`, `--tls-*`), mounted read-only under CREDENTIALS_DIR;
+            they must be readable by the servers' user (uid 1000 unless `user`).
         shm_size: shared memory for data loaders.
         image_prefix: images are IMAGE_PREFIX-SERVICE:TAG.
     """
@@ -117,10 +120,18 @@ class UpConfig:
     gpus: str = "all"
     lock_dir: str = LOCK_DIR
     user: str | None = None
+    secret_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     shm_size: str = "8g"
     image_prefix: str = "rpycdl"
     ulimits: list[Ulimit] = field(default_factory=lambda: [
         Ulimit(name="memlock", soft=-1, hard=-1), Ulimit(name="stack", soft=67108864, hard=67108864)])
+
+
+CREDENTIALS_DIR = "/run/rpycdl"
+"""Where server containers find the credential files mounted from the host."""
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
@@ -150,6 +161,7 @@ def up(config: UpConfig, client: docker.DockerClient | None = None) -> list[Cont
     if config.gpus != "all" and not config.gpus.startswith("fake:"):
         raise InvalidRequestError(f"--gpus must be 'all' or fake:N, not {config.gpus!r}")
     reg_host, reg_port = parse_address(config.registry)
+    credentials, credential_args = _credentials(config)
     prepare_lock_dir(config.lock_dir)
     common: dict[str, Any] = {"detach": True, "network_mode": "host", "restart_policy": {"Name": "unless-stopped"}}
     token = uuid.uuid4().hex[:12]
@@ -163,16 +175,16 @@ def up(config: UpConfig, client: docker.DockerClient | None = None) -> list[Cont
         for offset, (service, version) in enumerate(servers):
             port = config.port + offset if config.port else 0  # 0: each server takes any free port
             args = ["--host", config.host, "--port", str(port), "--registry", f"{reg_host}:{reg_port}",
-                    "--lock-dir", config.lock_dir]
+                    "--lock-dir", config.lock_dir, *credential_args]
             if config.insecure:
                 args.append("--insecure")
-            options: dict[str, Any] = {}
+            options: dict[str, Any] = {"mounts": list(credentials)}
             if config.gpus == "all":
                 options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
             else:
                 args += ["--gpus", config.gpus]
             if service == "deeplearning" and os.path.exists(DOCKER_SOCKET):  # runs jobs in their own containers
-                options["mounts"] = [Mount(DOCKER_SOCKET, DOCKER_SOCKET, type="bind")]
+                options["mounts"].append(Mount(DOCKER_SOCKET, DOCKER_SOCKET, type="bind"))
                 options["group_add"] = [str(os.stat(DOCKER_SOCKET).st_gid)]
             if config.user:
                 options["user"] = config.user
@@ -189,6 +201,30 @@ def up(config: UpConfig, client: docker.DockerClient | None = None) -> list[Cont
             raise RpycdlError(f"cannot start the containers: {exc.explanation or exc}") from None
         raise
     return started
+
+
+def _credentials(config: UpConfig) -> tuple[list[Mount], list[str]]:
+    """The read-only mounts and `rpycdl serve` options that give the servers their credentials."""
+    files = {"secret-file": config.secret_file, "tls-cert": config.tls_cert, "tls-key": config.tls_key,
+             "tls-ca": config.tls_ca}
+    tls = [files[name] for name in ("tls-cert", "tls-key", "tls-ca")]
+    if any(tls) and not all(tls):
+        raise InvalidRequestError("TLS needs all three of --tls-cert, --tls-key and --tls-ca")
+    from rpycdl.server import is_loopback  # the server's own rule
+
+    if not any(files.values()) and not config.insecure and not is_loopback(config.host):
+        raise InvalidRequestError(f"servers on {config.host} need authentication: give --tls-cert, --tls-key and "
+                                  "--tls-ca, or --secret-file, or --insecure if the network is trusted")
+    mounts, args = [], []
+    for name, path in files.items():
+        if path is None:
+            continue
+        if not os.path.isabs(path) or not os.path.isfile(path):
+            raise InvalidRequestError(f"--{name} {path}: not an absolute path to a file")
+        target = f"{CREDENTIALS_DIR}/{name}"
+        mounts.append(Mount(target, path, type="bind", read_only=True))
+        args += [f"--{name}", target]
+    return mounts, args
 
 
 def _server_name(prefix: str, service: str, version: str | None) -> str:

@@ -574,8 +574,8 @@ def _poke(fifo: Path) -> None:
         return
     try:
         os.write(fd, b"!")
-    except OSError as exc:  # a full pipe already holds a wake-up
-        if exc.errno != errno.EAGAIN:
+    except OSError as exc:  # a full pipe already holds a wake-up; a broken one lost its waiter
+        if exc.errno not in (errno.EAGAIN, errno.EPIPE):
             raise
     finally:
         os.close(fd)

@@ -104,7 +104,8 @@ def service_aliases(service: str, version: str | None) -> tuple[str, ...]:
     return tuple(aliases)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether a server listening on `host` is reachable from this machine only."""
     if host == "localhost":
         return True
     try:
@@ -242,7 +243,7 @@ def build_server(config: ServerConfig) -> DLServer:
     tls_context = None
     if config.tls_cert or config.tls_key or config.tls_ca:
         tls_context = tls.server_context(config.tls_cert, config.tls_key, config.tls_ca)
-    if not _is_loopback(config.host) and not config.insecure and secret is None and tls_context is None:
+    if not is_loopback(config.host) and not config.insecure and secret is None and tls_context is None:
         raise InvalidRequestError(
             f"refusing to listen on {config.host} without authentication: anyone who reaches it can run "
             "code here. Give TLS certificates (--tls-cert, --tls-key, --tls-ca) or a shared secret "
@@ -268,7 +269,7 @@ def serve(config: ServerConfig) -> None:
     """Build the server and serve until SIGTERM or Ctrl-C."""
     server = build_server(config)
     ctx = server.context
-    if not _is_loopback(config.host) and server.authenticator is None:
+    if not is_loopback(config.host) and server.authenticator is None:
         print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
               f"{server.port} can run code as {getpass.getuser()}",
               file=sys.stderr, flush=True)

@@ -22,6 +22,12 @@ Options:
                         (default: 127.0.0.1; anything else also needs --insecure)
   --insecure            let servers listen on a non-loopback address without authentication:
                         whoever reaches them can run code there
+  --secret-file FILE    shared secret the servers require (see rpycdl serve --secret-file)
+  --tls-cert FILE, --tls-key FILE, --tls-ca FILE
+                        mutual TLS: the servers' certificate and key, and the CA of the
+                        client certificates they accept (make them with `rpycdl certs`)
+                        Credential files are mounted read-only under /run/rpycdl and must be
+                        readable by the servers' user (uid 1000 unless --user): chown them.
   --port PORT           first server port, one more per further server (default: 18861)
   --gpus all|fake:N     every GPU of the host through the NVIDIA runtime (default: all),
                         or a simulated inventory without GPU access
@@ -52,12 +58,14 @@ SHM_SIZE=8g
 ULIMITS=(--ulimit memlock=-1 --ulimit stack=67108864)
 DRY_RUN=0
 SPECS=()
+CREDENTIALS=()  # pairs: option name, host file
 while [ $# -gt 0 ]; do
     case "$1" in
         --registry) REGISTRY=$2; shift 2 ;;
         --no-registry) START_REGISTRY=0; shift ;;
         --host) HOST=$2; shift 2 ;;
         --insecure) INSECURE=1; shift ;;
+        --secret-file|--tls-cert|--tls-key|--tls-ca) CREDENTIALS+=("${1#--}" "$2"); shift 2 ;;
         --port) PORT=$2; shift 2 ;;
         --gpus) GPUS=$2; shift 2 ;;
         --lock-dir) LOCK_DIR=$2; shift 2 ;;
@@ -75,6 +83,21 @@ done
 [[ $PORT =~ ^[0-9]+$ ]] || { echo "--port must be a number" >&2; exit 2; }
 [[ $GPUS == all || $GPUS =~ ^fake:[0-9]+(x[0-9A-Za-z.]+)?$ ]] || { echo "--gpus must be all or fake:N" >&2; exit 2; }
 [[ $LOCK_DIR == /* ]] || { echo "--lock-dir must be an absolute path" >&2; exit 2; }
+credential_options=()
+credential_args=()
+tls=0
+for ((i = 0; i < ${#CREDENTIALS[@]}; i += 2)); do
+    name=${CREDENTIALS[i]} file=${CREDENTIALS[i + 1]}
+    [[ $file == /* && -f $file ]] || { echo "--$name must be an absolute path to a file: $file" >&2; exit 2; }
+    [[ $name == tls-* ]] && tls=$((tls + 1))
+    credential_options+=(-v "$file:/run/rpycdl/$name:ro")
+    credential_args+=("--$name" "/run/rpycdl/$name")
+done
+[[ $tls == 0 || $tls == 3 ]] || { echo "TLS needs all three of --tls-cert, --tls-key and --tls-ca" >&2; exit 2; }
+if [[ ${#CREDENTIALS[@]} == 0 && $INSECURE == 0 && $HOST != 127.* && $HOST != localhost && $HOST != ::1 ]]; then
+    echo "servers on $HOST need authentication: --tls-cert/--tls-key/--tls-ca or --secret-file (or --insecure)" >&2
+    exit 2
+fi
 
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
@@ -97,13 +120,13 @@ port=$PORT
 for spec in "${SPECS[@]}"; do
     parse_spec "$spec"
     options=(--name "rpycdl-$service${version:+-$version}" --label rpycdl.role=server --label "rpycdl.service=$service"
-             -v "$LOCK_DIR:$LOCK_DIR" --shm-size "$SHM_SIZE" "${ULIMITS[@]}")
+             -v "$LOCK_DIR:$LOCK_DIR" "${credential_options[@]}" --shm-size "$SHM_SIZE" "${ULIMITS[@]}")
     [ -z "$RUN_AS" ] || options+=(--user "$RUN_AS")
     [ "$GPUS" != all ] || options+=(--gpus all)
     if [ "$service" = deeplearning ] && [ -S /var/run/docker.sock ]; then
         options+=(-v /var/run/docker.sock:/var/run/docker.sock --group-add "$(stat -c %g /var/run/docker.sock)")
     fi
-    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR")
+    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR" "${credential_args[@]}")
     [ "$GPUS" = all ] || args+=(--gpus "$GPUS")
     [ "$INSECURE" = 0 ] || args+=(--insecure)
     run docker run "${common[@]}" "${options[@]}" "rpycdl-$service:${version:-latest}" "${args[@]}"

@@ -92,10 +92,10 @@ def containers_up(engine: Any, shared_locks: str) -> Iterator[Callable[..., str]
 
     started: list[Any] = []
 
-    def start(*specs: str) -> str:
+    def start(*specs: str, **options: Any) -> str:
         address = f"127.0.0.1:{_free_udp_port()}"
         config = UpConfig(specs=list(specs), registry=address, port=0, gpus="fake:4", lock_dir=shared_locks,
-                          shm_size="256m", ulimits=[])  # this sandbox may not raise memlock
+                          shm_size="256m", ulimits=[], **options)  # this sandbox may not raise memlock
         started.extend(up(config, engine))
         for spec in specs:
             alias = spec.replace(":", "-").upper()
@@ -177,6 +177,49 @@ def test_down_removes_every_rpycdl_container(engine: Any, containers_up: Callabl
     removed = down(engine, timeout=5)
     assert "rpycdl-registry" in removed and "rpycdl-jax" in removed
     assert not engine.containers.list(all=True, filters={"label": "rpycdl.role"})
+
+
+def test_server_containers_require_the_credentials_they_are_given(containers_up: Callable[..., str], team: Any,
+                                                                  tmp_path: Path) -> None:
+    from rpycdl.containers import UpConfig, up
+
+    own = tmp_path / "credentials"  # copies the containers' user (uid 1000) may read, mode 600
+    own.mkdir()
+    files = {}
+    for name, source in (("tls_cert", "server-localhost.crt"), ("tls_key", "server-localhost.key"),
+                         ("tls_ca", "ca.crt")):
+        copy = own / source
+        copy.write_bytes((Path(team.dir) / source).read_bytes())
+        copy.chmod(0o600)
+        os.chown(copy, 1000, 1000)
+        files[name] = str(copy)
+    address = containers_up("pytorch:2.5", **files)
+    with rpycdl.connect("pytorch-2.5", registry_address=address, **team.user("alice")) as conn:
+        assert conn.identity["user"] == "alice" and conn.identity["verified"]
+        assert conn.root.run_code(lambda x: x + 1, 1) == 2
+    with pytest.raises(rpycdl.RpycdlError):  # no certificate: the server is skipped or refuses
+        rpycdl.connect("pytorch-2.5", registry_address=address)
+
+    with pytest.raises(rpycdl.InvalidRequestError, match="all three"):
+        up(UpConfig(specs=["pytorch"], tls_cert=files["tls_cert"]))
+    with pytest.raises(rpycdl.InvalidRequestError, match="need authentication"):
+        up(UpConfig(specs=["pytorch"], host="0.0.0.0"))
+
+
+def test_start_script_passes_credentials_read_only_and_checks_them(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    script = ["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--gpus", "fake:4"]
+    out = subprocess.run([*script, "--host", "10.0.0.5", "--secret-file", str(secret), "pytorch"],
+                         capture_output=True, text=True, check=True).stdout
+    server = next(line for line in out.splitlines() if "--name rpycdl-pytorch " in line)
+    assert f"-v {secret}:/run/rpycdl/secret-file:ro" in server
+    assert "--secret-file /run/rpycdl/secret-file" in server and "--host 10.0.0.5" in server
+    for extra, message in ((["--host", "10.0.0.5"], "need authentication"),
+                           (["--tls-cert", str(secret)], "all three"),
+                           (["--secret-file", "relative/secret"], "absolute path to a file")):
+        refused = subprocess.run([*script, *extra, "pytorch"], capture_output=True, text=True)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
 
 
 def test_start_script_dry_run_prints_the_docker_commands() -> None:
