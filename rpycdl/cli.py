@@ -118,6 +118,27 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print JSON")
         _credential_flags(sub)
 
+    run = commands.add_parser(
+        "run", help="run a command on a GPU server with GPUs of its own, output live (like srun)",
+        usage="rpycdl run SERVICE [options] -- COMMAND [ARG ...]",
+        description="Run COMMAND on a server of SERVICE once its GPUs are granted, with its output streamed "
+                    "here; exits with the command's exit code. The command runs in the server's working "
+                    "directory, as the server's user: paths are the server's.",
+        epilog="example: rpycdl run pytorch --gpu-memory 6GiB -- python train.py --lr 0.01")
+    run.add_argument("service", help="service to run on (pytorch, tensorflow, ...; an alias such as pytorch-2.5)")
+    size = run.add_mutually_exclusive_group()
+    size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
+    size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
+    size.add_argument("--gpu-memory", default=None, metavar="SIZE", help="a share of one GPU by memory, such as 6GiB")
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the command after this long")
+    run.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                     help="give up if the GPUs are not granted within this long")
+    run.add_argument("--host", default=None, help="run on this server directly instead of asking the registry")
+    run.add_argument("--port", type=int, default=SERVER_PORT, help="with --host (default: %(default)s)")
+    run.add_argument("--registry", default=None, metavar="HOST[:PORT]",
+                     help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
+    _credential_flags(run)
+
     demo = commands.add_parser("demo", help="start a local registry and server and run the example client")
     demo.add_argument("--gpus", default=None, metavar="SPEC",
                       help="inventory (default: NVML if it works, else a simulated fake:2)")
@@ -143,7 +164,10 @@ def _credential_flags(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the rpycdl command; returns the exit code."""
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = _parser().parse_args(argv[:split])
+    args.argv = argv[split + 1:]  # `rpycdl run`'s command
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
@@ -313,6 +337,38 @@ def _cancel(args: argparse.Namespace) -> int:
     raise RpycdlError(f"no server knows job {args.job_id}")
 
 
+def run_command(argv: list[str]) -> int:
+    """The job of `rpycdl run`: the command, with the job's GPUs; returns its exit code."""
+    import subprocess
+
+    try:
+        return subprocess.run(argv, check=False).returncode
+    except OSError as exc:  # not found, not executable: say so like a shell would
+        print(f"rpycdl run: {argv[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
+
+
+def _run(args: argparse.Namespace) -> int:
+    argv = args.argv
+    if not argv:
+        raise InvalidRequestError("give the command to run after the service: rpycdl run pytorch -- python train.py")
+
+    def on_state(state: str, info: dict[str, Any]) -> None:
+        if state == "pending":
+            print(f"rpycdl run: job {info['job_id']} waits for its GPUs ({info['ahead']} request(s) ahead)",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"rpycdl run: job {info['job_id']} runs on GPU {','.join(map(str, info['gpus']))}",
+                  file=sys.stderr, flush=True)
+
+    target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
+    with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
+                 tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
+        code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
+                                  timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state)
+    return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
+
+
 def _demo(args: argparse.Namespace) -> int:
     from rpycdl.gpus import load_inventory
     from rpycdl.local import LocalCluster
@@ -440,7 +496,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"registry": _registry, "serve": _serve, "status": _status, "jobs": _jobs, "cancel": _cancel,
-            "demo": _demo, "selftest": _selftest, "certs": _certs, "up": _up, "down": _down}
+            "run": _run, "demo": _demo, "selftest": _selftest, "certs": _certs, "up": _up, "down": _down}
 
 
 def serve_service(service: str) -> None:

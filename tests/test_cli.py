@@ -14,7 +14,7 @@ from helpers import Background, gate_job, open_gate
 
 import rpycdl
 
-SUBCOMMANDS = ["registry", "serve", "status", "jobs", "cancel", "demo", "selftest", "certs"]
+SUBCOMMANDS = ["registry", "serve", "status", "jobs", "cancel", "run", "demo", "selftest", "certs"]
 ME = f"{getpass.getuser()} (unverified)"
 """How a server without authentication names the user of these tests."""
 
@@ -200,3 +200,29 @@ def test_serve_reads_the_inventory_from_rpycdl_gpus(lock_dir):
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_run_streams_a_commands_output_and_exits_with_its_code(cluster, server):
+    port = server("pytorch", "fake:2x16GiB")
+    script = "import os, sys; print(os.environ['RPYCDL_GPU_MEMORY'], os.environ['CUDA_VISIBLE_DEVICES']); sys.exit(3)"
+    done = rpycdl_cli("run", "pytorch", "--registry", cluster.registry_address, "--gpu-memory", "2GiB", "--",
+                      sys.executable, "-c", script)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.split() == [str(2 * 1024**3), "0"]
+    assert re.search(r"rpycdl run: job \w+ runs on GPU 0", done.stderr), done.stderr
+
+    whole = rpycdl_cli("run", "ignored", "--host", "127.0.0.1", "--port", str(port), "--ngpus", "2", "--",
+                       "sh", "-c", "echo $CUDA_VISIBLE_DEVICES; kill -9 $$")
+    assert whole.stdout.strip() == "0,1" and whole.returncode == 128 + 9, whole.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "give the command to run"),
+    (["--gpus", "1.5", "--", "true"], "neither a share of one GPU"),
+    (["--ngpus", "1", "--gpus", "0.5", "--", "true"], "not allowed with argument"),
+    (["--", "no-such-command-here"], "no-such-command-here: No such file or directory"),
+])
+def test_run_refuses_bad_requests_with_a_clear_message(server, args, message):
+    port = server("pytorch", "fake:1")
+    done = rpycdl_cli("run", "pytorch", "--host", "127.0.0.1", "--port", str(port), *args)
+    assert done.returncode in (2, 127) and message in done.stderr, done.stderr
