@@ -53,6 +53,7 @@ class Device:
     used: int = 0
     bus_id: str = "00000000:07:00.0"
     lost: bool = False
+    processes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes used (None: not available)
 
 
 @dataclass
@@ -60,6 +61,14 @@ class MemoryInfo:
     total: int
     free: int
     used: int
+
+
+@dataclass
+class ProcessInfo:
+    """As pynvml's c_nvmlProcessInfo_t: usedGpuMemory is None where the driver cannot say."""
+
+    pid: int
+    usedGpuMemory: int | None  # noqa: N815 - pynvml's field name
 
 
 @dataclass
@@ -156,10 +165,13 @@ class Driver:
     def nvmlDeviceGetPciInfo(self, handle: Handle) -> PciInfo:  # noqa: N802
         return PciInfo(busId=self._text(self._device(handle).bus_id))
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list[ProcessInfo]:  # noqa: N802
+        return [ProcessInfo(pid, used) for pid, used in self._device(handle).processes.items()]
+
 
 FUNCTIONS = ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
              "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo",
-             "nvmlDeviceGetPciInfo")
+             "nvmlDeviceGetPciInfo", "nvmlDeviceGetComputeRunningProcesses")
 
 
 def make_nvml(devices: list[Device] | int = 2, *, init_error: int | None = None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, Device, make_nvml
 
@@ -196,3 +198,32 @@ def test_the_fake_driver_refuses_what_a_real_one_refuses():
     legacy.nvmlInit()
     with pytest.raises(TypeError):
         legacy.nvmlDeviceGetHandleByUUID(legacy.driver.devices[0].uuid)  # old pynvml wants bytes
+
+
+def test_nvml_per_process_memory_and_the_watchdog_on_it():
+    import subprocess
+
+    from rpycdl.watchdog import MemoryWatch
+
+    nvml = make_nvml(_devices())
+    inventory = NvmlInventory(nvml=nvml)
+    gpu = inventory.gpus()[2]
+    # A job: a process group whose leader started a child; the driver sees the child on the GPU.
+    job = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        child = int(job.stdout.readline())
+        nvml.driver.devices[2].processes = {child: 3 * GiB, os.getpid(): 30 * GiB, 999999: None}
+        assert inventory.process_memory(gpu.uuid) == {child: 3 * GiB, os.getpid(): 30 * GiB, 999999: 0}
+        assert nvml.driver.init_count == 0
+
+        watch = MemoryWatch(inventory, gpu, grant=2 * GiB, allowance=GiB, interval=0)
+        assert watch.check(job.pid) is None  # 3 GiB: within the grant plus the allowance; ours is not the job's
+        nvml.driver.devices[2].processes[child] = 3 * GiB + 1
+        reason = watch.check(job.pid)
+        assert reason is not None and f"GPU 2 ({gpu.uuid})" in reason and "grant of 2048 MiB" in reason
+        nvml.driver.devices[2].lost = True  # a query that fails stops nobody
+        assert inventory.process_memory(gpu.uuid) is None and watch.check(job.pid) is None
+    finally:
+        os.killpg(job.pid, 9)
+        job.wait()
