@@ -46,6 +46,7 @@ class EchoService(rpyc.Service):
         return value
 
 server = ForkingServer(EchoService, hostname="127.0.0.1", port=0)
+server.listener.listen(server.backlog)  # before the port is printed, so the client can connect at once
 print(server.port, flush=True)
 server.start()
 """

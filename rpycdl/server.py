@@ -149,8 +149,18 @@ class DLServer(ForkingServer):
 
     @classmethod
     def _handle_sigchld(cls, signum: int, frame: object) -> None:
-        super()._handle_sigchld(signum, frame)
-        _poke(cls._wake_w)
+        """Reap ended children, and wake the sweeper if one of them did not exit cleanly: a
+        connection process that exits 0 has finished its jobs and released their GPUs itself."""
+        unclean = False
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                unclean |= status != 0
+        signal.signal(signal.SIGCHLD, cls._handle_sigchld)
+        if unclean:
+            _poke(cls._wake_w)
 
     def _accept_method(self, sock: socket.socket) -> None:
         """Fork a connection process for an accepted socket, unless --max-connections are served
@@ -167,15 +177,17 @@ class DLServer(ForkingServer):
             auth.greet(sock, self.authenticator.mode)
         pid = os.fork()
         if pid == 0:
+            code = 1
             try:
                 signal.signal(signal.SIGCHLD, self._prevhandler)
                 signal.siginterrupt(signal.SIGCHLD, False)
                 self.listener.close()
                 self._authenticate_and_serve_client(sock)
+                code = 0
             except Exception:
                 self.logger.exception("connection process failed")
             finally:
-                os._exit(0)
+                os._exit(code)  # not 0: the parent sweeps for jobs it left behind
         sock.close()
         self._connections.add(pid)
 
@@ -189,12 +201,16 @@ class DLServer(ForkingServer):
     def _handle_connection(self, conn: rpyc.Connection) -> None:
         """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout."""
         idle_since = time.monotonic()
-        while not conn.closed:
-            if conn.serve(1.0):
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
-                self.logger.info("closing a connection idle for %.0f s (--idle-timeout)", time.monotonic() - idle_since)
-                conn.close()
+        try:
+            while not conn.closed:
+                if conn.serve(1.0):
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
+                    self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
+                                     time.monotonic() - idle_since)
+                    conn.close()
+        except EOFError:  # the client left: the usual end of a connection
+            conn.close()
 
     def _sweep(self) -> None:
         store = JobStore(self.context.lock_dir)
@@ -224,9 +240,9 @@ def _remove_orphan_containers(lock_dir: str) -> None:
 
 
 def _running(pid: int) -> bool:
-    """Whether a child process still runs (reaps it if it just ended)."""
+    """Whether a child process still runs (an ended one is left for _handle_sigchld to reap)."""
     try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     except ChildProcessError:
         return False
 
