@@ -25,8 +25,6 @@ from rpycdl import auth, tls, transport
 from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
-from rpycdl.jobs import JobStore
-from rpycdl.locks import GPULockManager
 from rpycdl.registry import registry_client
 from rpycdl.service import GPUService, Limits, ServerContext
 from rpycdl.shares import ShareRules
@@ -213,8 +211,7 @@ class DLServer(ForkingServer):
             conn.close()
 
     def _sweep(self) -> None:
-        store = JobStore(self.context.lock_dir)
-        locks = GPULockManager(self.context.lock_dir)
+        store, locks = self.context.store, self.context.locks
         while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
                 for record in store.sweep(self.context.server_id):
@@ -266,7 +263,7 @@ def build_server(config: ServerConfig) -> DLServer:
     inventory = load_inventory(config.gpus)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
-    GPULockManager(directory)  # create the layout, fail early on permissions
+    # Creates the lock directory's layout, so it fails early on permissions.
     context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
                             host=config.host, framework_version=version, limits=config.limits,
