@@ -194,14 +194,17 @@ class DLServer(ForkingServer):
         config = dict(self.protocol_config, credentials=credentials,
                       endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
         channel = transport.channel(sock, self.context.limits.max_payload + FRAME_SLACK)
-        self._handle_connection(self.service._connect(channel, config))
+        service = self.service()
+        self._handle_connection(service._connect(channel, config), service)
 
-    def _handle_connection(self, conn: rpyc.Connection) -> None:
-        """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout."""
+    def _handle_connection(self, conn: rpyc.Connection, service: GPUService) -> None:
+        """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout;
+        after each answer, let the service finish what the call left for after its reply."""
         idle_since = time.monotonic()
         try:
             while not conn.closed:
                 if conn.serve(1.0):
+                    service.after_reply()
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
                     self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
@@ -209,6 +212,8 @@ class DLServer(ForkingServer):
                     conn.close()
         except EOFError:  # the client left: the usual end of a connection
             conn.close()
+        finally:
+            service.after_reply()
 
     def _sweep(self) -> None:
         store, locks = self.context.store, self.context.locks

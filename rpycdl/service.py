@@ -140,6 +140,13 @@ class GPUService(rpyc.Service):
         self._locks = self.context.locks
         self._store = self.context.store
         self._busy = False  # one job at a time per connection: a second would be served inside the first
+        self._after_reply: list[Callable[[], None]] = []
+
+    def after_reply(self) -> None:
+        """Finish what the last call left for after its reply (the end of its job: see _submit).
+        The server calls this once each request is answered, and when the client has gone."""
+        while self._after_reply:
+            self._after_reply.pop(0)()
 
     # -- the client connection while a job waits or runs ---------------------------
 
@@ -236,15 +243,22 @@ class GPUService(rpyc.Service):
             record.error = str(exc) or type(exc).__name__
             raise
         finally:
-            self._busy = False
-            if check is not None:
-                check.close()
-            if job is not None:
-                job.close()  # gone before its GPUs are released
-            if grant is not None:
-                self._locks.release(grant)
             record.ended = time.time()
-            self._finish(record, result)
+
+            def end() -> None:
+                if check is not None:
+                    check.close()
+                if job is not None:
+                    job.close()  # gone before its GPUs are released
+                if grant is not None:
+                    self._locks.release(grant)
+                self._finish(record, result)
+                self._busy = False
+
+            if result is None:
+                end()
+            else:  # the outcome is known: the client gets it while the job process is reaped
+                self._after_reply.append(end)
         return self._outcome(record, result)
 
     def _environment(self, record: JobRecord, grant: Grant, indices: list[int]) -> dict[str, str]:
