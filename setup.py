@@ -14,13 +14,15 @@ setup(
     install_requires=[
         "rpyc>=6.0,<7",
         "dill>=0.3.8",
-        "fasteners>=0.19",
         "nvidia-ml-py>=12.535",
         "docker>=7.0",
         "cryptography>=41",
         "tomli>=1.1; python_version < '3.11'",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"]},
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"],
+        "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
+    },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
 )

@@ -1,7 +1,9 @@
 """Core benchmarks: round trip, GPU hand-off, makespan, and status under load, each with a baseline
-measured in the same run. Prints a Markdown table (see BENCHMARKS.md).
+measured in the same run. Prints a Markdown table (see BENCHMARKS.md). Where Ray imports (the
+optional `bench` extra), also a Ray task with num_gpus=1 on ray.init(num_gpus=4), and Ray on the
+makespan workload, measured after rpycdl's servers are stopped.
 
-    python bench/bench_core.py [--quick]
+    python bench/bench_core.py [--quick] [--no-ray]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class EchoService(rpyc.Service):
         return value
 
 server = ForkingServer(EchoService, hostname="127.0.0.1", port=0)
+server.listener.listen(server.backlog)  # before the port is printed, so the client can connect at once
 print(server.port, flush=True)
 server.start()
 """
@@ -206,9 +209,54 @@ def _quiet_run(conn: rpycdl.Connection) -> None:
         pass
 
 
+def ray_benchmarks(n: int, total: int, clients: int) -> dict[str, object] | None:
+    """Ray on this machine, if installed: ray.init seconds, the first task's seconds, task round
+    trips after warm-up as Ray runs GPU tasks by default (a new worker process per task: max_calls=1)
+    and with workers reused (max_calls=0), and the makespan workload with workers reused
+    (`clients` threads, each waiting for its task before submitting the next, as rpycdl's clients do)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    start = time.perf_counter()
+    ray.init(num_gpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    init = time.perf_counter() - start
+    try:
+        # num_cpus=0: GPUs are the only resource a task waits for, as with rpycdl (Ray's default
+        # of one CPU per task would let only 2 tasks run at once on this 2-core machine).
+        task = ray.remote(num_gpus=1, num_cpus=0)(trivial)
+        start = time.perf_counter()
+        ray.get(task.remote(1))
+        first = time.perf_counter() - start
+        timed(lambda: ray.get(task.remote(1)), 3)  # warm up
+        default = timed(lambda: ray.get(task.remote(1)), min(n, 30))  # ~0.5 s each here
+        reused = ray.remote(num_gpus=1, num_cpus=0, max_calls=0)(trivial)
+        timed(lambda: ray.get(reused.remote(1)), 20)  # warm up
+        samples = timed(lambda: ray.get(reused.remote(1)), n)
+        sleep_task = ray.remote(num_cpus=0, max_calls=0)(_sleep_job)
+        pattern = [1, 1, 2, 1, 4, 1, 2, 1]
+        jobs = [pattern[i % len(pattern)] for i in range(total)]
+
+        def client(mine: list[int]) -> None:
+            for ngpus in mine:
+                ray.get(sleep_task.options(num_gpus=ngpus).remote(0.05))
+
+        threads = [threading.Thread(target=client, args=(jobs[i::clients],)) for i in range(clients)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return {"init": init, "first": first, "default": default, "round_trip": samples,
+                "makespan": time.perf_counter() - start}
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples")
+    parser.add_argument("--no-ray", action="store_true", help="skip Ray even where it is installed")
     args = parser.parse_args()
     n = 30 if args.quick else 200
     rows = []
@@ -238,6 +286,22 @@ def main() -> None:
     print(f"| the same against strict FCFS with zero overhead | {measured:.2f} s | | {fcfs:.2f} s "
           f"| {measured / fcfs:.2f}x | same arrival order, no overhead |")
     print(f"\nmean hand-off {statistics.mean(gaps) * 1e3:.1f} ms over {len(gaps)} hand-offs")
+    theirs = None if args.no_ray else ray_benchmarks(n, 200, 8)
+    if theirs is None:
+        return
+    o50, o99 = percentile(ours, 50) * 1e3, percentile(ours, 99) * 1e3
+    print("\n| Ray (same machine, after rpycdl) | p50 | p99 | rpycdl p50 | Ray / rpycdl |")
+    print("|---|---|---|---|---|")
+    for name, key in (("task num_gpus=1, Ray's default (new worker per GPU task)", "default"),
+                      ("task num_gpus=1, max_calls=0 (workers reused), warm", "round_trip")):
+        r50, r99 = percentile(theirs[key], 50) * 1e3, percentile(theirs[key], 99) * 1e3
+        print(f"| {name} | {r50:.1f} ms | {r99:.1f} ms | {o50:.1f} ms | {r50 / o50:.2f}x p50, {r99 / o99:.2f}x p99 |")
+    first = theirs["first"] * 1e3
+    print(f"| first task after ray.init | {first:.0f} ms | | {o50:.1f} ms | {first / o50:.0f}x |")
+    print(f"| ray.init(num_gpus=4) | {theirs['init'] * 1e3:.0f} ms | | | |")
+    print(f"| makespan, same workload, 8 client threads, workers reused | {theirs['makespan']:.2f} s | "
+          f"| {measured:.2f} s "
+          f"| {theirs['makespan'] / measured:.2f}x (ideal {ideal:.2f} s) |")
 
 
 if __name__ == "__main__":

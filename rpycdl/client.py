@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 import rpyc
+from rpyc.core import consts
 
 from rpycdl import auth, credentials, registry, transport, wire
 from rpycdl.defaults import MIN_MAX_PAYLOAD, SERVER_PORT
@@ -39,7 +40,7 @@ class RemoteRoot:
             return
         if self._max_payload is None:
             try:
-                self._max_payload = int(json.loads(self._conn.root.limits())["max_payload"])
+                self._max_payload = int(json.loads(_call(self._conn, "limits"))["max_payload"])
             except AttributeError:  # a server from before limits: it checks nothing either
                 self._max_payload = sys.maxsize
         if len(payload) > self._max_payload:
@@ -81,8 +82,8 @@ class RemoteRoot:
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
         try:
             share = () if gpus is None and gpu_memory is None else (gpus, gpu_memory)  # servers before shares
-            outcome = self._conn.root.run(payload, 1 if ngpus is None and not share else ngpus, _sink(out), _sink(err),
-                                          timeout, queue_timeout, state_cb, *share)
+            outcome = _call(self._conn, "run", payload, 1 if ngpus is None and not share else ngpus, _sink(out),
+                            _sink(err), timeout, queue_timeout, state_cb, *share)
         except KeyboardInterrupt:
             self._conn.close()  # the server sees the client go and cancels the job
             raise
@@ -111,8 +112,8 @@ class RemoteRoot:
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
         try:
-            outcome = self._conn.root.run_container(image, command, ngpus, env, workdir, mounts, _sink(out),
-                                                    _sink(err), timeout, queue_timeout, state_cb)
+            outcome = _call(self._conn, "run_container", image, command, ngpus, env, workdir, mounts, _sink(out),
+                            _sink(err), timeout, queue_timeout, state_cb)
         except KeyboardInterrupt:
             self._conn.close()
             raise
@@ -120,11 +121,11 @@ class RemoteRoot:
 
     def gpu_status(self) -> dict[str, Any]:
         """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
-        return json.loads(self._conn.root.gpu_status())
+        return json.loads(_call(self._conn, "gpu_status"))
 
     def jobs(self) -> list[dict[str, Any]]:
         """This server's job records, oldest first."""
-        return json.loads(self._conn.root.jobs())
+        return json.loads(_call(self._conn, "jobs"))
 
     def cancel(self, job_id: str) -> str:
         """Cancel a pending or running job; returns its state when the request was made.
@@ -133,7 +134,7 @@ class RemoteRoot:
             NotAllowedError: the job is another user's, and this user is no admin.
             InvalidRequestError: the server has no such job.
         """
-        return wire.decode_outcome(self._conn.root.cancel(job_id))
+        return wire.decode_outcome(_call(self._conn, "cancel", job_id))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn.root, name)
@@ -153,14 +154,23 @@ class Connection:
         self.root = RemoteRoot(conn)
         user = getpass.getuser()
         user = user if auth.USER_NAME.match(user) else "unknown"
-        self.identity: dict[str, Any] = json.loads(conn.root.identify(user))
+        # Not waited for: the server handles it before any request sent after it.
+        self._identity: rpyc.AsyncResult | dict[str, Any] = conn.async_request(
+            consts.HANDLE_CALLATTR, conn.root, "identify", (user,), ())
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        if not isinstance(self._identity, dict):
+            self._identity = json.loads(self._identity.value)
+        return self._identity
 
     @property
     def closed(self) -> bool:
         return self._conn.closed
 
     def close(self) -> None:
-        self._conn.close()
+        """Close the connection without waiting for the server to acknowledge it."""
+        transport.close_now(self._conn)
 
     def __enter__(self) -> Connection:
         return self
@@ -170,6 +180,11 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<rpycdl.Connection {self.address[0]}:{self.address[1]}>"
+
+
+def _call(conn: rpyc.Connection, name: str, *args: Any) -> Any:
+    """`conn.root.<name>(*args)` in one request (RPyC's CALLATTR) instead of two (GETATTR, CALL)."""
+    return conn.sync_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
 
 
 def _sink(stream: IO[str]) -> Callable[[str], None]:
@@ -228,7 +243,7 @@ def _discover(service: str, registry_address: str | None, secret: bytes | None,
     for address in addresses:
         try:
             conn = transport.connect(*address, CLIENT_CONFIG, secret, tls_context)
-            free, waiting, _ = conn.root.load()
+            free, waiting, _ = _call(conn, "load")
         except (AuthFailedError, LimitError) as exc:  # a server that cannot prove itself gets nothing
             refused.append((address, exc))
             continue

@@ -8,11 +8,12 @@ every container):
     held/<uuid>.<ticket>.json    who holds (part of) it: job id, client, server, share, since
     queue/<ticket>.json          a waiting request: what it asks for and who it is
     queue/<ticket>.fifo          its wake-up pipe; a request that has died has no reader on it
-    queue.lock                   serialises taking tickets, granting and probing
+    queue.lock                   serialises taking tickets, granting and probing (a blocking fcntl
+                                 lock: a process waiting for it is woken the moment it is free)
     counters                     the last ticket and the last grant sequence number, one line each
 
 A GPU's lock file is its memory, one byte per MiB. A whole-GPU grant locks the whole file
-(fasteners.InterProcessLock: byte 0 to infinity). A fractional grant of M MiB locks M bytes of
+(byte 0 to infinity, as fasteners.InterProcessLock does). A fractional grant of M MiB locks M bytes of
 it with byte-range fcntl locks, so shares of one GPU never overlap, never add up to more than
 the GPU, and never coexist with a whole-GPU grant: the kernel refuses conflicting locks.
 Probes ask the kernel which ranges others hold (F_GETLK), without taking anything.
@@ -52,8 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fasteners
-
 from rpycdl.defaults import WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 
@@ -62,9 +61,9 @@ Range = tuple[int, int]  # (first MiB, MiB count) in a GPU's lock file
 # What this process holds. fcntl locks are per process: the kernel never reports a process its
 # own locks, and closing any descriptor of a file drops all of them, so they are tracked here.
 # All are keyed by the lock file's path (the same UUID may live in several lock directories).
-_WHOLE: dict[str, fasteners.InterProcessLock] = {}  # its whole-GPU lock
+_WHOLE: set[str] = set()  # the GPUs it holds whole
 _SHARES: dict[str, dict[int, tuple[Range, ...]]] = {}  # ticket -> ranges locked
-_FDS: dict[str, int] = {}  # a descriptor of the lock file, open for the process's life
+_FDS: dict[str, int] = {}  # a descriptor of each lock file (and queue.lock), open for the process's life
 
 
 def _forget_held() -> None:
@@ -140,6 +139,22 @@ def shared_file(path: Path, data: bytes | None = None) -> None:
         os.replace(target, path)
 
 
+def _open_once(path: str) -> int:
+    """This process's descriptor of a lock file (created if absent), opened once and never closed:
+    closing any descriptor of a file drops the fcntl locks the process holds in it."""
+    fd = _FDS.get(path)
+    if fd is None:
+        shared_file(Path(path))
+        fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    return fd
+
+
+def _names(directory: Path, prefix: str, suffix: str) -> list[str]:
+    """Names in `directory` with that prefix and suffix (no glob: its pattern would be compiled
+    again in every new connection process)."""
+    return [name for name in os.listdir(directory) if name.startswith(prefix) and name.endswith(suffix)]
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     shared_file(path, json.dumps(data).encode())
 
@@ -169,20 +184,22 @@ class GPULockManager:
         self.root = Path(lock_dir)
         for sub in ("", "gpus", "held", "queue"):
             shared_dir(self.root / sub)
-        shared_file(self.root / "queue.lock")
         shared_file(self.root / "counters")
-        self._queue_lock = fasteners.InterProcessLock(str(self.root / "queue.lock"))
+        self._queue_fd = _open_once(str(self.root / "queue.lock"))
+        self._gpus_dir = str(self.root / "gpus")
         self._sleep_poll = sleep_poll
 
     # -- the queue lock and counters ---------------------------------------------------
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self._queue_lock.acquire()
+        """Hold queue.lock. It waits in the kernel, not in a retry loop that sleeps (fasteners sleeps
+        10 to 100 ms between tries), so the next process in line gets it as soon as it is free."""
+        fcntl.lockf(self._queue_fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            self._queue_lock.release()
+            fcntl.lockf(self._queue_fd, fcntl.LOCK_UN)
 
     def _next(self, counter: int) -> int:
         """Under the queue lock: the next value of a counter (TICKET or GRANT), written in place."""
@@ -198,16 +215,11 @@ class GPULockManager:
     # -- probing ---------------------------------------------------------------------
 
     def _lock_path(self, uuid: str) -> str:
-        return str(self.root / "gpus" / f"{uuid}.lock")
+        return f"{self._gpus_dir}/{uuid}.lock"
 
     def _fd(self, uuid: str) -> int:
         """This process's descriptor of the GPU's lock file, for probes and shares; never closed."""
-        path = self._lock_path(uuid)
-        fd = _FDS.get(path)
-        if fd is None:
-            shared_file(Path(path))
-            fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        return fd
+        return _open_once(self._lock_path(uuid))
 
     def _taken(self, uuid: str, end: int) -> list[Range]:
         """Under the queue lock: ranges below MiB `end` (0: all of the file) that others hold,
@@ -410,21 +422,24 @@ class GPULockManager:
                 done.append((start, length))
             _SHARES.setdefault(self._lock_path(uuid), {})[ticket] = tuple(ranges)
             return Grant((uuid,), ticket, self._next(GRANT), memory, tuple(ranges))
-        locks = []
+        locked: list[int] = []
         for uuid in uuids:
-            lock = fasteners.InterProcessLock(self._lock_path(uuid))
-            if not lock.acquire(blocking=False):
-                for taken in locks:
-                    taken.release()
+            fd = self._fd(uuid)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file
+            except OSError:
+                for taken in locked:
+                    fcntl.lockf(taken, fcntl.LOCK_UN)
                 return None
-            locks.append(lock)
-        _WHOLE.update(zip(map(self._lock_path, uuids), locks, strict=True))
+            locked.append(fd)
+        _WHOLE.update(map(self._lock_path, uuids))
         return Grant(tuple(uuids), ticket, self._next(GRANT))
 
     def _clear_records(self, uuid: str, ranges: tuple[Range, ...]) -> None:
         """Under the queue lock, after locking `ranges` of the GPU (all of it if none): remove the
         records of earlier holders that overlap them; they are dead, or we could not have locked."""
-        for path in (self.root / "held").glob(f"{uuid}.*.json"):
+        for name in _names(self.root / "held", f"{uuid}.", ".json"):
+            path = self.root / "held" / name
             old = _read_json(path)
             if old is None or not ranges or not old.get("ranges") or _overlap(ranges, old["ranges"]):
                 path.unlink(missing_ok=True)
@@ -439,16 +454,15 @@ class GPULockManager:
                     fcntl.lockf(_FDS[path], fcntl.LOCK_UN, length, start)
                 if not _SHARES.get(path):
                     _SHARES.pop(path, None)
-            else:
-                lock = _WHOLE.pop(path, None)
-                if lock is not None:
-                    lock.release()
+            elif path in _WHOLE:
+                _WHOLE.discard(path)
+                fcntl.lockf(_FDS[path], fcntl.LOCK_UN)
         self.wake_all()
 
     def wake_all(self) -> None:
         """Wake every waiting request so it re-checks the queue."""
-        for fifo in (self.root / "queue").glob("*.fifo"):
-            _poke(fifo)
+        for name in _names(self.root / "queue", "", ".fifo"):
+            _poke(self.root / "queue" / name)
 
     # -- status ----------------------------------------------------------------------
 
@@ -464,8 +478,9 @@ class GPULockManager:
         Holders that died are not reported (and their stale records are removed)."""
         with self._locked():
             held: dict[str, list[dict[str, Any]]] = {}
-            for path in (self.root / "held").glob("*.json"):
-                uuid, _, ticket = path.name.removesuffix(".json").rpartition(".")
+            for name in _names(self.root / "held", "", ".json"):
+                path = self.root / "held" / name
+                uuid, _, ticket = name.removesuffix(".json").rpartition(".")
                 info = _read_json(path)
                 if not (uuid and ticket.isdigit()):
                     continue

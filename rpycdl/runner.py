@@ -1,10 +1,11 @@
 """Runs one callable in a job process: environment, live output, result or exception, timeout, cancel.
 
-The job process is forked from the connection process. It leads its own process group, dies
-with its parent (PR_SET_PDEATHSIG), gets its GPUs through the environment before the payload
-is unpickled (so before any framework is imported), and writes its outcome to a pipe. Its
-stdout and stderr are pipes at the file-descriptor level, so the output of any process it
-starts is streamed too. However it ends, the whole group is killed before run() returns.
+The job process is forked from the connection process as the request arrives, and waits
+there for its GPUs. It leads its own process group, dies with its parent (PR_SET_PDEATHSIG),
+gets its GPUs through the environment before the payload is unpickled (so before any framework
+is imported), and writes its outcome to a pipe, which it then closes. Its stdout and stderr are
+pipes at the file-descriptor level, so the output of any process it starts is streamed too.
+However it ends, the whole group is killed before run() returns, and gone once close() returns.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import codecs
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 import select
 import signal
@@ -74,8 +76,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int, parent: int) -> None:
-    """Body of the job process. Never returns."""
+def _child(body: bytes, go_r: int, out_w: int, err_w: int, res_w: int, parent: int) -> None:
+    """Body of the job process: waits for its environment on `go_r`, then runs the payload. Never returns."""
     try:
         os.setpgid(0, 0)
         _die_with_parent(parent)
@@ -88,7 +90,11 @@ def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int,
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        os.environ.update(env)
+        with os.fdopen(go_r, "rb") as go:
+            env = go.read()
+        if not env:  # closed before its GPUs came: nothing to run
+            os._exit(0)
+        os.environ.update(json.loads(env))
         caps.install_caps()
         try:
             fn, args = wire.load_call(body)
@@ -98,7 +104,7 @@ def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int,
             outcome = wire.encode_error(exc, tb)
         sys.stdout.flush()
         sys.stderr.flush()
-        with os.fdopen(res_w, "wb", closefd=False) as res:
+        with os.fdopen(res_w, "wb") as res:  # closed: end of file tells the parent the outcome is complete
             res.write(outcome)
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child
         os._exit(2)
@@ -147,95 +153,124 @@ class LoadCheck:
         os.close(self.fd)
 
 
-def run(
-    body: bytes,
-    env: dict[str, str],
-    on_stdout: Callable[[str], None],
-    on_stderr: Callable[[str], None],
-    on_start: Callable[[int], None] | None = None,
-    timeout: float | None = None,
-    watch_fds: Sequence[int] = (),
-    on_watch: Callable[[], None] | None = None,
-    stop: Callable[[int], tuple[Ending, str] | None] | None = None,
-) -> Result:
-    """Run the checked payload `body` in a new job process and wait for it.
+class JobProcess:
+    """One job process, forked (with the payload `body` in its memory) as soon as the request
+    arrives, so that it is ready when the GPUs are: it waits for its environment before it
+    unpickles anything. run() starts it and waits for its outcome; close() leaves nothing of it
+    running, and must be called however the request ends (before its GPUs are released)."""
 
-    Args:
-        body: a payload body accepted by wire.check_payload.
-        env: variables set in the job process before the payload is unpickled.
-        on_stdout, on_stderr: receive the job's output, as text, as it arrives.
-        on_start: called with the job process id (its group id too) once it runs.
-        timeout: seconds the job may run; past it the group is killed.
-        watch_fds: other descriptors to watch (the client connection).
-        on_watch: called when one is readable; may raise (client gone), which kills the job.
-        stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
-            kills the job, which then ends that way (a cancel request, the memory watchdog).
-    """
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    res_r, res_w = os.pipe()
-    with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
-        fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        os.close(out_r)
-        os.close(err_r)
-        os.close(res_r)
-        _child(body, env, out_w, err_w, res_w, parent)
-    for fd in (out_w, err_w, res_w):
-        os.close(fd)
-    try:
-        os.setpgid(pid, pid)
-    except OSError:  # already done by the child, or it is gone
-        pass
-    pidfd = os.pidfd_open(pid)
-    streams = {out_r: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
-               err_r: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
-    for fd in (out_r, err_r, res_r):
-        os.set_blocking(fd, False)
-    outcome = bytearray()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    ending: Ending | None = None
-    reason = ""
-    try:
-        if on_start is not None:
-            on_start(pid)
-        open_fds = [out_r, err_r, res_r]
-        next_stop_check = 0.0
-        while ending is None:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if stop is not None:
-                wait = STOP_POLL if wait is None else min(wait, STOP_POLL)
-            readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
-            for fd in readable:
-                if fd == res_r:
-                    if not _read_into(fd, outcome):
-                        open_fds.remove(fd)
-                elif fd in streams:
-                    if not _forward(fd, *streams[fd]):
-                        open_fds.remove(fd)
-            if pidfd in readable:
-                _read_into(res_r, outcome)
-                ending = Ending.FINISHED
-            elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
-                on_watch()
-            if ending is None and stop is not None and time.monotonic() >= next_stop_check:
-                next_stop_check = time.monotonic() + STOP_POLL
-                ending, reason = stop(pid) or (None, "")
-            if ending is None and deadline is not None and time.monotonic() >= deadline:
-                ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
-    finally:
-        kill_group(pid)
-        status = _reap(pid)
-        _wait_group_gone(pid)
-        for fd in (out_r, err_r):
-            _forward(fd, *streams[fd])
-        for fd in (out_r, err_r, res_r, pidfd):
+    def __init__(self, body: bytes) -> None:
+        go_r, self._go_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        res_r, res_w = os.pipe()
+        with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
+            fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        parent = os.getpid()
+        self.pid = os.fork()
+        if self.pid == 0:
+            for fd in (self._go_w, out_r, err_r, res_r):
+                os.close(fd)
+            _child(body, go_r, out_w, err_w, res_w, parent)
+        for fd in (go_r, out_w, err_w, res_w):
             os.close(fd)
-    if ending is Ending.FINISHED and not outcome:
-        ending, reason = Ending.CRASHED, f"the job process {_describe(status)} before returning a result"
-    return Result(ending, bytes(outcome), reason)
+        try:
+            os.setpgid(self.pid, self.pid)
+        except OSError:  # already done by the child, or it is gone
+            pass
+        self._pidfd = os.pidfd_open(self.pid)
+        self._out, self._err, self._res = out_r, err_r, res_r
+        for fd in (out_r, err_r, res_r):
+            os.set_blocking(fd, False)
+        self._status: int | None = None
+
+    def run(
+        self,
+        env: dict[str, str],
+        on_stdout: Callable[[str], None],
+        on_stderr: Callable[[str], None],
+        on_start: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+        watch_fds: Sequence[int] = (),
+        on_watch: Callable[[], None] | None = None,
+        stop: Callable[[int], tuple[Ending, str] | None] | None = None,
+    ) -> Result:
+        """Run the payload with `env` set, and wait for its outcome. When this returns, the job
+        process's group has been sent SIGKILL and all its output forwarded.
+
+        Args:
+            env: variables set in the job process before the payload is unpickled.
+            on_stdout, on_stderr: receive the job's output, as text, as it arrives.
+            on_start: called with the job process id (its group id too) once it runs.
+            timeout: seconds the job may run; past it the group is killed.
+            watch_fds: other descriptors to watch (the client connection).
+            on_watch: called when one is readable; may raise (client gone), which kills the job.
+            stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
+                kills the job, which then ends that way (a cancel request, the memory watchdog).
+        """
+        os.write(self._go_w, json.dumps(env).encode())  # far below a pipe's buffer: never blocks
+        os.close(self._go_w)
+        self._go_w = -1
+        pid, pidfd = self.pid, self._pidfd
+        streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
+                   self._err: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
+        outcome = bytearray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ending: Ending | None = None
+        reason = ""
+        try:
+            if on_start is not None:
+                on_start(pid)
+            open_fds = [self._out, self._err, self._res]
+            next_stop_check = 0.0
+            while ending is None:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if stop is not None:
+                    wait = STOP_POLL if wait is None else min(wait, STOP_POLL)
+                readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
+                complete = False  # the job closed its result pipe after writing all of its outcome
+                for fd in readable:
+                    if fd == self._res:
+                        if not _read_into(fd, outcome):
+                            open_fds.remove(fd)
+                            complete = bool(outcome)
+                    elif fd in streams:
+                        if not _forward(fd, *streams[fd]):
+                            open_fds.remove(fd)
+                if complete or pidfd in readable:
+                    _read_into(self._res, outcome)
+                    ending = Ending.FINISHED
+                elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
+                    on_watch()
+                if ending is None and stop is not None and time.monotonic() >= next_stop_check:
+                    next_stop_check = time.monotonic() + STOP_POLL
+                    ending, reason = stop(pid) or (None, "")
+                if ending is None and deadline is not None and time.monotonic() >= deadline:
+                    ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
+        finally:
+            kill_group(pid)
+            for fd in streams:
+                _forward(fd, *streams[fd])
+        if ending is Ending.FINISHED and not outcome:
+            ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} before returning a result"
+        return Result(ending, bytes(outcome), reason)
+
+    def close(self) -> None:
+        """Kill the job's process group and wait until it is gone. Closing twice is harmless."""
+        if self._pidfd < 0:
+            return
+        kill_group(self.pid)
+        self._reap()
+        _wait_group_gone(self.pid)
+        for fd in (self._go_w, self._out, self._err, self._res, self._pidfd):
+            if fd >= 0:
+                os.close(fd)
+        self._pidfd = -1
+
+    def _reap(self) -> int:
+        if self._status is None:
+            self._status = _reap(self.pid)
+        return self._status
 
 
 def _read_into(fd: int, buffer: bytearray) -> bool:

@@ -25,8 +25,6 @@ from rpycdl import auth, tls, transport
 from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
-from rpycdl.jobs import JobStore
-from rpycdl.locks import GPULockManager
 from rpycdl.registry import registry_client
 from rpycdl.service import GPUService, Limits, ServerContext
 from rpycdl.shares import ShareRules
@@ -150,8 +148,18 @@ class DLServer(ForkingServer):
 
     @classmethod
     def _handle_sigchld(cls, signum: int, frame: object) -> None:
-        super()._handle_sigchld(signum, frame)
-        _poke(cls._wake_w)
+        """Reap ended children, and wake the sweeper if one of them did not exit cleanly: a
+        connection process that exits 0 has finished its jobs and released their GPUs itself."""
+        unclean = False
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                unclean |= status != 0
+        signal.signal(signal.SIGCHLD, cls._handle_sigchld)
+        if unclean:
+            _poke(cls._wake_w)
 
     def _accept_method(self, sock: socket.socket) -> None:
         """Fork a connection process for an accepted socket, unless --max-connections are served
@@ -168,15 +176,17 @@ class DLServer(ForkingServer):
             auth.greet(sock, self.authenticator.mode)
         pid = os.fork()
         if pid == 0:
+            code = 1
             try:
                 signal.signal(signal.SIGCHLD, self._prevhandler)
                 signal.siginterrupt(signal.SIGCHLD, False)
                 self.listener.close()
                 self._authenticate_and_serve_client(sock)
+                code = 0
             except Exception:
                 self.logger.exception("connection process failed")
             finally:
-                os._exit(0)
+                os._exit(code)  # not 0: the parent sweeps for jobs it left behind
         sock.close()
         self._connections.add(pid)
 
@@ -185,21 +195,29 @@ class DLServer(ForkingServer):
         config = dict(self.protocol_config, credentials=credentials,
                       endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
         channel = transport.channel(sock, self.context.limits.max_payload + FRAME_SLACK)
-        self._handle_connection(self.service._connect(channel, config))
+        service = self.service()
+        self._handle_connection(service._connect(channel, config), service)
 
-    def _handle_connection(self, conn: rpyc.Connection) -> None:
-        """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout."""
+    def _handle_connection(self, conn: rpyc.Connection, service: GPUService) -> None:
+        """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout;
+        after each answer, let the service finish what the call left for after its reply."""
         idle_since = time.monotonic()
-        while not conn.closed:
-            if conn.serve(1.0):
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
-                self.logger.info("closing a connection idle for %.0f s (--idle-timeout)", time.monotonic() - idle_since)
-                conn.close()
+        try:
+            while not conn.closed:
+                if conn.serve(1.0):
+                    service.after_reply()
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
+                    self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
+                                     time.monotonic() - idle_since)
+                    conn.close()
+        except EOFError:  # the client left: the usual end of a connection
+            conn.close()
+        finally:
+            service.after_reply()
 
     def _sweep(self) -> None:
-        store = JobStore(self.context.lock_dir)
-        locks = GPULockManager(self.context.lock_dir)
+        store, locks = self.context.store, self.context.locks
         while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
                 for record in store.sweep(self.context.server_id):
@@ -225,9 +243,9 @@ def _remove_orphan_containers(lock_dir: str) -> None:
 
 
 def _running(pid: int) -> bool:
-    """Whether a child process still runs (reaps it if it just ended)."""
+    """Whether a child process still runs (an ended one is left for _handle_sigchld to reap)."""
     try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     except ChildProcessError:
         return False
 
@@ -251,7 +269,7 @@ def build_server(config: ServerConfig) -> DLServer:
     inventory = load_inventory(config.gpus)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
-    GPULockManager(directory)  # create the layout, fail early on permissions
+    # Creates the lock directory's layout, so it fails early on permissions.
     context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
                             host=config.host, framework_version=version, limits=config.limits,

@@ -49,8 +49,9 @@ are not worth a process."""
 Stop = Callable[[int], tuple[runner.Ending, str] | None]
 """Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
 
-Executor = Callable[[JobRecord, dict[str, str], float | None, Stop], runner.Result]
-"""Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout, its Stop) -> how it ended."""
+Executor = Callable[[JobRecord, dict[str, str], float | None, Stop, runner.JobProcess | None], runner.Result]
+"""Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout, its Stop, the job
+process forked for a payload) -> how it ended."""
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,13 @@ class ServerContext:
     limits: Limits = field(default_factory=Limits)
     shares: ShareRules = field(default_factory=ShareRules)
     gpus: list[GPU] = field(default_factory=list)
+    locks: GPULockManager = field(init=False)
+    store: JobStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.gpus = self.inventory.gpus()
+        self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
+        self.store = JobStore(self.lock_dir)
         if isinstance(self.inventory, FakeInventory):
             self.inventory.state_dir = Path(self.lock_dir) / "simulated-gpus"
 
@@ -132,9 +137,16 @@ class GPUService(rpyc.Service):
         endpoints = conn._config.get("endpoints") or (None, ("?", 0))
         peer = endpoints[1]
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self._locks = GPULockManager(self.context.lock_dir)
-        self._store = JobStore(self.context.lock_dir)
+        self._locks = self.context.locks
+        self._store = self.context.store
         self._busy = False  # one job at a time per connection: a second would be served inside the first
+        self._after_reply: list[Callable[[], None]] = []
+
+    def after_reply(self) -> None:
+        """Finish what the last call left for after its reply (the end of its job: see _submit).
+        The server calls this once each request is answered, and when the client has gone."""
+        while self._after_reply:
+            self._after_reply.pop(0)()
 
     # -- the client connection while a job waits or runs ---------------------------
 
@@ -164,9 +176,10 @@ class GPUService(rpyc.Service):
 
     def _submit(self, execute: Executor, request: GPURequest, timeout: Any, queue_timeout: Any,
                 on_state: Callable[[str, str], None] | None, body: bytes | None = None) -> bytes:
-        """Queue, lock GPUs, run `execute(record, env, timeout, stop)`, release. Returns outcome
-        bytes; raises RpycdlError. The executor saves the record once the job runs. A payload
-        `body` is test-loaded while the request waits (runner.LoadCheck)."""
+        """Queue, lock GPUs, run `execute(record, env, timeout, stop, job)`, release. Returns outcome
+        bytes; raises RpycdlError. The executor saves the record once the job runs. For a payload
+        `body`, the job process is forked before the request queues, and the payload is
+        test-loaded while the request waits (runner.LoadCheck)."""
         ctx = self.context
         count = request.count
         timeout = check_seconds(timeout, "timeout")
@@ -206,9 +219,11 @@ class GPUService(rpyc.Service):
             if self._store.cancel_requested(record.job_id):
                 raise JobCancelledError(f"job {record.job_id} was cancelled while waiting")
 
-        grant = result = None
+        grant = result = job = None
         self._busy = True
         try:
+            if body is not None:
+                job = runner.JobProcess(body)  # ready when the GPUs are
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id,
@@ -221,19 +236,29 @@ class GPUService(rpyc.Service):
             if on_state is not None:
                 on_state("running", json.dumps({"job_id": record.job_id, "gpus": indices, "uuids": list(grant.uuids),
                                                 "gpu_memory": grant.memory}))
-            result = execute(record, self._environment(record, grant, indices), timeout, self._stopper(record, grant))
+            result = execute(record, self._environment(record, grant, indices), timeout, self._stopper(record, grant),
+                             job)
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
             record.error = str(exc) or type(exc).__name__
             raise
         finally:
-            self._busy = False
-            if check is not None:
-                check.close()
-            if grant is not None:
-                self._locks.release(grant)
             record.ended = time.time()
-            self._finish(record, result)
+
+            def end() -> None:
+                if check is not None:
+                    check.close()
+                if job is not None:
+                    job.close()  # gone before its GPUs are released
+                if grant is not None:
+                    self._locks.release(grant)
+                self._finish(record, result)
+                self._busy = False
+
+            if result is None:
+                end()
+            else:  # the outcome is known: the client gets it while the job process is reaped
+                self._after_reply.append(end)
         return self._outcome(record, result)
 
     def _environment(self, record: JobRecord, grant: Grant, indices: list[int]) -> dict[str, str]:
@@ -275,17 +300,18 @@ class GPUService(rpyc.Service):
             raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
                              f"{limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
 
-    def _run_payload(self, body: bytes, on_stdout: Callable[[str], None],
-                     on_stderr: Callable[[str], None]) -> Executor:
-        """The executor of run and run_code: the payload in a job process (rpycdl.runner)."""
+    def _run_payload(self, on_stdout: Callable[[str], None], on_stderr: Callable[[str], None]) -> Executor:
+        """The executor of run and run_code: the payload in its job process (rpycdl.runner)."""
 
-        def execute(record: JobRecord, env: dict[str, str], timeout: float | None, stop: Stop) -> runner.Result:
+        def execute(record: JobRecord, env: dict[str, str], timeout: float | None, stop: Stop,
+                    job: runner.JobProcess | None) -> runner.Result:
             def on_start(pid: int) -> None:
                 record.pgid = pid
                 self._store.save(record)
 
-            return runner.run(body, env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
-                              watch_fds=self._socket_fd(), on_watch=self._serve_client, stop=stop)
+            assert job is not None  # _submit forks it for every payload
+            return job.run(env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
+                           watch_fds=self._socket_fd(), on_watch=self._serve_client, stop=stop)
 
         return execute
 
@@ -325,7 +351,7 @@ class GPUService(rpyc.Service):
             self._check_size(payload, "payload")
             request = self._request(ngpus, gpus, gpu_memory)
             body = wire.check_payload(payload)
-            return self._submit(self._run_payload(body, stdout or _discard, stderr or _discard), request, timeout,
+            return self._submit(self._run_payload(stdout or _discard, stderr or _discard), request, timeout,
                                 queue_timeout, on_state, body)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
@@ -340,7 +366,7 @@ class GPUService(rpyc.Service):
         request = self._request(ngpus, gpus, gpu_memory)
         wire.check_pickle(fn, "fn")
         body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
-        outcome = self._submit(self._run_payload(body, _writer(stdout), _writer(stderr)), request, timeout,
+        outcome = self._submit(self._run_payload(_writer(stdout), _writer(stderr)), request, timeout,
                                queue_timeout, None, body)
         return wire.decode_outcome(outcome)
 
@@ -364,7 +390,8 @@ class GPUService(rpyc.Service):
             return wire.encode_error(exc, tb="")
         ctx = self.context
 
-        def execute(record: JobRecord, gpu_env: dict[str, str], timeout: float | None, _: Stop) -> runner.Result:
+        def execute(record: JobRecord, gpu_env: dict[str, str], timeout: float | None, _: Stop,
+                    __: runner.JobProcess | None) -> runner.Result:
             self._store.save(record)
             try:
                 code = containers.run_job_container(

@@ -150,3 +150,11 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
         sock.close()
         raise
     return conn
+
+
+def close_now(conn: rpyc.Connection) -> None:
+    """Close an RPyC connection at once: the peer sees end of file, where RPyC's close() would
+    send a close request and wait for the peer to act on it."""
+    if not conn.closed:
+        conn._channel.close()
+    conn.close()  # its close request now fails at once; it still releases what the connection holds
