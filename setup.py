@@ -14,6 +14,7 @@ setup(
     install_requires=[
         "rpyc>=6.0,<7",
         "dill>=0.3.8",
+        "fasteners>=0.19",
         "nvidia-ml-py>=12.535",
         "docker>=7.0",
         "cryptography>=41",

@@ -13,7 +13,7 @@ every container):
     counters                     the last ticket and the last grant sequence number, one line each
 
 A GPU's lock file is its memory, one byte per MiB. A whole-GPU grant locks the whole file
-(byte 0 to infinity, as fasteners.InterProcessLock does). A fractional grant of M MiB locks M bytes of
+(fasteners.InterProcessLock: byte 0 to infinity). A fractional grant of M MiB locks M bytes of
 it with byte-range fcntl locks, so shares of one GPU never overlap, never add up to more than
 the GPU, and never coexist with a whole-GPU grant: the kernel refuses conflicting locks.
 Probes ask the kernel which ranges others hold (F_GETLK), without taking anything.
@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fasteners
+
 from rpycdl.defaults import WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 
@@ -61,7 +63,7 @@ Range = tuple[int, int]  # (first MiB, MiB count) in a GPU's lock file
 # What this process holds. fcntl locks are per process: the kernel never reports a process its
 # own locks, and closing any descriptor of a file drops all of them, so they are tracked here.
 # All are keyed by the lock file's path (the same UUID may live in several lock directories).
-_WHOLE: set[str] = set()  # the GPUs it holds whole
+_WHOLE: dict[str, fasteners.InterProcessLock] = {}  # the GPUs it holds whole
 _SHARES: dict[str, dict[int, tuple[Range, ...]]] = {}  # ticket -> ranges locked
 _FDS: dict[str, int] = {}  # a descriptor of each lock file (and queue.lock), open for the process's life
 
@@ -422,17 +424,15 @@ class GPULockManager:
                 done.append((start, length))
             _SHARES.setdefault(self._lock_path(uuid), {})[ticket] = tuple(ranges)
             return Grant((uuid,), ticket, self._next(GRANT), memory, tuple(ranges))
-        locked: list[int] = []
-        for uuid in uuids:
-            fd = self._fd(uuid)
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file
-            except OSError:
-                for taken in locked:
-                    fcntl.lockf(taken, fcntl.LOCK_UN)
+        locks: list[fasteners.InterProcessLock] = []
+        for uuid in uuids:  # the whole file: fasteners locks byte 0 to infinity
+            lock = fasteners.InterProcessLock(self._lock_path(uuid))
+            if not lock.acquire(blocking=False):
+                for taken in locks:
+                    taken.release()
                 return None
-            locked.append(fd)
-        _WHOLE.update(map(self._lock_path, uuids))
+            locks.append(lock)
+        _WHOLE.update(zip(map(self._lock_path, uuids), locks, strict=True))
         return Grant(tuple(uuids), ticket, self._next(GRANT))
 
     def _clear_records(self, uuid: str, ranges: tuple[Range, ...]) -> None:
@@ -455,8 +455,7 @@ class GPULockManager:
                 if not _SHARES.get(path):
                     _SHARES.pop(path, None)
             elif path in _WHOLE:
-                _WHOLE.discard(path)
-                fcntl.lockf(_FDS[path], fcntl.LOCK_UN)
+                _WHOLE.pop(path).release()  # closes its own descriptor: this process holds no share there
         self.wake_all()
 
     def wake_all(self) -> None:
