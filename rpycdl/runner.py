@@ -5,6 +5,12 @@ with its parent (PR_SET_PDEATHSIG), gets its GPUs through the environment before
 is unpickled (so before any framework is imported), and writes its outcome to a pipe. Its
 stdout and stderr are pipes at the file-descriptor level, so the output of any process it
 starts is streamed too. However it ends, the whole group is killed before run() returns.
+
+The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they
+are already in the connection process's memory, and the job gets them without a copy. Its
+result pipe carries a header (how many out-of-band buffers, then the size and read-only flag of
+each), the buffers, then the outcome bytes until the end; the connection process hands the
+buffers on as they come (run's `on_buffers`), so a large result is never held in it.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ import fcntl
 import os
 import select
 import signal
+import struct
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from rpycdl import caps, wire
 from rpycdl.defaults import KILL_WAIT
@@ -31,6 +39,8 @@ PR_SET_PDEATHSIG = 1
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
 STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
+_COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
+_ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
 
 
 class Ending(str, Enum):
@@ -74,7 +84,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int, parent: int) -> None:
+def _child(body: bytes, buffers: Sequence[Any], out_of_band: bool, env: dict[str, str], out_w: int, err_w: int,
+           res_w: int, parent: int) -> None:
     """Body of the job process. Never returns."""
     try:
         os.setpgid(0, 0)
@@ -91,18 +102,68 @@ def _child(body: bytes, env: dict[str, str], out_w: int, err_w: int, res_w: int,
         os.environ.update(env)
         caps.install_caps()
         try:
-            fn, args = wire.load_call(body)
-            outcome = wire.encode_ok(fn(args))
+            fn, args = wire.load_call(body, buffers)
+            outcome, result = wire.encode_value(fn(args), out_of_band)
         except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
             tb = "".join(traceback.format_exception(exc))
-            outcome = wire.encode_error(exc, tb)
+            outcome, result = wire.encode_error(exc, tb), []
         sys.stdout.flush()
         sys.stderr.flush()
-        with os.fdopen(res_w, "wb", closefd=False) as res:
-            res.write(outcome)
+        layout = wire.layout(result)
+        _write(res_w, _COUNT.pack(len(layout)) + b"".join(_ENTRY.pack(*entry) for entry in layout))
+        for buffer in result:
+            with buffer.raw() as view:
+                _write(res_w, view)
+        _write(res_w, outcome)
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child
         os._exit(2)
     os._exit(0)
+
+
+def _write(fd: int, data: Any) -> None:
+    with memoryview(data) as view:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+
+
+class _ResultPipe:
+    """The connection process's end of the result pipe: the header, then the out-of-band buffers
+    (handed to `on_buffers` with the pipe, blocking, to read them from), then the outcome."""
+
+    def __init__(self, fd: int, on_buffers: Callable[[wire.Layout], int] | None) -> None:
+        self.fd = fd
+        self.header = bytearray()
+        self.layout: wire.Layout | None = None
+        self.outcome = bytearray()
+        self.complete = True  # False: the buffers ended early, or the header made no sense
+        self._on_buffers = on_buffers
+
+    def read(self) -> bool:
+        """Read what is there; False at end of file."""
+        while self.layout is None:
+            need = _COUNT.size
+            if len(self.header) >= _COUNT.size:
+                count = _COUNT.unpack_from(self.header)[0]
+                if count > wire.MAX_BUFFERS or (count and self._on_buffers is None):
+                    self.complete = False
+                    return False
+                need += count * _ENTRY.size
+            if len(self.header) == need:
+                self.layout = tuple(_ENTRY.unpack_from(self.header, offset)
+                                    for offset in range(_COUNT.size, need, _ENTRY.size))
+                if self.layout:
+                    total = sum(size for size, _ in self.layout)
+                    self.complete = self._on_buffers(self.layout) == total  # type: ignore[misc]
+                break
+            try:
+                chunk = os.read(self.fd, need - len(self.header))
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self.header += chunk
+        return _read_into(self.fd, self.outcome)
 
 
 class LoadCheck:
@@ -112,7 +173,7 @@ class LoadCheck:
     The process sees no GPU (CUDA_VISIBLE_DEVICES is empty) and dies with its parent. `fd`
     becomes readable when it is done; then `error()` says what went wrong, if anything."""
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, buffers: Sequence[Any] = ()) -> None:
         read_end, write_end = os.pipe()
         parent = os.getpid()
         self.pid = os.fork()
@@ -126,7 +187,7 @@ class LoadCheck:
                 for fd in (0, 1, 2):
                     os.dup2(devnull, fd)
                 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-                wire.load_call(body)
+                wire.load_call(body, buffers)
             except BaseException as exc:  # noqa: BLE001 - what failed is the answer
                 message = f"{type(exc).__name__}: {exc}".encode(errors="replace")
             os.write(write_end, message[:4096])
@@ -157,6 +218,8 @@ def run(
     watch_fds: Sequence[int] = (),
     on_watch: Callable[[], None] | None = None,
     stop: Callable[[int], tuple[Ending, str] | None] | None = None,
+    buffers: list[Any] | None = None,
+    on_buffers: Callable[[wire.Layout, int], int] | None = None,
 ) -> Result:
     """Run the checked payload `body` in a new job process and wait for it.
 
@@ -170,6 +233,12 @@ def run(
         on_watch: called when one is readable; may raise (client gone), which kills the job.
         stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
             kills the job, which then ends that way (a cancel request, the memory watchdog).
+        buffers: its out-of-band buffers. The job process gets them by the fork; the list is
+            emptied here once it has, so this process lets go of their memory.
+        on_buffers: given, the job sends a large result's buffers out of band: once they come,
+            the output printed so far has been handed on and `on_buffers(layout, fd)` must read
+            exactly their total size from the blocking pipe `fd` and say how many bytes it got
+            (fewer only if the pipe ended early). Timeout and `stop` wait until it returns.
     """
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -182,7 +251,9 @@ def run(
         os.close(out_r)
         os.close(err_r)
         os.close(res_r)
-        _child(body, env, out_w, err_w, res_w, parent)
+        _child(body, buffers or (), on_buffers is not None, env, out_w, err_w, res_w, parent)
+    if buffers:
+        buffers.clear()
     for fd in (out_w, err_w, res_w):
         os.close(fd)
     try:
@@ -194,7 +265,17 @@ def run(
                err_r: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
     for fd in (out_r, err_r, res_r):
         os.set_blocking(fd, False)
-    outcome = bytearray()
+
+    def stream(layout: wire.Layout) -> int:
+        for fd in (out_r, err_r):  # what the job printed before returning goes first
+            _forward(fd, *streams[fd])
+        os.set_blocking(res_r, True)
+        try:
+            return on_buffers(layout, res_r)  # type: ignore[misc]
+        finally:
+            os.set_blocking(res_r, False)
+
+    result = _ResultPipe(res_r, stream if on_buffers is not None else None)
     deadline = None if timeout is None else time.monotonic() + timeout
     ending: Ending | None = None
     reason = ""
@@ -210,13 +291,16 @@ def run(
             readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
             for fd in readable:
                 if fd == res_r:
-                    if not _read_into(fd, outcome):
+                    if not result.read():
                         open_fds.remove(fd)
+                    if not result.complete:  # it cannot send its result any more
+                        ending = Ending.FINISHED
                 elif fd in streams:
                     if not _forward(fd, *streams[fd]):
                         open_fds.remove(fd)
             if pidfd in readable:
-                _read_into(res_r, outcome)
+                if res_r in open_fds:
+                    result.read()
                 ending = Ending.FINISHED
             elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
                 on_watch()
@@ -233,9 +317,11 @@ def run(
             _forward(fd, *streams[fd])
         for fd in (out_r, err_r, res_r, pidfd):
             os.close(fd)
-    if ending is Ending.FINISHED and not outcome:
+    if ending is Ending.FINISHED and not result.complete:
+        ending, reason = Ending.CRASHED, f"the job process {_describe(status)} while sending its result"
+    elif ending is Ending.FINISHED and not result.outcome:
         ending, reason = Ending.CRASHED, f"the job process {_describe(status)} before returning a result"
-    return Result(ending, bytes(outcome), reason)
+    return Result(ending, bytes(result.outcome), reason)
 
 
 def _read_into(fd: int, buffer: bytearray) -> bool:

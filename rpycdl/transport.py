@@ -3,13 +3,24 @@ that copies the rest of the buffer after every 64 KiB (quadratic), and Nagle's a
 request-reply exchange of small frames waited up to 40 ms for delayed acknowledgements).
 
 Frames still carry RPyC's compression flag, so peers that compress (original clients) and
-peers that do not understand each other."""
+peers that do not understand each other.
+
+Large buffers (rpycdl.wire's out-of-band buffers) bypass RPyC: the side that needs them makes
+an RPyC request to a callback of the other side (`pull`, `push`), and the raw bytes travel on
+the same socket between that request and its reply, written straight from the sender's memory
+and read straight into fresh memory of the receiver. Only the side that made the request reads
+or writes the socket meanwhile, so the stream never gets out of step; on any failure in the
+middle the connection is closed."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import socket
 import ssl
 import zlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import rpyc
@@ -18,6 +29,13 @@ from rpyc.core.stream import SocketStream
 
 from rpycdl import auth, tls
 from rpycdl.errors import AuthFailedError
+
+CHUNK = 1 << 24
+"""Bytes per send, receive or splice of a large buffer."""
+
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.argtypes = [ctypes.py_object]
+_bytes_address.restype = ctypes.c_void_p
 
 
 class BulkSocketStream(SocketStream):
@@ -150,3 +168,137 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
         sock.close()
         raise
     return conn
+
+
+# -- large buffers beside RPyC ---------------------------------------------------------------------
+
+
+def bulk_socket(conn: rpyc.Connection) -> socket.socket:
+    """The socket under an RPyC connection."""
+    return conn._channel.stream.sock
+
+
+def allocate(size: int, readonly: bool) -> tuple[Any, memoryview]:
+    """Fresh memory for a buffer of `size` bytes (at least 2), and a writable view to fill it.
+
+    A read-only buffer is a bytes object, so that the bytes a client sent arrive as bytes with no
+    copy; it is filled through its view before anything else sees it, as C code fills the result
+    of PyBytes_FromStringAndSize(NULL, size). A writable one is an anonymous private mmap (NumPy
+    arrays wrap it). Both are zero pages until written, so untouched memory costs nothing.
+    """
+    if readonly:
+        data = bytes(size)  # calloc; for size >= 2 always a new object
+        return data, memoryview((ctypes.c_char * size).from_address(_bytes_address(data))).cast("B")
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    return memory, memoryview(memory)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Write `buffers` (PickleBuffers, or anything with a buffer) raw on `sock`, in order."""
+    for buffer in buffers:
+        with (buffer.raw() if hasattr(buffer, "raw") else memoryview(buffer).cast("B")) as view:
+            _send(sock, view)
+
+
+def receive_buffers(sock: socket.socket, layout: Sequence[tuple[int, bool]]) -> list[Any]:
+    """Read buffers of `layout` (wire.Layout) from `sock`, each into fresh memory (allocate)."""
+    buffers = []
+    for size, readonly in layout:
+        buffer, view = allocate(size, readonly)
+        with view:
+            _receive(sock, view)
+        buffers.append(buffer)
+    return buffers
+
+
+def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple[int, bool]]) -> list[Any]:
+    """Read the buffers of `layout` from the peer: its callback `send` writes them raw (send_buffers)
+    right after our request to call it, before its reply."""
+    call = rpyc.async_(send)
+    reply = call()
+    try:
+        buffers = receive_buffers(bulk_socket(conn), layout)
+    except BaseException:
+        conn.close()
+        raise
+    reply.wait()
+    return buffers
+
+
+def push(conn: rpyc.Connection, receive: Callable[[Any], None], layout: Sequence[tuple[int, bool]], fd: int) -> int:
+    """Send the peer buffers of `layout` read from the pipe `fd`: its callback `receive(layout)`
+    reads them (receive_buffers) while we write them raw after our request to call it.
+
+    Returns:
+        How many bytes came from `fd` (all of them unless it ended early; see forward).
+    """
+    call = rpyc.async_(receive)
+    reply = call(tuple(layout))
+    try:
+        sent = forward(bulk_socket(conn), fd, sum(size for size, _ in layout))
+    except BaseException:
+        conn.close()
+        raise
+    reply.wait()
+    return sent
+
+
+def forward(sock: socket.socket, fd: int, count: int) -> int:
+    """Send exactly `count` bytes read from the blocking pipe `fd` to `sock`: spliced in the kernel
+    (no copy here) on a plain blocking socket, through a buffer on a TLS one. Should the pipe end
+    first, zeros make up the rest, so the peer's read completes and the stream stays in step.
+
+    Returns:
+        How many bytes came from `fd`.
+    """
+    done = 0
+    try:
+        if not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is None:
+            while done < count:
+                moved = os.splice(fd, sock.fileno(), min(count - done, CHUNK), flags=os.SPLICE_F_MORE)
+                if not moved:
+                    break
+                done += moved
+        else:
+            buffer = bytearray(min(count, CHUNK))
+            with memoryview(buffer) as view:
+                while done < count:
+                    read = os.readv(fd, [view[:min(count - done, len(view))]])
+                    if not read:
+                        break
+                    _send(sock, view[:read])
+                    done += read
+    except OSError as exc:
+        raise EOFError(exc) from exc
+    left = count - done
+    if left:
+        zeros = memoryview(bytes(min(left, CHUNK)))
+        while left:
+            _send(sock, zeros[:left])
+            left -= min(left, len(zeros))
+    return done
+
+
+def _send(sock: socket.socket, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            done += sock.send(view[done:done + CHUNK])
+        except (TimeoutError, InterruptedError):  # a client socket keeps RPyC's connect timeout
+            continue
+        except OSError as exc:
+            raise EOFError(exc) from exc
+
+
+def _receive(sock: socket.socket, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            received = sock.recv_into(view[done:], min(len(view) - done, CHUNK))
+        except (TimeoutError, InterruptedError):
+            continue
+        except OSError as exc:
+            raise EOFError(exc) from exc
+        if not received:
+            raise EOFError("connection closed by peer")
+        done += received
