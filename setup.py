@@ -20,7 +20,7 @@ setup(
         "cryptography>=41",
         "tomli>=1.1; python_version < '3.11'",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22"]},
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Operating System :: POSIX :: Linux"],
 )
