@@ -89,7 +89,7 @@ class RemoteRoot:
             run = self._run_buffers()
             if run is not None:
                 sock = transport.bulk_socket(self._conn)
-                outcome = run(payload, layout, (lambda: transport.send_buffers(sock, buffers)) if buffers else None,
+                outcome = run(payload, layout, (lambda: self._send(sock, buffers)) if buffers else None,
                               lambda result: received.extend(self._receive(sock, result)),
                               1 if ngpus is None and gpus is None and gpu_memory is None else ngpus, _sink(out),
                               _sink(err), timeout, queue_timeout, state_cb, gpus, gpu_memory)
@@ -112,6 +112,14 @@ class RemoteRoot:
             except AttributeError:
                 self._buffers_beside = False
         return None
+
+    def _send(self, sock: Any, buffers: list[Any]) -> None:
+        """The call's out-of-band buffers, written raw on the connection (transport.pull)."""
+        try:
+            transport.send_buffers(sock, buffers)
+        except BaseException:
+            self._conn.close()  # the stream is out of step
+            raise
 
     def _receive(self, sock: Any, layout: Any) -> list[Any]:
         """A result's out-of-band buffers, read raw from the connection (transport.push)."""

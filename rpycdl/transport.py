@@ -185,15 +185,17 @@ def bulk_socket(conn: rpyc.Connection) -> socket.socket:
 
 
 def allocate(size: int, readonly: bool) -> tuple[Any, ctypes.Array]:
-    """Fresh memory for a buffer of `size` bytes (at least 2), and a ctypes array over it to fill it.
+    """Fresh memory for a buffer of `size` bytes (at least 1), and a ctypes array over it to fill it.
 
     A read-only buffer is a bytes object, so that the bytes a client sent arrive as bytes with no
     copy; it is filled through the array before anything else sees it, as C code fills the result
     of PyBytes_FromStringAndSize(NULL, size). A writable one is an anonymous private mmap (NumPy
     arrays wrap it). Both are zero pages until written, so untouched memory costs nothing.
     """
+    if size < 1:
+        raise ValueError("an empty buffer has no memory of its own (bytes(0) is shared)")
     if readonly:
-        data = bytes(size)  # calloc; for size >= 2 always a new object
+        data = bytes(size)  # calloc, and a new object for any size but 0
         return data, (ctypes.c_char * size).from_address(_bytes_address(data))
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     return memory, (ctypes.c_char * size).from_buffer(memory)
@@ -288,7 +290,8 @@ def forward(sock: socket.socket, fd: int, count: int) -> int:
     try:
         if not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is None:
             while done < count:
-                moved = os.splice(fd, sock.fileno(), min(count - done, CHUNK), flags=os.SPLICE_F_MORE)
+                more = os.SPLICE_F_MORE if count - done > CHUNK else 0  # never cork the last bytes
+                moved = os.splice(fd, sock.fileno(), min(count - done, CHUNK), flags=more)
                 if not moved:
                     break
                 done += moved
