@@ -9,8 +9,9 @@ starts is streamed too. However it ends, the whole group is killed before run() 
 The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they
 are already in the connection process's memory, and the job gets them without a copy. Its
 result pipe carries a header (how many out-of-band buffers, then the size and read-only flag of
-each), the buffers, then the outcome bytes until the end; the connection process hands the
-buffers on as they come (run's `on_buffers`), so a large result is never held in it.
+each), the buffers (lent to the pipe by reference, transport.lend_to_pipe), then the outcome
+bytes until the end; the connection process hands the buffers on as they come (run's
+`on_buffers`), so a large result is never held in it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from rpycdl import caps, wire
+from rpycdl import caps, transport, wire
 from rpycdl.defaults import KILL_WAIT
 from rpycdl.jobs import group_alive, kill_group
 
@@ -113,7 +114,7 @@ def _child(body: bytes, buffers: Sequence[Any], out_of_band: bool, env: dict[str
         _write(res_w, _COUNT.pack(len(layout)) + b"".join(_ENTRY.pack(*entry) for entry in layout))
         for buffer in result:
             with buffer.raw() as view:
-                _write(res_w, view)
+                transport.lend_to_pipe(res_w, view)
         _write(res_w, outcome)
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child
         os._exit(2)

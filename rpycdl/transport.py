@@ -315,6 +315,37 @@ def forward(sock: socket.socket, fd: int, count: int) -> int:
     return done
 
 
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def lend_to_pipe(fd: int, view: memoryview) -> None:
+    """Write the bytes of `view` (a contiguous "B" view) to the blocking pipe `fd`.
+
+    Where the memory's address can be had (a writable buffer, or a whole bytes object) the pipe is
+    given its pages by reference (vmsplice(2)): no copy here, and with splice (forward) none until
+    the receiver's. The memory must then stay unchanged until the reader has consumed it, which
+    holds for a job's result: the job process only writes its outcome after it, then exits (the
+    pages live on while the pipe or the socket holds them). Other memory is copied by write(2)."""
+    address = None
+    if not view.readonly:
+        cells = (ctypes.c_char * len(view)).from_buffer(view)
+        address = ctypes.addressof(cells)
+        del cells  # only the address was wanted; the view keeps the memory
+    elif type(view.obj) is bytes and len(view) == len(view.obj):
+        address = _bytes_address(view.obj)
+    done = 0
+    while done < len(view):
+        if address is None:
+            done += os.write(fd, view[done:])
+            continue
+        iov = _IOVec(address + done, len(view) - done)
+        lent = _libc.vmsplice(fd, ctypes.byref(iov), 1, 0)
+        if lent < 0:
+            raise OSError(ctypes.get_errno(), f"vmsplice: {os.strerror(ctypes.get_errno())}")
+        done += lent
+
+
 def _send(sock: socket.socket, view: memoryview) -> None:
     done = 0
     while done < len(view):
