@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import connection_processes, server_pid, wait_until
+from helpers import Background, connection_processes, gate_job, open_gate, server_pid, wait_until
 
 import rpycdl
 from rpycdl import wire
@@ -145,6 +145,25 @@ def test_a_job_dying_while_it_sends_its_result_is_a_crash_and_the_connection_goe
     with pytest.raises(rpycdl.JobCrashedError, match="while sending its result"):
         conn.root.run_code(job, str(tmp_path))
     assert conn.root.run_code(lambda v: v, "still serving") == "still serving"
+
+
+def test_buffers_of_a_request_that_waits_are_test_loaded_and_then_run(server, connect, np, tmp_path, monkeypatch):
+    (tmp_path / "client_only_work.py").write_text("def work(a):\n    return a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from client_only_work import work  # travels by name: the server cannot load it
+
+    port = server("pytorch", "fake:1")
+    gate = str(tmp_path / "gate")
+    holder = Background(connect(port), gate_job(gate), "held")
+    holder.wait_state("running")
+    array = np.random.default_rng(9).random(2 * MiB)  # 16 MiB
+    waiter = Background(connect(port), lambda a: (float(a.sum()), a), array)
+    waiter.wait_state("pending")
+    with pytest.raises(rpycdl.InvalidRequestError, match="cannot be loaded on this server.*client_only_work"):
+        connect(port).root.run_code(work, array, queue_timeout=30)  # refused while it waits
+    open_gate(gate)
+    total, back = waiter.result()
+    assert holder.result() == "held" and total == float(array.sum()) and np.array_equal(back, array)
 
 
 # -- limits ----------------------------------------------------------------------------------
