@@ -21,7 +21,7 @@ setup(
         "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

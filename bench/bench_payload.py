@@ -1,79 +1,191 @@
-"""Payload throughput: random bytes as argument and as return value, against a raw loopback TCP
-socket measured in the same run, and the server's peak memory against the payload size.
+"""Payload throughput: random bytes and a NumPy array of random floats, as argument and as return
+value, against a raw loopback TCP socket measured in the same run; and the server's peak memory
+(its connection process and job process together) against the payload size.
 
-    python bench/bench_payload.py [--mib 256]
+    python bench/bench_payload.py [--mib 1024] [--runs 3]
+
+Argument: from run_code's call to the function starting with its argument in hand (the function
+returns time.monotonic(), the same clock on this machine). Result: from the function returning
+(its value was made before the clock is read) to run_code returning the value. So neither
+includes the job's own work of making or using the data, and each includes everything else on
+its way: pickling, the transfer, the connection and job processes, unpickling. MB/s are 10^6
+bytes per second. Memory is measured in separate runs (sampling costs CPU): the peak, over the
+call, of the proportional set size (Pss, so pages the job shares with the connection process
+after the fork count once) of the connection process and its children.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import socket
+import statistics
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 import rpycdl
 from rpycdl.local import LocalCluster
 
+MB = 1e6
+
 
 def raw_socket_rate(size: int) -> float:
-    """MiB/s of sending `size` bytes over loopback TCP with sendall/recv_into."""
+    """MB/s of sending `size` bytes over loopback TCP with sendall to recv_into in another process
+    (as client and server are), whose buffer is allocated and touched before the clock starts;
+    the clock stops when the receiver acknowledges the last byte."""
     payload = os.urandom(size)
     server = socket.create_server(("127.0.0.1", 0))
-    received = bytearray(size)
-
-    def sink() -> None:
+    address = server.getsockname()
+    pid = os.fork()
+    if pid == 0:  # the receiver
+        received = bytearray(size)
         conn, _ = server.accept()
+        conn.sendall(b"r")  # ready
         view, done = memoryview(received), 0
         while done < size:
-            done += conn.recv_into(view[done:])
-        conn.close()
-
-    thread = threading.Thread(target=sink)
-    thread.start()
-    client = socket.create_connection(server.getsockname())
+            done += conn.recv_into(view[done:], min(size - done, 1 << 24))
+        conn.sendall(b"!")
+        os._exit(0)
+    server.close()  # the receiver has it
+    client = socket.create_connection(address)
+    assert client.recv(1) == b"r"
     start = time.perf_counter()
     client.sendall(payload)
-    thread.join()
+    assert client.recv(1) == b"!"
     elapsed = time.perf_counter() - start
     client.close()
-    server.close()
-    return size / 2**20 / elapsed
+    os.waitpid(pid, 0)
+    return size / MB / elapsed
 
 
-def connection_peak_mib(_: object) -> float:
-    """Runs on the server: the peak memory of the connection process serving this client."""
+def _started(data: Any) -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _random_bytes(size: int) -> tuple[float, bytes]:
     import os
+    import time
 
-    with open(f"/proc/{os.getppid()}/status") as status:
-        return int(next(line for line in status if line.startswith("VmHWM")).split()[1]) / 1024
+    data = os.urandom(size)
+    return time.monotonic(), data
+
+
+def _random_array(size: int) -> tuple[float, Any]:
+    import time
+
+    import numpy
+
+    data = numpy.random.default_rng().random(size // 8)
+    return time.monotonic(), data
+
+
+def argument_seconds(conn: rpycdl.Connection, data: Any) -> float:
+    start = time.monotonic()
+    return conn.root.run_code(_started, data) - start
+
+
+def result_seconds(conn: rpycdl.Connection, make: Callable[[int], Any], size: int) -> float:
+    returned, value = conn.root.run_code(make, size)
+    done = time.monotonic()
+    assert len(value) * value.itemsize == size if isinstance(value, np.ndarray) else len(value) == size
+    return done - returned
+
+
+class PssPeak:
+    """Samples the summed Pss of a process and its children in a thread; `peak` in bytes."""
+
+    def __init__(self, pid: int, interval: float = 0.01) -> None:
+        self.pid, self.interval, self.peak = pid, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(_pss(pid) for pid in _tree(self.pid)))
+            time.sleep(self.interval)
+
+
+def _tree(pid: int) -> list[int]:
+    pids = [pid]
+    for child in _children(pid):
+        pids.extend(_tree(child))
+    return pids
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mib", type=int, default=256, help="payload size in MiB (default: %(default)s)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=1024, help="payload size in MiB (default: %(default)s)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs of each case (default: %(default)s)")
     args = parser.parse_args()
     size = args.mib << 20
-    data = os.urandom(size)
-    raw = raw_socket_rate(size)
+    payloads = {"bytes": (os.urandom(size), _random_bytes),
+                "NumPy float64": (np.random.default_rng(0).random(size // 8), _random_array)}
+    raw: list[float] = []
+    rates: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
         _, port = cluster.add_server("pytorch", "fake:1")
-        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
-            start = time.perf_counter()
-            conn.root.run_code(lambda blob: len(blob), data)
-            up = args.mib / (time.perf_counter() - start)
-            start = time.perf_counter()
-            back = conn.root.run_code(lambda n: bytes(n), size)
-            down = args.mib / (time.perf_counter() - start)
-            assert len(back) == size
-            server_peak = conn.root.run_code(connection_peak_mib, None)
+        for _ in range(args.runs):
+            raw.append(raw_socket_rate(size))
+            for kind, (data, make) in payloads.items():
+                with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+                    rates.setdefault((kind, "argument"), []).append(size / MB / argument_seconds(conn, data))
+                    rates.setdefault((kind, "result"), []).append(size / MB / result_seconds(conn, make, size))
+                print(f"raw {raw[-1]:.0f} MB/s; {kind}: argument {rates[kind, 'argument'][-1]:.0f} MB/s, result "
+                      f"{rates[kind, 'result'][-1]:.0f} MB/s", file=sys.stderr, flush=True)
+        for kind, (data, make) in payloads.items():
+            for way, call in (("argument", lambda c, data=data: argument_seconds(c, data)),
+                              ("result", lambda c, make=make: result_seconds(c, make, size))):
+                with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+                    pid = json.loads(conn.root.server_info())["pid"]  # answered by this connection's own process
+                    with PssPeak(pid) as peak:
+                        call(conn)
+                    peaks[kind, way] = peak.peak
     client_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"| payload {args.mib} MiB | argument {up:.0f} MiB/s | result {down:.0f} MiB/s | raw loopback socket "
-          f"{raw:.0f} MiB/s | ratio {up / raw:.3f} / {down / raw:.3f} |")
-    print(f"peak memory: server connection process {server_peak:.0f} MiB ({server_peak / args.mib:.1f}x the "
-          f"payload), client {client_peak:.0f} MiB")
+    raw_median = statistics.median(raw)
+    print(f"{args.mib} MiB, {args.runs} runs; raw loopback socket {min(raw):.0f} to {max(raw):.0f} MB/s, "
+          f"median {raw_median:.0f}\n")
+    print("| payload | way | MB/s (median) | MB/s (min to max) | ratio to raw (median) | server peak | x payload |")
+    print("|---|---|---|---|---|---|---|")
+    for (kind, way), values in rates.items():
+        median = statistics.median(values)
+        print(f"| {args.mib} MiB {kind} | {way} | {median:.0f} | {min(values):.0f} to {max(values):.0f} | "
+              f"{median / raw_median:.2f} | {peaks[kind, way] / 2**20:.0f} MiB | {peaks[kind, way] / size:.2f} |")
+    print(f"\nclient peak RSS {client_peak:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -33,18 +33,19 @@ class RemoteRoot:
     def __init__(self, conn: rpyc.Connection) -> None:
         self._conn = conn
         self._max_payload: int | None = None
+        self._buffers_beside = True  # False once the server turned out to predate run_buffers
 
-    def _check_size(self, payload: bytes) -> None:
-        """Refuse here, with the limit's name, what the server would drop unread."""
-        if len(payload) <= MIN_MAX_PAYLOAD:  # every server takes this much: no round trip
+    def _check_size(self, size: int) -> None:
+        """Refuse here, with the limit's name, a call of `size` bytes the server would refuse."""
+        if size <= MIN_MAX_PAYLOAD:  # every server takes this much: no round trip
             return
         if self._max_payload is None:
             try:
                 self._max_payload = int(json.loads(_call(self._conn, "limits"))["max_payload"])
             except AttributeError:  # a server from before limits: it checks nothing either
                 self._max_payload = sys.maxsize
-        if len(payload) > self._max_payload:
-            raise LimitError(f"the call is {len(payload)} bytes, over the server's limit of {self._max_payload} "
+        if size > self._max_payload:
+            raise LimitError(f"the call is {size} bytes, over the server's limit of {self._max_payload} "
                              "(--max-payload)")
 
     def run_code(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
@@ -74,20 +75,57 @@ class RemoteRoot:
             The job's own exception (same type where it can be rebuilt here, else RemoteError),
             with the remote traceback in `remote_traceback`; or an RpycdlError subclass.
             KeyboardInterrupt cancels the job: the connection is closed.
+
+        Large bytes, bytearrays and NumPy arrays, in `args` or in the value, travel beside the call
+        rather than in it (rpycdl.wire, rpycdl.transport), unless the server predates that.
         """
-        payload = wire.encode_payload(fn, args)
-        self._check_size(payload)
+        payload, buffers = wire.encode_call(fn, args)
+        layout = wire.layout(buffers)
+        self._check_size(len(payload) + sum(size for size, _ in layout))
         out = stdout if stdout is not None else sys.stdout
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        received: list[Any] = []
         try:
             share = () if gpus is None and gpu_memory is None else (gpus, gpu_memory)  # servers before shares
-            outcome = _call(self._conn, "run", payload, 1 if ngpus is None and not share else ngpus, _sink(out),
-                            _sink(err), timeout, queue_timeout, state_cb, *share)
+            whole = 1 if ngpus is None and not share else ngpus
+            outcome = None
+            if self._buffers_beside:
+                sock = transport.bulk_socket(self._conn)
+                try:
+                    outcome = _call(self._conn, "run_buffers", payload, layout,
+                                    (lambda: self._send(sock, buffers)) if buffers else None,
+                                    lambda result: received.extend(self._receive(sock, result)), whole, _sink(out),
+                                    _sink(err), timeout, queue_timeout, state_cb, gpus, gpu_memory)
+                except AttributeError as exc:  # a server from before run_buffers (asked once per connection)
+                    if "run_buffers" not in str(exc):
+                        raise
+                    self._buffers_beside = False
+            if outcome is None:
+                if buffers:
+                    payload, buffers = wire.encode_payload(fn, args), []
+                outcome = _call(self._conn, "run", payload, whole, _sink(out), _sink(err), timeout, queue_timeout,
+                                state_cb, *share)
         except KeyboardInterrupt:
             self._conn.close()  # the server sees the client go and cancels the job
             raise
-        return wire.decode_outcome(outcome)
+        return wire.decode_outcome(outcome, received)
+
+    def _send(self, sock: Any, buffers: list[Any]) -> None:
+        """The call's out-of-band buffers, written raw on the connection (transport.pull)."""
+        try:
+            transport.send_buffers(sock, buffers)
+        except BaseException:
+            self._conn.close()  # the stream is out of step
+            raise
+
+    def _receive(self, sock: Any, layout: Any) -> list[Any]:
+        """A result's out-of-band buffers, read raw from the connection (transport.push)."""
+        try:
+            return transport.receive_buffers(sock, wire.check_layout(layout))
+        except BaseException:
+            self._conn.close()  # the stream is out of step
+            raise
 
     def run_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                       workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,

@@ -6,6 +6,13 @@ gets its GPUs through the environment before the payload is unpickled (so before
 is imported), and writes its outcome to a pipe, which it then closes. Its stdout and stderr are
 pipes at the file-descriptor level, so the output of any process it starts is streamed too.
 However it ends, the whole group is killed before run() returns, and gone once close() returns.
+
+The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they
+are already in the connection process's memory, and the job gets them without a copy. Its
+result pipe carries a header (how many out-of-band buffers, then the size and read-only flag of
+each), the buffers (lent to the pipe by reference, transport.lend_to_pipe), then the outcome
+bytes until the end; the connection process hands the buffers on as they come (run's
+`on_buffers`), so a large result is never held in it.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import json
 import os
 import select
 import signal
+import struct
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
-from rpycdl import caps, wire
+from rpycdl import caps, transport, wire
 from rpycdl.defaults import KILL_WAIT
 from rpycdl.jobs import group_alive, kill_group
 
@@ -33,6 +42,8 @@ PR_SET_PDEATHSIG = 1
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
 STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
+_COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
+_ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
 
 
 class Ending(str, Enum):
@@ -76,7 +87,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child(body: bytes, go_r: int, out_w: int, err_w: int, res_w: int, parent: int) -> None:
+def _child(body: bytes, buffers: Sequence[Any], out_of_band: bool, go_r: int, out_w: int, err_w: int, res_w: int,
+           parent: int) -> None:
     """Body of the job process: waits for its environment on `go_r`, then runs the payload. Never returns."""
     try:
         os.setpgid(0, 0)
@@ -97,18 +109,69 @@ def _child(body: bytes, go_r: int, out_w: int, err_w: int, res_w: int, parent: i
         os.environ.update(json.loads(env))
         caps.install_caps()
         try:
-            fn, args = wire.load_call(body)
-            outcome = wire.encode_ok(fn(args))
+            fn, args = wire.load_call(body, buffers)
+            outcome, result = wire.encode_value(fn(args), out_of_band)
         except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
             tb = "".join(traceback.format_exception(exc))
-            outcome = wire.encode_error(exc, tb)
+            outcome, result = wire.encode_error(exc, tb), []
         sys.stdout.flush()
         sys.stderr.flush()
-        with os.fdopen(res_w, "wb") as res:  # closed: end of file tells the parent the outcome is complete
-            res.write(outcome)
+        layout = wire.layout(result)
+        _write(res_w, _COUNT.pack(len(layout)) + b"".join(_ENTRY.pack(*entry) for entry in layout))
+        for buffer in result:
+            with buffer.raw() as view:
+                transport.lend_to_pipe(res_w, view)
+        _write(res_w, outcome)
+        os.close(res_w)  # end of file tells the parent the outcome is complete
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child
         os._exit(2)
     os._exit(0)
+
+
+def _write(fd: int, data: Any) -> None:
+    with memoryview(data) as view:
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+
+
+class _ResultPipe:
+    """The connection process's end of the result pipe: the header, then the out-of-band buffers
+    (handed to `on_buffers` with the pipe, blocking, to read them from), then the outcome."""
+
+    def __init__(self, fd: int, on_buffers: Callable[[wire.Layout], int] | None) -> None:
+        self.fd = fd
+        self.header = bytearray()
+        self.layout: wire.Layout | None = None
+        self.outcome = bytearray()
+        self.complete = True  # False: the buffers ended early, or the header made no sense
+        self._on_buffers = on_buffers
+
+    def read(self) -> bool:
+        """Read what is there; False at end of file."""
+        while self.layout is None:
+            need = _COUNT.size
+            if len(self.header) >= _COUNT.size:
+                count = _COUNT.unpack_from(self.header)[0]
+                if count > wire.MAX_BUFFERS or (count and self._on_buffers is None):
+                    self.complete = False
+                    return False
+                need += count * _ENTRY.size
+            if len(self.header) == need:
+                self.layout = tuple(_ENTRY.unpack_from(self.header, offset)
+                                    for offset in range(_COUNT.size, need, _ENTRY.size))
+                if self.layout:
+                    total = sum(size for size, _ in self.layout)
+                    self.complete = self._on_buffers(self.layout) == total  # type: ignore[misc]
+                break
+            try:
+                chunk = os.read(self.fd, need - len(self.header))
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self.header += chunk
+        return _read_into(self.fd, self.outcome)
 
 
 class LoadCheck:
@@ -118,7 +181,7 @@ class LoadCheck:
     The process sees no GPU (CUDA_VISIBLE_DEVICES is empty) and dies with its parent. `fd`
     becomes readable when it is done; then `error()` says what went wrong, if anything."""
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, buffers: Sequence[Any] = ()) -> None:
         read_end, write_end = os.pipe()
         parent = os.getpid()
         self.pid = os.fork()
@@ -132,7 +195,7 @@ class LoadCheck:
                 for fd in (0, 1, 2):
                     os.dup2(devnull, fd)
                 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-                wire.load_call(body)
+                wire.load_call(body, buffers)
             except BaseException as exc:  # noqa: BLE001 - what failed is the answer
                 message = f"{type(exc).__name__}: {exc}".encode(errors="replace")
             os.write(write_end, message[:4096])
@@ -154,12 +217,21 @@ class LoadCheck:
 
 
 class JobProcess:
-    """One job process, forked (with the payload `body` in its memory) as soon as the request
-    arrives, so that it is ready when the GPUs are: it waits for its environment before it
-    unpickles anything. run() starts it and waits for its outcome; close() leaves nothing of it
-    running, and must be called however the request ends (before its GPUs are released)."""
+    """One job process, forked (with the payload `body` and its out-of-band `buffers` in its
+    memory) as soon as the request arrives, so that it is ready when the GPUs are: it waits for
+    its environment before it unpickles anything. run() starts it and waits for its outcome;
+    close() leaves nothing of it running, and must be called however the request ends (before
+    its GPUs are released).
 
-    def __init__(self, body: bytes) -> None:
+    Args:
+        body: a payload body accepted by wire.check_payload.
+        buffers: its out-of-band buffers. The job process gets them by the fork (shared until
+            written); run() empties the list, so this process lets go of their memory once the
+            job no longer waits (a LoadCheck may need them while it does).
+        out_of_band: the job sends a large result's buffers out of band (run's `on_buffers`).
+    """
+
+    def __init__(self, body: bytes, buffers: list[Any] | None = None, out_of_band: bool = False) -> None:
         go_r, self._go_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -171,7 +243,8 @@ class JobProcess:
         if self.pid == 0:
             for fd in (self._go_w, out_r, err_r, res_r):
                 os.close(fd)
-            _child(body, go_r, out_w, err_w, res_w, parent)
+            _child(body, buffers or (), out_of_band, go_r, out_w, err_w, res_w, parent)
+        self._buffers = buffers
         for fd in (go_r, out_w, err_w, res_w):
             os.close(fd)
         try:
@@ -194,6 +267,7 @@ class JobProcess:
         watch_fds: Sequence[int] = (),
         on_watch: Callable[[], None] | None = None,
         stop: Callable[[int], tuple[Ending, str] | None] | None = None,
+        on_buffers: Callable[[wire.Layout, int], int] | None = None,
     ) -> Result:
         """Run the payload with `env` set, and wait for its outcome. When this returns, the job
         process's group has been sent SIGKILL and all its output forwarded.
@@ -207,14 +281,30 @@ class JobProcess:
             on_watch: called when one is readable; may raise (client gone), which kills the job.
             stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
                 kills the job, which then ends that way (a cancel request, the memory watchdog).
+            on_buffers: with out_of_band, once a large result's buffers come, the output printed
+                so far has been handed on and `on_buffers(layout, fd)` must read exactly their
+                total size from the blocking pipe `fd` and say how many bytes it got (fewer only if
+                the pipe ended early). Timeout and `stop` wait until it returns.
         """
+        if self._buffers:
+            self._buffers.clear()
         os.write(self._go_w, json.dumps(env).encode())  # far below a pipe's buffer: never blocks
         os.close(self._go_w)
         self._go_w = -1
         pid, pidfd = self.pid, self._pidfd
         streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
                    self._err: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
-        outcome = bytearray()
+
+        def stream(layout: wire.Layout) -> int:
+            for fd in streams:  # what the job printed before returning goes first
+                _forward(fd, *streams[fd])
+            os.set_blocking(self._res, True)
+            try:
+                return on_buffers(layout, self._res)  # type: ignore[misc]
+            finally:
+                os.set_blocking(self._res, False)
+
+        result = _ResultPipe(self._res, stream if on_buffers is not None else None)
         deadline = None if timeout is None else time.monotonic() + timeout
         ending: Ending | None = None
         reason = ""
@@ -228,19 +318,21 @@ class JobProcess:
                 if stop is not None:
                     wait = STOP_POLL if wait is None else min(wait, STOP_POLL)
                 readable, _, _ = select.select([*open_fds, pidfd, *watch_fds], [], [], wait)
-                complete = False  # the job closed its result pipe after writing all of its outcome
                 for fd in readable:
                     if fd == self._res:
-                        if not _read_into(fd, outcome):
+                        if not result.read():  # end of file: the outcome is complete, or never will be
                             open_fds.remove(fd)
-                            complete = bool(outcome)
+                            ending = Ending.FINISHED
+                        elif not result.complete:  # it cannot send its result any more
+                            ending = Ending.FINISHED
                     elif fd in streams:
                         if not _forward(fd, *streams[fd]):
                             open_fds.remove(fd)
-                if complete or pidfd in readable:
-                    _read_into(self._res, outcome)
+                if pidfd in readable:
+                    if self._res in open_fds:
+                        result.read()
                     ending = Ending.FINISHED
-                elif watch_fds and on_watch is not None and set(watch_fds) & set(readable):
+                elif ending is None and watch_fds and on_watch is not None and set(watch_fds) & set(readable):
                     on_watch()
                 if ending is None and stop is not None and time.monotonic() >= next_stop_check:
                     next_stop_check = time.monotonic() + STOP_POLL
@@ -251,9 +343,11 @@ class JobProcess:
             kill_group(pid)
             for fd in streams:
                 _forward(fd, *streams[fd])
-        if ending is Ending.FINISHED and not outcome:
+        if ending is Ending.FINISHED and not result.complete:
+            ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} while sending its result"
+        elif ending is Ending.FINISHED and not result.outcome:
             ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} before returning a result"
-        return Result(ending, bytes(outcome), reason)
+        return Result(ending, bytes(result.outcome), reason)
 
     def close(self) -> None:
         """Kill the job's process group and wait until it is gone. Closing twice is harmless."""

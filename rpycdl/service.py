@@ -16,7 +16,7 @@ import dill
 import rpyc
 from rpyc.core.netref import BaseNetref
 
-from rpycdl import auth, caps, runner, wire
+from rpycdl import auth, caps, runner, transport, wire
 from rpycdl.defaults import (
     ENV_SIMULATED_GPUS,
     IDLE_TIMEOUT,
@@ -164,10 +164,12 @@ class GPUService(rpyc.Service):
         while select.select(fds, [], [], 0)[0]:
             self._conn.serve(0)
 
-    def _check_size(self, data: Any, what: str) -> None:
+    def _check_size(self, data: Any, what: str, beside: int = 0) -> None:
+        """Refuse `data` and `beside` more bytes (its out-of-band buffers) over --max-payload."""
         limit = self.context.limits.max_payload
-        if isinstance(data, (bytes, bytearray)) and len(data) > limit:
-            raise LimitError(f"the {what} is {len(data)} bytes, over this server's limit of {limit} (--max-payload)")
+        if isinstance(data, (bytes, bytearray)) and len(data) + beside > limit:
+            raise LimitError(f"the {what} is {len(data) + beside} bytes, over this server's limit of {limit} "
+                             "(--max-payload)")
 
     # -- running a job ----------------------------------------------------------------
 
@@ -175,11 +177,13 @@ class GPUService(rpyc.Service):
         return parse_request(ngpus, gpus, gpu_memory, self.context.gpus, self.context.shares)
 
     def _submit(self, execute: Executor, request: GPURequest, timeout: Any, queue_timeout: Any,
-                on_state: Callable[[str, str], None] | None, body: bytes | None = None) -> bytes:
+                on_state: Callable[[str, str], None] | None, body: bytes | None = None,
+                buffers: list[Any] | None = None, out_of_band: bool = False) -> bytes:
         """Queue, lock GPUs, run `execute(record, env, timeout, stop, job)`, release. Returns outcome
         bytes; raises RpycdlError. The executor saves the record once the job runs. For a payload
-        `body`, the job process is forked before the request queues, and the payload is
-        test-loaded while the request waits (runner.LoadCheck)."""
+        `body` (with its out-of-band `buffers`; `out_of_band`: the result's may go back the same
+        way), the job process is forked before the request queues, and the payload is test-loaded
+        while the request waits (runner.LoadCheck)."""
         ctx = self.context
         count = request.count
         timeout = check_seconds(timeout, "timeout")
@@ -209,7 +213,7 @@ class GPUService(rpyc.Service):
             nonlocal check
             self._serve_client()
             if body is not None and check is None and time.monotonic() - waiting_since >= LOAD_CHECK_AFTER:
-                check = runner.LoadCheck(body)  # a request that waits longer learns early if it cannot load
+                check = runner.LoadCheck(body, buffers or ())  # one that waits longer learns early if it cannot load
                 wake_fds.append(check.fd)
             if check is not None and check.fd in wake_fds and select.select([check.fd], [], [], 0)[0]:
                 wake_fds.remove(check.fd)
@@ -223,7 +227,7 @@ class GPUService(rpyc.Service):
         self._busy = True
         try:
             if body is not None:
-                job = runner.JobProcess(body)  # ready when the GPUs are
+                job = runner.JobProcess(body, buffers, out_of_band)  # ready when the GPUs are
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id,
@@ -300,8 +304,14 @@ class GPUService(rpyc.Service):
             raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
                              f"{limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
 
-    def _run_payload(self, on_stdout: Callable[[str], None], on_stderr: Callable[[str], None]) -> Executor:
-        """The executor of run and run_code: the payload in its job process (rpycdl.runner)."""
+    def _run_payload(self, on_stdout: Callable[[str], None], on_stderr: Callable[[str], None],
+                     receive: Callable[[Any], None] | None = None) -> Executor:
+        """The executor of run, run_buffers and run_code: the payload in its job process
+        (rpycdl.runner). With the client's `receive`, a large result's buffers go to it out of
+        band (transport.push)."""
+
+        def send_result(layout: wire.Layout, fd: int) -> int:
+            return transport.push(self._conn, receive, layout, fd)  # type: ignore[arg-type]
 
         def execute(record: JobRecord, env: dict[str, str], timeout: float | None, stop: Stop,
                     job: runner.JobProcess | None) -> runner.Result:
@@ -311,7 +321,8 @@ class GPUService(rpyc.Service):
 
             assert job is not None  # _submit forks it for every payload
             return job.run(env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
-                           watch_fds=self._socket_fd(), on_watch=self._serve_client, stop=stop)
+                           watch_fds=self._socket_fd(), on_watch=self._serve_client, stop=stop,
+                           on_buffers=send_result if receive is not None else None)
 
         return execute
 
@@ -353,6 +364,31 @@ class GPUService(rpyc.Service):
             body = wire.check_payload(payload)
             return self._submit(self._run_payload(stdout or _discard, stderr or _discard), request, timeout,
                                 queue_timeout, on_state, body)
+        except RpycdlError as exc:
+            return wire.encode_error(exc, tb="")
+
+    def exposed_run_buffers(self, payload: bytes, layout: Any, send: Callable[[], None] | None,
+                            receive: Callable[[Any], None], ngpus: Any = None,
+                            stdout: Callable[[str], None] | None = None, stderr: Callable[[str], None] | None = None,
+                            timeout: Any = None, queue_timeout: Any = None,
+                            on_state: Callable[[str, str], None] | None = None, gpus: Any = None,
+                            gpu_memory: Any = None) -> bytes:
+        """`run` for a payload made by wire.encode_call, with large buffers beside it.
+
+        `layout` (wire.Layout) says the size of each of the payload's out-of-band buffers; once the
+        request is checked (limit, version, pickle), the client's `send()` is called to write them
+        raw on the connection (transport.pull). A result's out-of-band buffers go back raw after a
+        call of the client's `receive(layout)` (transport.push). Returns outcome bytes."""
+        try:
+            layout = wire.check_layout(layout)
+            self._check_size(payload, "payload", sum(size for size, _ in layout))
+            request = self._request(ngpus, gpus, gpu_memory)
+            body = wire.check_payload(payload, len(layout))
+            if layout and send is None:
+                raise InvalidRequestError("a payload with out-of-band buffers needs the client's send callback")
+            buffers = transport.pull(self._conn, send, layout) if layout else []  # type: ignore[arg-type]
+            return self._submit(self._run_payload(stdout or _discard, stderr or _discard, receive),
+                                request, timeout, queue_timeout, on_state, body, buffers, out_of_band=True)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 

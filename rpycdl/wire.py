@@ -6,14 +6,22 @@ is `b"+" + dill(value)` or `b"-" + dill((dill(exception) or None, type name, mes
 the first byte telling success from failure without unpickling anything. The exception is pickled
 on its own, so a client that cannot rebuild it (its module exists only on the server, or its
 __init__ takes other arguments than its args) still gets its type name, message and traceback.
+
+Out of band: `encode_call` and `encode_value` pickle with protocol 5 and leave large buffers
+(bytes, bytearrays, NumPy arrays of OUT_OF_BAND_MIN bytes or more) out of the pickle, which then
+only refers to them in order. They travel raw beside it (rpycdl.transport) and are handed back to
+the unpickler, so a gigabyte is never copied into a pickle, framed or sliced. Their `layout` (size
+and read-only flag of each, in order) is all a receiver needs to allocate them.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import pickletools
 import sys
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import dill
@@ -24,29 +32,117 @@ MAGIC = b"RPYCDL1"
 PYTHON = sys.version_info[:2]
 OK = b"+"
 FAILED = b"-"
+OUT_OF_BAND_MIN = 1 << 20
+"""Buffers at least this large travel beside the pickle; smaller ones stay in it."""
+MAX_BUFFERS = 256
+"""Most buffers one call or result sends out of band; any further ones stay in the pickle."""
+
+Layout = tuple[tuple[int, bool], ...]
+"""(size in bytes, read-only) of each out-of-band buffer, in the order the pickle refers to them."""
+
+
+class _Pickler(dill.Pickler):
+    """dill's pickler, offering large bytes, bytearrays and NumPy arrays to the buffer callback.
+
+    Protocol 5 alone pickles bytes and bytearrays in band, and dill pickles every NumPy array
+    through its `__reduce__` (a copy of its data as bytes); an array's `__reduce_ex__(5)` gives a
+    PickleBuffer of its memory instead (a copy only if it is not contiguous)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in (bytes, bytearray) and len(obj) >= OUT_OF_BAND_MIN:
+            return kind, (pickle.PickleBuffer(obj),)  # bytes(buffer) is the buffer itself when it is bytes
+        numpy = sys.modules.get("numpy")  # never imported here: an array means NumPy is loaded
+        if numpy is not None and kind is numpy.ndarray and obj.nbytes >= OUT_OF_BAND_MIN:
+            return obj.__reduce_ex__(5)
+        return NotImplemented
+
+
+def dumps(obj: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """dill bytes of `obj`, and (with `out_of_band`) the large buffers left out of them.
+
+    Returns:
+        The pickle, and the buffers it refers to, to be passed in order to loads().
+    """
+    if not out_of_band:
+        return dill.dumps(obj, recurse=True), []
+    buffers: list[pickle.PickleBuffer] = []
+
+    def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
+        try:
+            with buffer.raw() as view:
+                large = view.nbytes >= OUT_OF_BAND_MIN
+        except BufferError:  # not contiguous: in band, where pickle says why it cannot be pickled
+            return True
+        if large and len(buffers) < MAX_BUFFERS:
+            buffers.append(buffer)
+            return False
+        return True
+
+    file = io.BytesIO()
+    _Pickler(file, protocol=5, buffer_callback=keep_in_band, recurse=True).dump(obj)
+    return file.getvalue(), buffers
+
+
+def layout(buffers: Sequence[pickle.PickleBuffer]) -> Layout:
+    """The layout of out-of-band buffers (a tuple, which RPyC passes by value)."""
+    sizes = []
+    for buffer in buffers:
+        with buffer.raw() as view:
+            sizes.append((view.nbytes, view.readonly))
+    return tuple(sizes)
+
+
+def check_layout(value: Any) -> Layout:
+    """Check a layout that came over the network: a tuple of at most MAX_BUFFERS (size > 0,
+    read-only) tuples, which RPyC passes by value.
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    if type(value) is not tuple or len(value) > MAX_BUFFERS or not all(
+            type(entry) is tuple and len(entry) == 2 and type(entry[0]) is int and entry[0] > 0
+            and type(entry[1]) is bool for entry in value):
+        raise InvalidRequestError(f"the buffer layout must be a tuple of at most {MAX_BUFFERS} (size > 0, "
+                                  "read-only) tuples")
+    return value
 
 
 def _version_text(version: tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
-def encode_payload(fn: Any, args: Any) -> bytes:
-    """Serialise a call for the server. `fn` may be a callable or dill bytes of one."""
+def encode_call(fn: Any, args: Any, out_of_band: bool = True) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Serialise a call for the server. `fn` may be a callable or dill bytes of one.
+
+    Returns:
+        The payload, and the buffers left out of it (none without `out_of_band`).
+    """
     fn_is_dill = isinstance(fn, (bytes, bytearray, memoryview))
     if not fn_is_dill and not callable(fn):
         raise InvalidRequestError(f"fn must be a callable or dill bytes of one, not {type(fn).__name__}")
     if fn_is_dill:
         check_pickle(bytes(fn), "fn")  # refuse unreadable dill bytes here, not after waiting for GPUs
-    body = dill.dumps((bytes(fn) if fn_is_dill else fn, args, fn_is_dill), recurse=True)
-    return MAGIC + bytes(PYTHON) + body
+    body, buffers = dumps((bytes(fn) if fn_is_dill else fn, args, fn_is_dill), out_of_band)
+    return MAGIC + bytes(PYTHON) + body, buffers
 
 
-def check_payload(payload: bytes) -> bytes:
+def encode_payload(fn: Any, args: Any) -> bytes:
+    """A call with everything in the payload, for servers that take no out-of-band buffers."""
+    return encode_call(fn, args, out_of_band=False)[0]
+
+
+def check_payload(payload: bytes, buffers: int = 0) -> bytes:
     """Check a payload without running any of it; return its dill body.
+
+    Args:
+        payload: from encode_call.
+        buffers: how many out-of-band buffers come with it.
 
     Raises:
         VersionMismatchError: the client runs another Python minor version.
-        InvalidRequestError: not a payload, or corrupt or truncated dill bytes.
+        InvalidRequestError: not a payload, corrupt or truncated dill bytes, or referring to
+            another number of out-of-band buffers.
     """
     if not isinstance(payload, (bytes, bytearray)):
         raise InvalidRequestError(f"payload must be bytes, not {type(payload).__name__}")
@@ -58,27 +154,35 @@ def check_payload(payload: bytes) -> bytes:
             f"client runs Python {_version_text(version)} but this server runs Python {_version_text(PYTHON)}; "
             "dill moves bytecode, which only the same minor version can run: use a server with your Python")
     body = bytes(payload[len(MAGIC) + 2:])
-    check_pickle(body, "payload")
+    referred = check_pickle(body, "payload")
+    if referred != buffers:
+        raise InvalidRequestError(f"the payload refers to {referred} out-of-band buffers, and {buffers} come with it")
     return body
 
 
-def check_pickle(data: bytes, what: str) -> None:
-    """Walk the pickle's opcodes (nothing is executed) to reject corrupt or truncated bytes."""
+def check_pickle(data: bytes, what: str) -> int:
+    """Walk the pickle's opcodes (nothing is executed) to reject corrupt or truncated bytes.
+
+    Returns:
+        How many out-of-band buffers the pickle refers to.
+    """
     if not isinstance(data, (bytes, bytearray)):
         raise InvalidRequestError(f"{what} must be dill bytes, not {type(data).__name__}")
+    buffers = 0
     try:
         for opcode, _, _ in pickletools.genops(data):
             if opcode.name == "STOP":
-                return
+                return buffers
+            buffers += opcode.name == "NEXT_BUFFER"
     except Exception as exc:
         raise InvalidRequestError(f"{what} is not readable dill data ({exc})") from None
     raise InvalidRequestError(f"{what} is not readable dill data (truncated)")
 
 
-def load_call(body: bytes) -> tuple[Any, Any]:
-    """Unpickle a checked payload body into (fn, args); runs in the job process."""
+def load_call(body: bytes, buffers: Sequence[Any] = ()) -> tuple[Any, Any]:
+    """Unpickle a checked payload body and its out-of-band buffers into (fn, args); runs in the job process."""
     try:
-        call = dill.loads(body)
+        call = dill.loads(body, buffers=buffers)
     except pickle.UnpicklingError as exc:  # opcodes that read well but do not build (b"." alone)
         raise InvalidRequestError(f"the payload is not readable dill data ({exc})") from None
     if not isinstance(call, tuple) or len(call) != 3:
@@ -92,12 +196,19 @@ def load_call(body: bytes) -> tuple[Any, Any]:
     return fn, args
 
 
-def encode_ok(value: Any) -> bytes:
-    """Serialise a return value; a value dill cannot serialise becomes an error outcome."""
+def encode_value(value: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """Serialise a return value, and (with `out_of_band`) return its large buffers beside it; a
+    value dill cannot serialise becomes an error outcome."""
     try:
-        return OK + dill.dumps(value, recurse=True)
+        body, buffers = dumps(value, out_of_band)
     except Exception as exc:
-        return encode_error(TypeError(f"the job's return value could not be serialised: {exc}"), tb="")
+        return encode_error(TypeError(f"the job's return value could not be serialised: {exc}"), tb=""), []
+    return OK + body, buffers
+
+
+def encode_ok(value: Any) -> bytes:
+    """Serialise a return value, all in band."""
+    return encode_value(value)[0]
 
 
 def encode_error(exc: BaseException, tb: str | None = None) -> bytes:
@@ -116,13 +227,14 @@ def encode_error(exc: BaseException, tb: str | None = None) -> bytes:
     return FAILED + dill.dumps((pickled, name, message, tb))
 
 
-def decode_outcome(data: bytes) -> Any:
+def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
     """Return the job's value, or raise its exception with the remote traceback attached.
 
     The exception is the remote type where it can be rebuilt here, else RemoteError; its
-    `remote_traceback` attribute (and a note) carry the server's traceback."""
+    `remote_traceback` attribute (and a note) carry the server's traceback. `buffers` are the
+    value's out-of-band buffers."""
     try:
-        outcome = dill.loads(data[1:])
+        outcome = dill.loads(data[1:], buffers=buffers)
     except Exception as exc:
         raise RemoteError("UnreadableResult", f"the job's result could not be loaded here: {exc}") from None
     if data[:1] == OK:
@@ -145,5 +257,5 @@ def succeeded(data: bytes) -> bool:
     return data[:1] == OK
 
 
-__all__ = ["encode_payload", "check_payload", "check_pickle", "load_call", "encode_ok", "encode_error",
-           "decode_outcome", "succeeded"]
+__all__ = ["encode_call", "encode_payload", "check_payload", "check_pickle", "check_layout", "layout", "dumps",
+           "load_call", "encode_value", "encode_ok", "encode_error", "decode_outcome", "succeeded"]
