@@ -336,7 +336,8 @@ def test_a_client_going_away_removes_its_job_container(generic: rpycdl.Connectio
         _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
         client.kill()
         _wait(lambda: not _job_containers(engine), "the container to be removed", timeout=5)
-        assert all(not gpu["holders"] for gpu in generic.root.gpu_status()["gpus"])
+        _wait(lambda: all(not gpu["holders"] for gpu in generic.root.gpu_status()["gpus"]),
+              "its GPU to be released (within a second of the container, promise 3)", timeout=1)
     finally:
         client.kill()
         client.wait()
