@@ -247,10 +247,10 @@ class GPULockManager:
                 rooms[uuid] = _Room(False, 0)
         return rooms
 
-    def _waiters(self, before: int | None = None) -> list[dict[str, Any]]:
+    def _waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
         """Live waiting requests in ticket order (only those before ticket `before`, if given);
-        removes those whose process died. Queue entries never change once written, so each is
-        read once per process."""
+        with `prune` (under the queue lock only), removes those whose process died. Queue entries
+        never change once written, so each is read once per process."""
         waiters = []
         names = sorted(n for n in os.listdir(self.root / "queue") if n.endswith(".json"))
         listed = {str(self.root / "queue" / n) for n in names}
@@ -264,8 +264,9 @@ class GPULockManager:
             fifo = entry.with_suffix(".fifo")
             if info is None or not _fifo_has_reader(fifo):
                 _ENTRIES.pop(str(entry), None)
-                entry.unlink(missing_ok=True)
-                fifo.unlink(missing_ok=True)
+                if prune:
+                    entry.unlink(missing_ok=True)
+                    fifo.unlink(missing_ok=True)
                 continue
             _ENTRIES[str(entry)] = info
             waiters.append(info)
@@ -474,25 +475,22 @@ class GPULockManager:
         """Who holds which GPU and who waits, in order: {"held": {uuid: [info]}, "queue": [info]}.
 
         Each GPU's holders are in grant order; `memory` is a holder's MiB (0: the whole GPU).
-        Holders that died are not reported (and their stale records are removed)."""
-        with self._locked():
-            held: dict[str, list[dict[str, Any]]] = {}
-            for name in _names(self.root / "held", "", ".json"):
-                path = self.root / "held" / name
-                uuid, _, ticket = name.removesuffix(".json").rpartition(".")
-                info = _read_json(path)
-                if not (uuid and ticket.isdigit()):
-                    continue
-                if info is not None and self._holds(uuid, info):
-                    held.setdefault(uuid, []).append(info)
-                elif info is not None:
-                    path.unlink(missing_ok=True)
-            for holders in held.values():
-                holders.sort(key=lambda holder: holder["sequence"])
-            return {"held": held, "queue": self._waiters()}
+        Holders and waiters that died are not reported. It takes no lock, so requests waiting
+        in numbers never slow it: probes (F_GETLK) take nothing, records appear by rename after
+        their locks are taken, and nothing is removed here (the next grant of a GPU removes its
+        dead holders' records, the next granter the dead waiters' entries)."""
+        held: dict[str, list[dict[str, Any]]] = {}
+        for name in _names(self.root / "held", "", ".json"):
+            uuid, _, ticket = name.removesuffix(".json").rpartition(".")
+            info = _read_json(self.root / "held" / name)
+            if uuid and ticket.isdigit() and info is not None and self._holds(uuid, info):
+                held.setdefault(uuid, []).append(info)
+        for holders in held.values():
+            holders.sort(key=lambda holder: holder["sequence"])
+        return {"held": held, "queue": self._waiters(prune=False)}
 
     def _holds(self, uuid: str, info: dict[str, Any]) -> bool:
-        """Under the queue lock: whether the holder a held/ record names still holds its locks."""
+        """Whether the holder a held/ record names still holds its locks."""
         ranges = [tuple(r) for r in info.get("ranges") or ()]
         if not ranges:
             return self._lock_path(uuid) in _WHOLE or bool(_others(self._fd(uuid), 0, 0, []))
