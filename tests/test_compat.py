@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import wait_idle
 
 import rpycdl
 from rpycdl.registry import discover
@@ -94,8 +95,7 @@ def test_remote_exception_is_raised_in_the_original_client(original_client, tens
     assert "job sees GPUs" in result.stdout  # it ran and printed before failing
     assert "ValueError: remote failure xyz" in result.stderr
     assert 'raise ValueError("remote failure " + code_args[1])' in result.stderr  # the job's own frame
-    status = connect(tensorflow).root.gpu_status()
-    assert all(not gpu["holders"] for gpu in status["gpus"])
+    wait_idle(connect(tensorflow))
 
 
 @pytest.mark.parametrize("service", ["deeplearning", "caffe"])

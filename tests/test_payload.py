@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import Background, connection_processes, gate_job, open_gate, server_pid, wait_until
+from helpers import Background, connection_processes, gate_job, open_gate, server_pid, wait_idle, wait_until
 
 import rpycdl
 from rpycdl import wire
@@ -270,8 +270,7 @@ def test_a_client_dying_mid_transfer_leaves_nothing_behind_and_the_server_goes_o
         assert [job["state"] for job in status.root.jobs()] == ["cancelled"]
     else:
         assert status.root.jobs() == []  # it never got as far as a job
-    gpu = status.root.gpu_status()
-    assert [g["holders"] for g in gpu["gpus"]] == [[]] and gpu["queue"] == []
+    wait_idle(status)
     left = [str(p.relative_to(lock_dir)) for p in Path(lock_dir).rglob("*")
             if p.parent.name in ("queue", "held") or p.name.endswith(".tmp")]
     assert left == []

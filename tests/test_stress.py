@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_idle
 
 import rpycdl
 
@@ -139,9 +140,8 @@ def _check(results: list[dict[str, Any]]) -> None:
 
 
 def _assert_idle(conn: rpycdl.Connection) -> None:
-    status = conn.root.gpu_status()
-    assert [gpu["holders"] for gpu in status["gpus"]] == [[]] * GPUS
-    assert status["queue"] == []
+    wait_idle(conn)
+    assert len(conn.root.gpu_status()["gpus"]) == GPUS
 
 
 @pytest.mark.slow
