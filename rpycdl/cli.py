@@ -111,12 +111,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("job_id", help="the job's id (see `rpycdl jobs`)")
         sub.add_argument("service", nargs="?", default=None,
                          help="only servers of this service (default: every server the registry knows)")
-        sub.add_argument("--host", default=None, help="ask this server directly instead of the registry")
-        sub.add_argument("--port", type=int, default=SERVER_PORT, help="with --host (default: %(default)s)")
-        sub.add_argument("--registry", default=None, metavar="HOST[:PORT]",
-                         help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
         sub.add_argument("--json", action="store_true", help="print JSON")
-        _credential_flags(sub)
+        _server_flags(sub)
 
     run = commands.add_parser(
         "run", help="run a command on a GPU server with GPUs of its own, output live (like srun)",
@@ -133,11 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the command after this long")
     run.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                      help="give up if the GPUs are not granted within this long")
-    run.add_argument("--host", default=None, help="run on this server directly instead of asking the registry")
-    run.add_argument("--port", type=int, default=SERVER_PORT, help="with --host (default: %(default)s)")
-    run.add_argument("--registry", default=None, metavar="HOST[:PORT]",
-                     help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
-    _credential_flags(run)
+    _server_flags(run)
 
     demo = commands.add_parser("demo", help="start a local registry and server and run the example client")
     demo.add_argument("--gpus", default=None, metavar="SPEC",
@@ -150,6 +142,15 @@ def _parser() -> argparse.ArgumentParser:
     _certs_commands(commands)
     _container_commands(commands)
     return parser
+
+
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    """How a command that talks to servers finds them (registry or --host) and what it proves."""
+    parser.add_argument("--host", default=None, help="use this server directly instead of asking the registry")
+    parser.add_argument("--port", type=int, default=SERVER_PORT, help="with --host (default: %(default)s)")
+    parser.add_argument("--registry", default=None, metavar="HOST[:PORT]",
+                        help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
+    _credential_flags(parser)
 
 
 def _credential_flags(parser: argparse.ArgumentParser) -> None:

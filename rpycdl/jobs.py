@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -146,23 +147,20 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of the group still exists."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _exists(os.killpg, pgid)
 
 
 def process_alive(pid: int) -> bool:
     """Whether a process with this pid exists (perhaps as another user's)."""
-    if pid <= 0:
-        return False
+    return pid > 0 and _exists(os.kill, pid)
+
+
+def _exists(send: Callable[[int, int], None], target: int) -> bool:
+    """Signal 0 to `target` with `send`: it exists unless there is no such process (or group)."""
     try:
-        os.kill(pid, 0)
+        send(target, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's
         return True
     return True

@@ -235,12 +235,14 @@ class GPUService(rpyc.Service):
                 queue_timeout=queue_timeout, wake_fds=wake_fds, on_wake=on_wake, on_position=on_position,
                 memory=request.memory, sizes={gpu.uuid: gpu.memory_total // MiB for gpu in ctx.gpus})
             by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
-            indices = [by_uuid[uuid].index for uuid in grant.uuids]
+            granted = [by_uuid[uuid] for uuid in grant.uuids]
+            indices = [gpu.index for gpu in granted]
             record.state, record.gpus, record.started = JobState.RUNNING, list(grant.uuids), time.time()
             if on_state is not None:
                 on_state("running", json.dumps({"job_id": record.job_id, "gpus": indices, "uuids": list(grant.uuids),
                                                 "gpu_memory": grant.memory}))
-            result = execute(record, self._environment(record, grant, indices), timeout, self._stopper(record, grant),
+            result = execute(record, self._environment(record, grant, granted), timeout,
+                             self._stopper(record, grant, granted),
                              job)
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
@@ -265,24 +267,23 @@ class GPUService(rpyc.Service):
                 self._after_reply.append(end)
         return self._outcome(record, result)
 
-    def _environment(self, record: JobRecord, grant: Grant, indices: list[int]) -> dict[str, str]:
+    def _environment(self, record: JobRecord, grant: Grant, granted: list[GPU]) -> dict[str, str]:
         """The job's variables: its GPUs, its ids, its share's caps, the simulated driver's state."""
         ctx = self.context
-        env = {**runner.gpu_environment(indices, grant.uuids), "RPYCDL_JOB_ID": record.job_id,
+        env = {**runner.gpu_environment([gpu.index for gpu in granted], grant.uuids), "RPYCDL_JOB_ID": record.job_id,
                "RPYCDL_TICKET": str(grant.ticket), "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
         if grant.memory:
-            env.update(caps.cap_environment(grant.memory * MiB, ctx.gpus[indices[0]].memory_total))
+            env.update(caps.cap_environment(grant.memory * MiB, granted[0].memory_total))
         if isinstance(ctx.inventory, FakeInventory) and ctx.inventory.state_dir is not None:
             env[ENV_SIMULATED_GPUS] = str(ctx.inventory.state_dir)
         return env
 
-    def _stopper(self, record: JobRecord, grant: Grant) -> Stop:
+    def _stopper(self, record: JobRecord, grant: Grant, granted: list[GPU]) -> Stop:
         """The job's Stop: a cancel request, or (for a share of a GPU) the memory watchdog."""
         ctx = self.context
         watch = None
         if grant.memory:
-            gpu = next(gpu for gpu in ctx.gpus if gpu.uuid == grant.uuids[0])
-            watch = MemoryWatch(ctx.inventory, gpu, grant.memory * MiB, ctx.shares.allowance)
+            watch = MemoryWatch(ctx.inventory, granted[0], grant.memory * MiB, ctx.shares.allowance)
 
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
             if self._store.cancel_requested(record.job_id):

@@ -24,16 +24,17 @@ def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = 
         time.sleep(0.02)
 
 
+def idle(conn: rpycdl.Connection) -> bool:
+    """Whether none of the server's GPUs is held and nobody waits."""
+    status = conn.root.gpu_status()
+    return all(not gpu["holders"] for gpu in status["gpus"]) and not status["queue"]
+
+
 def wait_idle(conn: rpycdl.Connection, timeout: float = 1.0) -> None:
-    """Wait until none of the server's GPUs is held and nobody waits. A job's reply goes out before
-    its GPUs are released, which promise 3 bounds by a second, so a check made over another
-    connection than the job's must allow for that."""
-
-    def idle() -> bool:
-        status = conn.root.gpu_status()
-        return all(not gpu["holders"] for gpu in status["gpus"]) and not status["queue"]
-
-    wait_until(idle, timeout, "every GPU to be free and the queue empty")
+    """Wait until the server is idle. A job's reply goes out before its GPUs are released, which
+    promise 3 bounds by a second, so a check made over another connection than the job's must
+    allow for that."""
+    wait_until(lambda: idle(conn), timeout, "every GPU to be free and the queue empty")
 
 
 def gate_job(gate: str) -> Callable[[Any], Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import idle
 
 import rpycdl
 
@@ -137,9 +138,7 @@ def assert_nothing_leaks(port: int, connect, pids: dict[str, int], ended: float)
     status_conn = connect(port)  # a fresh connection: the job's own may be dead
 
     def clean() -> bool:
-        status = status_conn.root.gpu_status()
-        return (all(not gpu["holders"] for gpu in status["gpus"]) and not status["queue"]
-                and all(gone(pid) for pid in pids.values()))
+        return idle(status_conn) and all(gone(pid) for pid in pids.values())
 
     wait_until(clean, max(0.0, ended + GRACE - time.time()))
     status = status_conn.root.gpu_status()

@@ -8,7 +8,7 @@ import sys
 
 import dill
 import pytest
-from helpers import Background, gate_job, open_gate, quick_error, wait_until
+from helpers import Background, gate_job, idle, open_gate, quick_error, wait_idle
 
 import rpycdl
 from rpycdl import wire
@@ -22,11 +22,6 @@ BAD_NGPUS = [
     (True, ["ngpus", "integer", "True"]),
 ]
 BAD_SECONDS = [-1, -0.5, 0, math.nan, math.inf, "3", "soon"]
-
-
-def _all_gpus_free(conn: rpycdl.Connection) -> bool:
-    status = conn.root.gpu_status()
-    return all(not gpu["holders"] for gpu in status["gpus"]) and not status["queue"]
 
 
 @pytest.fixture
@@ -125,13 +120,13 @@ def test_server_keeps_serving_and_holds_no_lock_after_invalid_requests(server, c
             conn.root.run_code(lambda x: x, 1, queue_timeout=value)
     with pytest.raises(rpycdl.InvalidRequestError):
         _raw(conn, b"garbage")
-    assert _all_gpus_free(conn)
+    assert idle(conn)
     assert not [job for job in conn.root.jobs() if job["state"] in ("pending", "running")]
     # the same connection, and a new one, still run jobs on every GPU (a leaked lock would time out)
     assert conn.root.run_code(lambda x: x + 1, 1, ngpus=-1, queue_timeout=5) == 2
     assert connect(port).root.run_code(lambda x: x * 3, 2, ngpus=4, queue_timeout=5) == 6
     # the reply goes out before the job process is reaped and its GPUs released (promise 3: within a second)
-    wait_until(lambda: _all_gpus_free(conn), 1.0, "every GPU free")
+    wait_idle(conn)
 
 
 def test_ngpus_minus_one_gets_every_gpu(server, connect):
