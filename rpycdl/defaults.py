@@ -31,6 +31,10 @@ SWEEP_INTERVAL = 5.0
 
 A connection process that dies also triggers a sweep at once (SIGCHLD)."""
 
+SPARE_CONNECTIONS = 2
+"""Connection processes a server keeps forked and waiting in accept(), each with a spare job
+process, so that neither fork is part of a client's round trip."""
+
 KILL_WAIT = 2.0
 """Seconds to wait for a killed job's process group to vanish before giving up on it."""
 

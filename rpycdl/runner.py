@@ -1,14 +1,17 @@
 """Runs one callable in a job process: environment, live output, result or exception, timeout, cancel.
 
-The job process is forked from the connection process as the request arrives, and waits
-there for its GPUs. It leads its own process group, dies with its parent (PR_SET_PDEATHSIG),
+The job process is forked from the connection process before its payload is needed: a
+connection's first job process is forked with the connection process, before a client
+connects (a spare, given its payload down a pipe), and any other as its request arrives. It
+waits there for its GPUs. It leads its own process group, dies with its parent (PR_SET_PDEATHSIG),
 gets its GPUs through the environment before the payload is unpickled (so before any framework
 is imported), and writes its outcome to a pipe, which it then closes. Its stdout and stderr are
 pipes at the file-descriptor level, so the output of any process it starts is streamed too.
 However it ends, the whole group is killed before run() returns, and gone once close() returns.
 
 The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they
-are already in the connection process's memory, and the job gets them without a copy. Its
+are already in the connection process's memory, and a job forked as they arrive gets them
+without a copy (so a call that has them never goes to a spare). Its
 result pipe carries a header (how many out-of-band buffers, then the size and read-only flag of
 each), the buffers (lent to the pipe by reference, transport.lend_to_pipe), then the outcome
 bytes until the end; the connection process hands the buffers on as they come (run's
@@ -39,9 +42,11 @@ from rpycdl.defaults import KILL_WAIT
 from rpycdl.jobs import group_alive, kill_group
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
 STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
+_GO = struct.Struct("<I?")  # go pipe header: length of the environment's JSON, out-of-band results
 _COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
 _ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
 
@@ -77,22 +82,35 @@ def gpu_environment(indices: Sequence[int], uuids: Sequence[str]) -> dict[str, s
     }
 
 
-def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the parent's sweep still cleans up
-        pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
+def die_with_parent(parent: int, die: bool = True) -> None:
+    """Have the kernel SIGKILL this process when `parent`, its parent, exits (PR_SET_PDEATHSIG);
+    exit now if it has already. With `die` False, undo that: this process outlives its parent."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL if die else 0)  # not Linux: the parent's sweep still cleans up
+    if die and os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
-def _child(body: bytes, buffers: Sequence[Any], out_of_band: bool, go_r: int, out_w: int, err_w: int, res_w: int,
+def name_process(name: str) -> None:
+    """Name this process as `ps` and /proc/PID/comm show it (15 bytes at most): rpycdl-server,
+    rpycdl-spare, rpycdl-conn, rpycdl-job."""
+    _prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def _prctl(option: int, value: Any) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def _child(body: bytes | None, buffers: Sequence[Any], go_r: int, out_w: int, err_w: int, res_w: int,
            parent: int) -> None:
-    """Body of the job process: waits for its environment on `go_r`, then runs the payload. Never returns."""
+    """Body of the job process: waits for its environment (and, in a spare, its payload `body`)
+    on `go_r`, then runs the payload. Never returns."""
     try:
         os.setpgid(0, 0)
-        _die_with_parent(parent)
+        die_with_parent(parent)
+        name_process("rpycdl-job")
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -103,10 +121,12 @@ def _child(body: bytes, buffers: Sequence[Any], out_of_band: bool, go_r: int, ou
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         with os.fdopen(go_r, "rb") as go:
-            env = go.read()
-        if not env:  # closed before its GPUs came: nothing to run
+            message = go.read()
+        if not message:  # closed before its GPUs came: nothing to run
             os._exit(0)
-        os.environ.update(json.loads(env))
+        size, out_of_band = _GO.unpack_from(message)
+        os.environ.update(json.loads(message[_GO.size:_GO.size + size]))
+        body = body or message[_GO.size + size:]
         caps.install_caps()
         try:
             fn, args = wire.load_call(body, buffers)
@@ -190,7 +210,7 @@ class LoadCheck:
             message = b""
             try:
                 os.setpgid(0, 0)
-                _die_with_parent(parent)
+                die_with_parent(parent)
                 devnull = os.open(os.devnull, os.O_RDWR)
                 for fd in (0, 1, 2):
                     os.dup2(devnull, fd)
@@ -217,21 +237,21 @@ class LoadCheck:
 
 
 class JobProcess:
-    """One job process, forked (with the payload `body` and its out-of-band `buffers` in its
-    memory) as soon as the request arrives, so that it is ready when the GPUs are: it waits for
-    its environment before it unpickles anything. run() starts it and waits for its outcome;
-    close() leaves nothing of it running, and must be called however the request ends (before
-    its GPUs are released).
+    """One job process, forked before its GPUs come, so that it is ready when they do: it waits
+    for its environment before it unpickles anything. Either it is forked with the payload `body`
+    and its out-of-band `buffers` in its memory, as the request arrives; or it is a spare, forked
+    before there is a request (no `body`), and give() names its payload. run() starts it and
+    waits for its outcome; close() leaves nothing of it running, and must be called however the
+    request ends (before its GPUs are released).
 
     Args:
-        body: a payload body accepted by wire.check_payload.
+        body: a payload body accepted by wire.check_payload; None for a spare.
         buffers: its out-of-band buffers. The job process gets them by the fork (shared until
             written); run() empties the list, so this process lets go of their memory once the
             job no longer waits (a LoadCheck may need them while it does).
-        out_of_band: the job sends a large result's buffers out of band (run's `on_buffers`).
     """
 
-    def __init__(self, body: bytes, buffers: list[Any] | None = None, out_of_band: bool = False) -> None:
+    def __init__(self, body: bytes | None = None, buffers: list[Any] | None = None) -> None:
         go_r, self._go_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -243,8 +263,10 @@ class JobProcess:
         if self.pid == 0:
             for fd in (self._go_w, out_r, err_r, res_r):
                 os.close(fd)
-            _child(body, buffers or (), out_of_band, go_r, out_w, err_w, res_w, parent)
+            _child(body, buffers or (), go_r, out_w, err_w, res_w, parent)
         self._buffers = buffers
+        self._body = b""  # a spare's payload, sent down the go pipe by run()
+        self._spare = body is None
         for fd in (go_r, out_w, err_w, res_w):
             os.close(fd)
         try:
@@ -256,6 +278,13 @@ class JobProcess:
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
         self._status: int | None = None
+
+    def give(self, body: bytes) -> bool:
+        """Make a spare run the payload `body`; False if it cannot (not a spare, used, or gone)."""
+        if not self._spare or self._body or self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]:
+            return False
+        self._body = body
+        return True
 
     def run(
         self,
@@ -281,14 +310,20 @@ class JobProcess:
             on_watch: called when one is readable; may raise (client gone), which kills the job.
             stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
                 kills the job, which then ends that way (a cancel request, the memory watchdog).
-            on_buffers: with out_of_band, once a large result's buffers come, the output printed
-                so far has been handed on and `on_buffers(layout, fd)` must read exactly their
-                total size from the blocking pipe `fd` and say how many bytes it got (fewer only if
-                the pipe ended early). Timeout and `stop` wait until it returns.
+            on_buffers: given, a large result's buffers go out of band: once they come, the output
+                printed so far has been handed on and `on_buffers(layout, fd)` must read exactly
+                their total size from the blocking pipe `fd` and say how many bytes it got (fewer
+                only if the pipe ended early). Timeout and `stop` wait until it returns.
         """
         if self._buffers:
             self._buffers.clear()
-        os.write(self._go_w, json.dumps(env).encode())  # far below a pipe's buffer: never blocks
+        if self._spare and not self._body:
+            raise RuntimeError("a spare job process runs only once give() named its payload")
+        environment = json.dumps(env).encode()
+        with contextlib.suppress(BrokenPipeError):  # it died: the wait below reports how
+            _write(self._go_w, _GO.pack(len(environment), on_buffers is not None) + environment)
+            _write(self._go_w, self._body)
+        self._body = b""
         os.close(self._go_w)
         self._go_w = -1
         pid, pidfd = self.pid, self._pidfd

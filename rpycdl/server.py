@@ -12,6 +12,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field
 import rpyc
 from rpyc.utils.server import ForkingServer
 
-from rpycdl import auth, tls, transport
-from rpycdl.defaults import REREGISTER_INTERVAL, SWEEP_INTERVAL, lock_dir
+from rpycdl import auth, runner, tls, transport
+from rpycdl.defaults import REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
 from rpycdl.registry import registry_client
@@ -46,6 +47,8 @@ CONTAINER_SERVICE = "deeplearning"
 
 FRAME_SLACK = 1 << 20
 """Bytes an RPyC frame may carry beyond the payload limit (the call around the payload)."""
+
+_PID = struct.Struct("i")  # what a spare connection process writes to the parent when it takes a client
 
 PROTOCOL_CONFIG = {
     "allow_public_attrs": False,
@@ -113,16 +116,23 @@ def is_loopback(host: str) -> bool:
 
 
 class DLServer(ForkingServer):
-    """The ForkingServer of one rpycdl service.
+    """The ForkingServer of one rpycdl service, with its forks made ahead of the clients.
 
-    The parent only accepts and forks: it never imports a framework or touches CUDA. It is a
-    child subreaper, so what a job leaves behind is reaped here. It counts its connection
-    processes and refuses one over --max-connections without forking. When one of its
+    The parent only forks: it never imports a framework or touches CUDA. It keeps
+    SPARE_CONNECTIONS connection processes forked and waiting in accept() on the listening
+    socket they share, each with a spare job process (runner.JobProcess) forked already; a spare
+    that takes a client writes its pid to the parent, which forks the next one. A connection
+    process serves one client and exits, as with RPyC's ForkingServer. The parent counts them:
+    at --max-connections it keeps no spare and accepts connections itself, to refuse them.
+
+    It is a child subreaper, so what a job leaves behind is reaped here. When one of its
     connection processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose
     connection process is gone (kill -9): it kills their process groups, marks them failed,
     and wakes the waiting requests."""
 
-    _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # self-pipe: wakes the sweeper from SIGCHLD
+    # Self-pipes written from SIGCHLD: one wakes the sweeper, the other the loop that forks spares.
+    _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    _exited_r, _exited_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     def __init__(self, context: ServerContext, **kwargs) -> None:
         self.context = context
@@ -130,7 +140,11 @@ class DLServer(ForkingServer):
         super().__init__(service, protocol_config=PROTOCOL_CONFIG, **kwargs)
         context.port = self.port
         self._stop = threading.Event()
-        self._connections: set[int] = set()  # pids of the connection processes
+        self._connections: set[int] = set()  # pids of the connection processes serving a client
+        self._spares: set[int] = set()  # pids of those still waiting for one
+        self._taken_r, self._taken_w = os.pipe2(os.O_CLOEXEC)  # a spare writes its pid here as it takes a client
+        os.set_blocking(self._taken_r, False)
+        self._spare_job: runner.JobProcess | None = None  # in a connection process: its spare job
 
     def start(self) -> None:
         try:
@@ -144,6 +158,9 @@ class DLServer(ForkingServer):
     def close(self) -> None:
         self._stop.set()
         _poke(self._wake_w)
+        for pid in self._spares:  # their spare jobs die with them (PR_SET_PDEATHSIG)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         super().close()
 
     @classmethod
@@ -158,44 +175,93 @@ class DLServer(ForkingServer):
                     break
                 unclean |= status != 0
         signal.signal(signal.SIGCHLD, cls._handle_sigchld)
+        _poke(cls._exited_w)
         if unclean:
             _poke(cls._wake_w)
 
-    def _accept_method(self, sock: socket.socket) -> None:
-        """Fork a connection process for an accepted socket, unless --max-connections are served
-        already; greet it first when the server requires authentication (rpycdl.auth)."""
-        self.clients.discard(sock)
+    def accept(self) -> None:
+        """One turn of the parent's loop (RPyC's start() repeats it while the server is active):
+        fork the spares the limit leaves room for, note the ones that took a client, and refuse
+        connections while there is no spare to take them."""
         self._connections = {pid for pid in self._connections if _running(pid)}
+        self._spares = {pid for pid in self._spares if _running(pid)}
         limit = self.context.limits.max_connections
-        if len(self._connections) >= limit:
-            self.logger.warning("refused a connection: %d served at once (--max-connections)", limit)
-            auth.refuse(sock, f"this server serves at most {limit} connections at once (--max-connections); "
-                              "try again later or another server")
+        room = limit - len(self._connections)
+        try:
+            while self.active and len(self._spares) < min(SPARE_CONNECTIONS, room):
+                self._spares.add(self._fork_spare())
+        except OSError as exc:  # out of processes or memory: refuse, and try again next turn
+            self.logger.error("could not fork a connection process: %s", exc)
+        watched = [self._taken_r, self._exited_r] + ([] if self._spares else [self.listener])
+        try:
+            readable = select.select(watched, [], [], 1.0)[0]
+        except (OSError, ValueError):  # the listener was closed: the server is stopping
+            if self.active:
+                raise
             return
-        if self.authenticator is not None:
-            auth.greet(sock, self.authenticator.mode)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
+        if self._exited_r in readable:
+            _drain(self._exited_r)
+        if self._taken_r in readable:
+            for (pid,) in _PID.iter_unpack(_drain(self._taken_r)):
+                self._spares.discard(pid)
+                self._connections.add(pid)
+        if self.listener in readable and self.active:
             try:
-                signal.signal(signal.SIGCHLD, self._prevhandler)
-                signal.siginterrupt(signal.SIGCHLD, False)
-                self.listener.close()
-                self._authenticate_and_serve_client(sock)
-                code = 0
-            except Exception:
-                self.logger.exception("connection process failed")
-            finally:
-                os._exit(code)  # not 0: the parent sweeps for jobs it left behind
-        sock.close()
-        self._connections.add(pid)
+                sock, _ = self.listener.accept()
+            except OSError:  # gone again, or taken by a spare forked meanwhile
+                return
+            reason = (f"this server serves at most {limit} connections at once (--max-connections)" if room <= 0
+                      else "this server could not start a process for the connection")
+            self.logger.warning("refused a connection: %s", reason)
+            auth.refuse(sock, f"{reason}; try again later or another server")
+
+    def _fork_spare(self) -> int:
+        """Fork a connection process that waits for a client with a spare job process forked
+        already, tells the parent when it has one, serves it, and exits."""
+        parent = os.getpid()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            signal.signal(signal.SIGCHLD, self._prevhandler)
+            signal.siginterrupt(signal.SIGCHLD, False)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would close the listener
+            runner.die_with_parent(parent)  # a spare must not outlive the server: it holds the port
+            runner.name_process("rpycdl-spare")
+            self._spare_job = runner.JobProcess()
+            sock = self._take_client()
+            os.write(self._taken_w, _PID.pack(os.getpid()))
+            runner.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop
+            runner.name_process("rpycdl-conn")
+            self.listener.close()
+            if self.authenticator is not None:
+                auth.greet(sock, self.authenticator.mode)
+            self._authenticate_and_serve_client(sock)
+            code = 0
+        except Exception:
+            self.logger.exception("connection process failed")
+        finally:
+            if self._spare_job is not None:  # unused, or used and closed already (closing twice is harmless)
+                self._spare_job.close()
+            os._exit(code)  # not 0: the parent sweeps for jobs it left behind
+
+    def _take_client(self) -> socket.socket:
+        """Accept a client on the listening socket (shared with the other spares)."""
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (TimeoutError, BlockingIOError, InterruptedError):  # another spare took it, or none came
+                continue
+            sock.setblocking(True)
+            return sock
 
     def _serve_client(self, sock: socket.socket, credentials: object) -> None:
         """RPyC's own, over the bulk transport (rpycdl.transport)."""
         config = dict(self.protocol_config, credentials=credentials,
                       endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
         channel = transport.channel(sock, self.context.limits.max_payload + FRAME_SLACK)
-        service = self.service()
+        service = self.service(self._spare_job)
         self._handle_connection(service._connect(channel, config), service)
 
     def _handle_connection(self, conn: rpyc.Connection, service: GPUService) -> None:
@@ -255,6 +321,15 @@ def _poke(fd: int) -> None:
         os.write(fd, b"!")
 
 
+def _drain(fd: int) -> bytes:
+    """What a non-blocking pipe holds now."""
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    return data
+
+
 def build_server(config: ServerConfig) -> DLServer:
     """Check the configuration, load the inventory, and bind the server (not started yet)."""
     secret = auth.load_secret(config.secret_file)
@@ -300,6 +375,7 @@ def serve(config: ServerConfig) -> None:
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())
+    runner.name_process("rpycdl-server")
     try:
         server.start()
     except (KeyboardInterrupt, OSError):

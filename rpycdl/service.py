@@ -127,9 +127,14 @@ class GPUService(rpyc.Service):
     """One client connection of a server. `context` is set on the subclass the server builds.
 
     Its user is the one its client certificate names, else the one the client declares
-    (`identify`, unverified), else auth.ANONYMOUS."""
+    (`identify`, unverified), else auth.ANONYMOUS. Its first payload runs in `spare`, a job
+    process forked with the connection process (runner.JobProcess), unless that payload
+    brought out-of-band buffers. The spare belongs to the connection process, which closes it."""
 
     context: ServerContext
+
+    def __init__(self, spare: runner.JobProcess | None = None) -> None:
+        self._spare = spare
 
     def on_connect(self, conn: rpyc.Connection) -> None:
         self._conn = conn
@@ -178,12 +183,12 @@ class GPUService(rpyc.Service):
 
     def _submit(self, execute: Executor, request: GPURequest, timeout: Any, queue_timeout: Any,
                 on_state: Callable[[str, str], None] | None, body: bytes | None = None,
-                buffers: list[Any] | None = None, out_of_band: bool = False) -> bytes:
+                buffers: list[Any] | None = None) -> bytes:
         """Queue, lock GPUs, run `execute(record, env, timeout, stop, job)`, release. Returns outcome
         bytes; raises RpycdlError. The executor saves the record once the job runs. For a payload
-        `body` (with its out-of-band `buffers`; `out_of_band`: the result's may go back the same
-        way), the job process is forked before the request queues, and the payload is test-loaded
-        while the request waits (runner.LoadCheck)."""
+        `body` (with its out-of-band `buffers`), the job process is ready before the request
+        queues (_job_process), and the payload is test-loaded while the request waits
+        (runner.LoadCheck)."""
         ctx = self.context
         count = request.count
         timeout = check_seconds(timeout, "timeout")
@@ -227,7 +232,7 @@ class GPUService(rpyc.Service):
         self._busy = True
         try:
             if body is not None:
-                job = runner.JobProcess(body, buffers, out_of_band)  # ready when the GPUs are
+                job = self._job_process(body, buffers)
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id,
@@ -266,6 +271,16 @@ class GPUService(rpyc.Service):
             else:  # the outcome is known: the client gets it while the job process is reaped
                 self._after_reply.append(end)
         return self._outcome(record, result)
+
+    def _job_process(self, body: bytes, buffers: list[Any] | None) -> runner.JobProcess:
+        """The connection's spare job process, given `body`; else (the spare is used or gone, or
+        out-of-band `buffers` must come by fork) one forked now with the payload."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            if not buffers and spare.give(body):
+                return spare
+            spare.close()
+        return runner.JobProcess(body, buffers)
 
     def _environment(self, record: JobRecord, grant: Grant, granted: list[GPU]) -> dict[str, str]:
         """The job's variables: its GPUs, its ids, its share's caps, the simulated driver's state."""
@@ -389,7 +404,7 @@ class GPUService(rpyc.Service):
                 raise InvalidRequestError("a payload with out-of-band buffers needs the client's send callback")
             buffers = transport.pull(self._conn, send, layout) if layout else []  # type: ignore[arg-type]
             return self._submit(self._run_payload(stdout or _discard, stderr or _discard, receive),
-                                request, timeout, queue_timeout, on_state, body, buffers, out_of_band=True)
+                                request, timeout, queue_timeout, on_state, body, buffers)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
 

@@ -153,9 +153,21 @@ class Team:
 
 
 def connection_processes(server_pid: int) -> list[int]:
-    """The live children of a server process (its connection processes, and jobs they left)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return [int(pid) for pid in children if _running(int(pid))]
+    """The live children of a server process serving clients (its connection processes, and jobs
+    they left), not the spares waiting for a client (nor those just forked, still named as the
+    server)."""
+    return [pid for pid in children(server_pid) if _comm(pid) not in ("rpycdl-spare", "rpycdl-server")]
+
+
+def spare_processes(server_pid: int) -> list[int]:
+    """The server's connection processes forked ahead, waiting for a client."""
+    return [pid for pid in children(server_pid) if _comm(pid) == "rpycdl-spare"]
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) children of a process."""
+    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in listed if _running(int(child))]
 
 
 def _running(pid: int) -> bool:
@@ -163,6 +175,13 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def server_pid(cluster: Any, port: int) -> int:

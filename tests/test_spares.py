@@ -1,0 +1,121 @@
+"""Connection processes forked ahead of their clients (spares), each with a job process forked
+already, which the connection's first job runs in. Real registry, server and clients on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+from helpers import children, connection_processes, server_pid, spare_processes, wait_until
+
+from rpycdl import registry, wire
+from rpycdl.defaults import SPARE_CONNECTIONS
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as comm:
+        return comm.read().strip()
+
+
+def _ready_jobs(pid: int) -> set[int]:
+    """The job processes the server's spares hold ready, once every spare has one."""
+    def jobs() -> set[int] | None:
+        spares = spare_processes(pid)
+        held = [children(spare) for spare in spares]
+        if len(spares) != SPARE_CONNECTIONS or any(len(jobs) != 1 for jobs in held):
+            return None
+        return {job for jobs in held for job in jobs}
+
+    return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares, each with its job process")
+
+
+def _make_job_pid():
+    """The job of these tests (made in a function, so that dill sends its code, not a reference)."""
+    def job_pid(blob: bytes | None) -> tuple[int, int]:
+        import os
+
+        return os.getpid(), len(blob or b"")
+
+    return job_pid
+
+
+_job_pid = _make_job_pid()
+
+
+def test_a_server_keeps_spares_each_with_a_job_process_named_for_ps(server, cluster):
+    pid = server_pid(cluster, server())
+    jobs = _ready_jobs(pid)
+    assert {_comm(spare) for spare in spare_processes(pid)} == {"rpycdl-spare"}
+    assert {_comm(job) for job in jobs} == {"rpycdl-job"}
+    assert _comm(pid) == "rpycdl-server"
+    assert connection_processes(pid) == []
+
+
+def test_the_first_job_of_a_connection_runs_in_a_job_process_forked_before_it_connected(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    ready = _ready_jobs(pid)
+    conn = connect(port)
+    first, _ = conn.root.run_code(_job_pid, None)
+    second, _ = conn.root.run_code(_job_pid, None)
+    assert first in ready, (first, ready)
+    assert second not in ready and second != first  # later jobs of the connection: forked as they come
+    [serving] = connection_processes(pid)
+    assert _comm(serving) == "rpycdl-conn"
+    assert len(_ready_jobs(pid) - ready) == 1, "the spare that took the client was replaced"
+
+
+def test_a_payload_with_out_of_band_buffers_gets_a_job_process_forked_with_it(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    ready = _ready_jobs(pid)
+    conn = connect(port)
+    blob = os.urandom(wire.OUT_OF_BAND_MIN + 1)
+    job, size = conn.root.run_code(_job_pid, blob)
+    assert size == len(blob)
+    assert job not in ready
+    wait_until(lambda: all(not os.path.exists(f"/proc/{spare_job}") or spare_job in _ready_jobs(pid)
+                           for spare_job in ready), what="the unused spare job process to be gone")
+
+
+def test_a_spare_job_process_that_died_is_replaced_by_a_fork(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    ready = _ready_jobs(pid)
+    for job in ready:
+        os.kill(job, signal.SIGKILL)
+    conn = connect(port)
+    job, _ = conn.root.run_code(_job_pid, None)
+    assert job not in ready
+    assert conn.root.run_code(lambda x: x * 2, 21) == 42
+
+
+def test_sigterm_to_a_spare_leaves_the_server_serving_and_registered(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    _ready_jobs(pid)
+    for spare in spare_processes(pid):
+        os.kill(spare, signal.SIGTERM)  # the server's own SIGTERM handler would close the shared listener
+    time.sleep(0.2)
+    assert connect(port).root.run_code(lambda x: x + 1, 1) == 2
+    assert ("127.0.0.1", port) in registry.discover("pytorch", cluster.registry_address)
+    _ready_jobs(pid)
+
+
+def test_spares_die_with_a_killed_server_and_free_its_port(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    spares = spare_processes(pid)
+    jobs = _ready_jobs(pid)
+    serving = connect(port)
+    assert serving.root.run_code(lambda x: x, "before") == "before"
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _comm(p) != "rpycdl-conn" for p in spares + list(jobs)),
+               timeout=2.0, what="the spares and their job processes to be gone")
+    with socket.socket() as again:  # nothing holds the listening socket any more
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+    assert serving.root.run_code(lambda x: x, "after") == "after"  # a connection already served goes on
+
