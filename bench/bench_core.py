@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import platform
 import statistics
 import subprocess
@@ -28,6 +29,20 @@ from rpycdl.local import LocalCluster
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def busy_seconds() -> float:
+    """CPU seconds this machine has spent busy, all processes together (Linux's /proc/stat)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(field) for field in stat.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def timed_cpu(fn: Callable[[], object], n: int) -> tuple[list[float], float]:
+    """timed(fn, n), and the machine's busy CPU seconds per call while it ran."""
+    start = busy_seconds()
+    samples = timed(fn, n)
+    return samples, (busy_seconds() - start) / n
 
 
 def timed(fn: Callable[[], object], n: int) -> list[float]:
@@ -54,8 +69,9 @@ server.start()
 """
 
 
-def bare_rpyc_round_trip(n: int) -> list[float]:
-    """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method, close."""
+def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
+    """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method,
+    close; the times, and CPU seconds per call (timed_cpu)."""
     server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
     port = int(server.stdout.readline())
@@ -66,7 +82,7 @@ def bare_rpyc_round_trip(n: int) -> list[float]:
         conn.close()
 
     try:
-        return timed(call, n)
+        return timed_cpu(call, n)
     finally:
         server.terminate()
         server.wait()
@@ -76,12 +92,19 @@ def trivial(x: int) -> int:
     return x + 1
 
 
-def rpycdl_round_trip(port: int, n: int) -> list[float]:
+def rpycdl_round_trip(port: int, n: int) -> tuple[list[float], float]:
+    """Connect, run a trivial function with ngpus=1, close; the times, and CPU seconds per call."""
     def call() -> None:
         with rpycdl.connect(host="127.0.0.1", port=port) as conn:
             conn.root.run_code(trivial, 1, ngpus=1)
 
-    return timed(call, n)
+    return timed_cpu(call, n)
+
+
+def open_connection_round_trip(port: int, n: int) -> tuple[list[float], float]:
+    """Run a trivial function with ngpus=1 on a connection kept open; the times, and CPU seconds per call."""
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        return timed_cpu(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
 
 
 def _hold(seconds: float) -> tuple[float, float]:
@@ -263,9 +286,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
         _, port = cluster.add_server("pytorch", "fake:4")
         rpycdl_round_trip(port, 5)  # warm up
-        base = bare_rpyc_round_trip(n)
-        ours = rpycdl_round_trip(port, n)
+        base, base_cpu = bare_rpyc_round_trip(n)
+        ours, ours_cpu = rpycdl_round_trip(port, n)
         rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
+        kept, kept_cpu = open_connection_round_trip(port, n)
+        rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
         gaps = hand_off(port, 10 if args.quick else 40)
         rows.append(("hand-off (release to next job's start)", gaps, None, "original: 1 s polling"))
         measured, ideal, fcfs = makespan(port, 200, 8)
@@ -286,6 +311,9 @@ def main() -> None:
     print(f"| the same against strict FCFS with zero overhead | {measured:.2f} s | | {fcfs:.2f} s "
           f"| {measured / fcfs:.2f}x | same arrival order, no overhead |")
     print(f"\nmean hand-off {statistics.mean(gaps) * 1e3:.1f} ms over {len(gaps)} hand-offs")
+    print(f"CPU per round trip, every process of the machine: rpycdl {ours_cpu * 1e3:.1f} ms, bare RPyC "
+          f"{base_cpu * 1e3:.1f} ms ({ours_cpu / base_cpu:.2f}x), rpycdl on an open connection "
+          f"{kept_cpu * 1e3:.1f} ms; {multiprocessing.cpu_count()} cores")
     theirs = None if args.no_ray else ray_benchmarks(n, 200, 8)
     if theirs is None:
         return
