@@ -280,6 +280,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     parser.add_argument("--no-ray", action="store_true", help="skip Ray even where it is installed")
+    parser.add_argument("--round-trip", action="store_true",
+                        help="the round trips alone, without Ray (for A/B runs: PYTHONPATH=OTHER_CHECKOUT picks "
+                             "the rpycdl measured)")
     args = parser.parse_args()
     n = 30 if args.quick else 200
     rows = []
@@ -291,11 +294,13 @@ def main() -> None:
         rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
         kept, kept_cpu = open_connection_round_trip(port, n)
         rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
-        gaps = hand_off(port, 10 if args.quick else 40)
-        rows.append(("hand-off (release to next job's start)", gaps, None, "original: 1 s polling"))
-        measured, ideal, fcfs = makespan(port, 200, 8)
-        idle, loaded = status_under_load(port, 100)
-        rows.append(("status, 100 waiting", loaded, idle, "status with an empty queue"))
+        if not args.round_trip:
+            gaps = hand_off(port, 10 if args.quick else 40)
+            rows.append(("hand-off (release to next job's start)", gaps, None, "original: 1 s polling"))
+            measured, ideal, fcfs = makespan(port, 200, 8)
+            idle, loaded = status_under_load(port, 100)
+            rows.append(("status, 100 waiting", loaded, idle, "status with an empty queue"))
+    print(f"rpycdl from {os.path.dirname(rpycdl.__file__)}")
     print(f"Machine: {platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}\n")
     print("| benchmark | p50 | p99 | baseline p50 | ratio | baseline |")
     print("|---|---|---|---|---|---|")
@@ -306,15 +311,16 @@ def main() -> None:
         else:
             b50 = percentile(baseline, 50) * 1e3
             print(f"| {name} | {p50:.1f} ms | {p99:.1f} ms | {b50:.1f} ms | {p50 / b50:.2f}x | {what} |")
-    print(f"| makespan, 200 x 50 ms jobs, 8 clients, fake:4, mixed ngpus | {measured:.2f} s | | {ideal:.2f} s "
-          f"| {measured / ideal:.2f}x | ideal (GPU-seconds / 4) |")
-    print(f"| the same against strict FCFS with zero overhead | {measured:.2f} s | | {fcfs:.2f} s "
-          f"| {measured / fcfs:.2f}x | same arrival order, no overhead |")
-    print(f"\nmean hand-off {statistics.mean(gaps) * 1e3:.1f} ms over {len(gaps)} hand-offs")
-    print(f"CPU per round trip, every process of the machine: rpycdl {ours_cpu * 1e3:.1f} ms, bare RPyC "
+    if not args.round_trip:
+        print(f"| makespan, 200 x 50 ms jobs, 8 clients, fake:4, mixed ngpus | {measured:.2f} s | | {ideal:.2f} s "
+              f"| {measured / ideal:.2f}x | ideal (GPU-seconds / 4) |")
+        print(f"| the same against strict FCFS with zero overhead | {measured:.2f} s | | {fcfs:.2f} s "
+              f"| {measured / fcfs:.2f}x | same arrival order, no overhead |")
+        print(f"\nmean hand-off {statistics.mean(gaps) * 1e3:.1f} ms over {len(gaps)} hand-offs")
+    print(f"\nCPU per round trip, every process of the machine: rpycdl {ours_cpu * 1e3:.1f} ms, bare RPyC "
           f"{base_cpu * 1e3:.1f} ms ({ours_cpu / base_cpu:.2f}x), rpycdl on an open connection "
           f"{kept_cpu * 1e3:.1f} ms; {multiprocessing.cpu_count()} cores")
-    theirs = None if args.no_ray else ray_benchmarks(n, 200, 8)
+    theirs = None if args.no_ray or args.round_trip else ray_benchmarks(n, 200, 8)
     if theirs is None:
         return
     o50, o99 = percentile(ours, 50) * 1e3, percentile(ours, 99) * 1e3
