@@ -248,8 +248,20 @@ def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
         exc = RemoteError(name, message, tb)
     exc.remote_traceback = tb  # type: ignore[attr-defined]
     if tb:
-        exc.add_note("Remote traceback (most recent call last), from the rpycdl server:\n" + tb.rstrip())
+        note = "Remote traceback (most recent call last), from the rpycdl server:\n" + tb.rstrip()
+        if hasattr(exc, "add_note"):  # Python 3.11 and later print notes under the exception
+            exc.add_note(note)
+        else:  # Python 3.10 prints the cause above it instead, as multiprocessing's pools do
+            exc.__cause__ = RemoteTraceback(note)
     raise exc
+
+
+class RemoteTraceback(Exception):
+    """The server's traceback as the cause of a re-raised remote exception, where exceptions have
+    no notes (Python 3.10)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def succeeded(data: bytes) -> bool:
