@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.defaults import FINISHED_JOBS_KEPT
-from rpycdl.locks import shared_dir, shared_file
+from rpycdl.lockdir import shared_dir, shared_file
 
 
 class JobState(str, Enum):

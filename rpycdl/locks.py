@@ -31,22 +31,19 @@ already hold shares) and only breaks into an idle GPU when none has room, so who
 available for whole-GPU requests.
 
 What the locks do not guarantee: they are fcntl locks, so they belong to a process (one
-process must not close a descriptor of a lock file it holds a lock in; this module keeps a
-registry so it never does), and they are freed by the kernel when the holder dies, without
-any wake-up: waiters re-check at least every WAIT_FALLBACK_POLL seconds, and a server parent
-that sees one of its connection processes die wakes them at once.
+process must not close a descriptor of a lock file it holds a lock in; rpycdl.lockdir keeps
+one descriptor per file for the process's life, so it never does), and they are freed by the
+kernel when the holder dies, without any wake-up: waiters re-check at least every
+WAIT_FALLBACK_POLL seconds, and a server parent that sees one of its connection processes die
+wakes them at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
-import json
 import os
 import select
-import stat
-import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,17 +52,16 @@ from typing import Any
 
 import fasteners
 
+from rpycdl import lockdir, planning
 from rpycdl.defaults import WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
-
-Range = tuple[int, int]  # (first MiB, MiB count) in a GPU's lock file
+from rpycdl.planning import Range
 
 # What this process holds. fcntl locks are per process: the kernel never reports a process its
 # own locks, and closing any descriptor of a file drops all of them, so they are tracked here.
 # All are keyed by the lock file's path (the same UUID may live in several lock directories).
 _WHOLE: dict[str, fasteners.InterProcessLock] = {}  # the GPUs it holds whole
 _SHARES: dict[str, dict[int, tuple[Range, ...]]] = {}  # ticket -> ranges locked
-_FDS: dict[str, int] = {}  # a descriptor of each lock file (and queue.lock), open for the process's life
 
 
 def _forget_held() -> None:
@@ -80,7 +76,6 @@ _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path
 
 TICKET, GRANT = 0, 1  # lines of the counters file
 _COUNTER_WIDTH = 20
-_FLOCK = "hhqqi4x"  # struct flock on Linux: type, whence, start, len, pid
 
 
 @dataclass(frozen=True)
@@ -102,72 +97,6 @@ class Grant:
     ranges: tuple[Range, ...] = ()
 
 
-@dataclass
-class _Room:
-    """On paper, while planning grants: whether a GPU is untouched, and its free MiB."""
-
-    idle: bool
-    free: int
-
-
-SHARED_DIR_MODE = 0o777
-"""Servers of every user (host processes, containers of other uids) write in the lock directory.
-No sticky bit: records are replaced by rename, which a sticky directory forbids across users."""
-SHARED_FILE_MODE = 0o666
-
-
-def shared_dir(path: Path) -> None:
-    """Create a directory of the lock directory, writable by every user if we own it."""
-    path.mkdir(parents=True, exist_ok=True)
-    if path.stat().st_uid == os.geteuid():
-        with contextlib.suppress(PermissionError):
-            os.chmod(path, SHARED_DIR_MODE)
-
-
-def shared_file(path: Path, data: bytes | None = None) -> None:
-    """Create `path` writable by every user: empty if absent (data None), else replaced atomically."""
-    if data is None and path.exists():
-        return  # never reopen a lock file: closing a second descriptor would drop our fcntl lock
-    target = path if data is None else path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if data is None else os.O_TRUNC), SHARED_FILE_MODE)
-    try:
-        with contextlib.suppress(PermissionError):
-            os.fchmod(fd, SHARED_FILE_MODE)
-        if data is not None:
-            os.write(fd, data)
-    finally:
-        os.close(fd)
-    if data is not None:
-        os.replace(target, path)
-
-
-def _open_once(path: str) -> int:
-    """This process's descriptor of a lock file (created if absent), opened once and never closed:
-    closing any descriptor of a file drops the fcntl locks the process holds in it."""
-    fd = _FDS.get(path)
-    if fd is None:
-        shared_file(Path(path))
-        fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    return fd
-
-
-def _names(directory: Path, prefix: str, suffix: str) -> list[str]:
-    """Names in `directory` with that prefix and suffix (no glob: its pattern would be compiled
-    again in every new connection process)."""
-    return [name for name in os.listdir(directory) if name.startswith(prefix) and name.endswith(suffix)]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    shared_file(path, json.dumps(data).encode())
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def describe_need(count: int, memory: int) -> str:
     """'2 GPU(s)' or '6144 MiB of one GPU', for messages."""
     return f"{memory} MiB of one GPU" if memory else f"{count} GPU(s)"
@@ -185,9 +114,9 @@ class GPULockManager:
     def __init__(self, lock_dir: str | os.PathLike[str], sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
         for sub in ("", "gpus", "held", "queue"):
-            shared_dir(self.root / sub)
-        shared_file(self.root / "counters")
-        self._queue_fd = _open_once(str(self.root / "queue.lock"))
+            lockdir.shared_dir(self.root / sub)
+        lockdir.shared_file(self.root / "counters")
+        self._queue_fd = lockdir.open_once(str(self.root / "queue.lock"))
         self._gpus_dir = str(self.root / "gpus")
         self._sleep_poll = sleep_poll
 
@@ -221,7 +150,7 @@ class GPULockManager:
 
     def _fd(self, uuid: str) -> int:
         """This process's descriptor of the GPU's lock file, for probes and shares; never closed."""
-        return _open_once(self._lock_path(uuid))
+        return lockdir.open_once(self._lock_path(uuid))
 
     def _taken(self, uuid: str, end: int) -> list[Range]:
         """Under the queue lock: ranges below MiB `end` (0: all of the file) that others hold,
@@ -229,10 +158,10 @@ class GPULockManager:
         if self._lock_path(uuid) in _WHOLE:
             return [(0, end)]
         taken = [r for ranges in _SHARES.get(self._lock_path(uuid), {}).values() for r in ranges]
-        _others(self._fd(uuid), 0, end, taken)
+        lockdir.others(self._fd(uuid), 0, end, taken)
         return taken
 
-    def _rooms(self, sizes: Mapping[str, int], uuids: set[str], fractional: bool) -> dict[str, _Room]:
+    def _rooms(self, sizes: Mapping[str, int], uuids: set[str], fractional: bool) -> dict[str, planning.Room]:
         """Under the queue lock: each GPU's room. Free MiB of a busy GPU are counted only when a
         fractional request is involved (sizes are known for every GPU such a request may use)."""
         rooms = {}
@@ -240,11 +169,11 @@ class GPULockManager:
             size = sizes.get(uuid, 0)
             taken = self._taken(uuid, size if fractional else 0)
             if not taken:
-                rooms[uuid] = _Room(True, size)
+                rooms[uuid] = planning.Room(True, size)
             elif fractional and size:
-                rooms[uuid] = _Room(False, size - sum(length for _, length in taken))
+                rooms[uuid] = planning.Room(False, size - sum(length for _, length in taken))
             else:
-                rooms[uuid] = _Room(False, 0)
+                rooms[uuid] = planning.Room(False, 0)
         return rooms
 
     def _waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
@@ -260,9 +189,9 @@ class GPULockManager:
             if before is not None and int(name[:-5]) >= before:
                 break
             entry = self.root / "queue" / name
-            info = _ENTRIES.get(str(entry)) or _read_json(entry)
+            info = _ENTRIES.get(str(entry)) or lockdir.read_json(entry)
             fifo = entry.with_suffix(".fifo")
-            if info is None or not _fifo_has_reader(fifo):
+            if info is None or not lockdir.fifo_has_reader(fifo):
                 _ENTRIES.pop(str(entry), None)
                 if prune:
                     entry.unlink(missing_ok=True)
@@ -338,7 +267,7 @@ class GPULockManager:
                     timeout = min(timeout, remaining)
                 readable, _, _ = select.select([fifo_fd, *wake_fds], [], [], timeout)
                 if fifo_fd in readable:
-                    _drain(fifo_fd)
+                    lockdir.drain(fifo_fd)
                 if on_wake is not None:
                     on_wake()
                 with self._locked():
@@ -361,11 +290,11 @@ class GPULockManager:
         entry = self.root / "queue" / f"{ticket:016d}.json"
         fifo = entry.with_suffix(".fifo")
         os.mkfifo(fifo)
-        os.chmod(fifo, SHARED_FILE_MODE)  # others must open it to wake us (and to see we live)
+        os.chmod(fifo, lockdir.SHARED_FILE_MODE)  # others must open it to wake us (and to see we live)
         # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
         # and writers see a reader for exactly as long as this process lives.
         fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-        _write_json(entry, {**info, **need, "ticket": ticket, "since": time.time()})
+        lockdir.write_json(entry, {**info, **need, "ticket": ticket, "since": time.time()})
         return entry, fifo_fd
 
     def _try_grant(self, ticket: int, need: dict[str, Any], info: dict[str, Any]) -> tuple[Grant | None, int]:
@@ -384,14 +313,14 @@ class GPULockManager:
         for waiter in earlier:
             competes = bool(set(waiter["candidates"]) & set(candidates))
             ahead += competes
-            theirs = _pick(rooms, waiter["count"], waiter.get("memory", 0), waiter["candidates"])
+            theirs = planning.pick(rooms, waiter["count"], waiter.get("memory", 0), waiter["candidates"])
             if theirs:
-                _take(rooms, theirs, waiter.get("memory", 0))  # they will take these first
+                planning.take(rooms, theirs, waiter.get("memory", 0))  # they will take these first
                 behind_a_grant |= competes  # and be granted first: their grant wakes us
             else:
                 for uuid in waiter["candidates"]:  # reserved while they wait
-                    rooms[uuid] = _Room(False, 0)
-        mine = _pick(rooms, need["count"], need["memory"], candidates)
+                    rooms[uuid] = planning.Room(False, 0)
+        mine = planning.pick(rooms, need["count"], need["memory"], candidates)
         if behind_a_grant or not mine:
             return None, ahead
         grant = self._lock(mine, need["memory"], sizes, ticket)
@@ -400,7 +329,7 @@ class GPULockManager:
         since = time.time()
         for uuid in grant.uuids:
             self._clear_records(uuid, grant.ranges)
-            _write_json(self.root / "held" / f"{uuid}.{ticket}.json",
+            lockdir.write_json(self.root / "held" / f"{uuid}.{ticket}.json",
                         {**info, "ticket": ticket, "sequence": grant.sequence, "memory": grant.memory,
                          "ranges": [list(r) for r in grant.ranges], "since": since})
         entry = self.root / "queue" / f"{ticket:016d}.json"
@@ -413,7 +342,7 @@ class GPULockManager:
         if memory:
             uuid = uuids[0]
             fd = self._fd(uuid)
-            ranges = _fit(self._taken(uuid, sizes[uuid]), sizes[uuid], memory)
+            ranges = planning.fit(self._taken(uuid, sizes[uuid]), sizes[uuid], memory)
             done: list[Range] = []
             for start, length in ranges:
                 try:
@@ -439,10 +368,10 @@ class GPULockManager:
     def _clear_records(self, uuid: str, ranges: tuple[Range, ...]) -> None:
         """Under the queue lock, after locking `ranges` of the GPU (all of it if none): remove the
         records of earlier holders that overlap them; they are dead, or we could not have locked."""
-        for name in _names(self.root / "held", f"{uuid}.", ".json"):
+        for name in lockdir.names(self.root / "held", f"{uuid}.", ".json"):
             path = self.root / "held" / name
-            old = _read_json(path)
-            if old is None or not ranges or not old.get("ranges") or _overlap(ranges, old["ranges"]):
+            old = lockdir.read_json(path)
+            if old is None or not ranges or not old.get("ranges") or planning.overlap(ranges, old["ranges"]):
                 path.unlink(missing_ok=True)
 
     def release(self, grant: Grant) -> None:
@@ -452,7 +381,7 @@ class GPULockManager:
             path = self._lock_path(uuid)
             if grant.memory:
                 for start, length in _SHARES.get(path, {}).pop(grant.ticket, ()):
-                    fcntl.lockf(_FDS[path], fcntl.LOCK_UN, length, start)
+                    fcntl.lockf(lockdir.open_once(path), fcntl.LOCK_UN, length, start)
                 if not _SHARES.get(path):
                     _SHARES.pop(path, None)
             elif path in _WHOLE:
@@ -461,8 +390,8 @@ class GPULockManager:
 
     def wake_all(self) -> None:
         """Wake every waiting request so it re-checks the queue."""
-        for name in _names(self.root / "queue", "", ".fifo"):
-            _poke(self.root / "queue" / name)
+        for name in lockdir.names(self.root / "queue", "", ".fifo"):
+            lockdir.poke(self.root / "queue" / name)
 
     # -- status ----------------------------------------------------------------------
 
@@ -480,9 +409,9 @@ class GPULockManager:
         their locks are taken, and nothing is removed here (the next grant of a GPU removes its
         dead holders' records, the next granter the dead waiters' entries)."""
         held: dict[str, list[dict[str, Any]]] = {}
-        for name in _names(self.root / "held", "", ".json"):
+        for name in lockdir.names(self.root / "held", "", ".json"):
             uuid, _, ticket = name.removesuffix(".json").rpartition(".")
-            info = _read_json(self.root / "held" / name)
+            info = lockdir.read_json(self.root / "held" / name)
             if uuid and ticket.isdigit() and info is not None and self._holds(uuid, info):
                 held.setdefault(uuid, []).append(info)
         for holders in held.values():
@@ -493,107 +422,10 @@ class GPULockManager:
         """Whether the holder a held/ record names still holds its locks."""
         ranges = [tuple(r) for r in info.get("ranges") or ()]
         if not ranges:
-            return self._lock_path(uuid) in _WHOLE or bool(_others(self._fd(uuid), 0, 0, []))
+            return self._lock_path(uuid) in _WHOLE or bool(lockdir.others(self._fd(uuid), 0, 0, []))
         if info["ticket"] in _SHARES.get(self._lock_path(uuid), {}):
             return True
         start, length = ranges[0]
-        return bool(_others(self._fd(uuid), start, start + length, []))
+        return bool(lockdir.others(self._fd(uuid), start, start + length, []))
 
 
-def _pick(rooms: dict[str, _Room], count: int, memory: int, candidates: Sequence[str]) -> list[str]:
-    """The GPUs a request would get now ([] if none): the first idle ones for whole GPUs; for a
-    share, the fullest GPU already shared that has room, else the first idle one large enough."""
-    if not memory:
-        idle = [uuid for uuid in candidates if rooms[uuid].idle]
-        return idle[:count] if len(idle) >= count else []
-    shared = [uuid for uuid in candidates if not rooms[uuid].idle and rooms[uuid].free >= memory]
-    if shared:
-        return [min(shared, key=lambda uuid: rooms[uuid].free)]
-    idle = [uuid for uuid in candidates if rooms[uuid].idle and rooms[uuid].free >= memory]
-    return idle[:1]
-
-
-def _take(rooms: dict[str, _Room], uuids: list[str], memory: int) -> None:
-    for uuid in uuids:
-        rooms[uuid] = _Room(False, rooms[uuid].free - memory if memory else 0)
-
-
-def _fit(taken: list[Range], size: int, memory: int) -> list[Range]:
-    """Free ranges of a GPU of `size` MiB to lock for `memory` MiB: the smallest gap that fits,
-    else gaps in order."""
-    gaps, at = [], 0
-    for start, length in sorted(taken):
-        if start > at:
-            gaps.append((at, start - at))
-        at = max(at, start + length)
-    if at < size:
-        gaps.append((at, size - at))
-    fitting = [gap for gap in gaps if gap[1] >= memory]
-    if fitting:
-        start, _ = min(fitting, key=lambda gap: gap[1])
-        return [(start, memory)]
-    ranges, left = [], memory
-    for start, length in gaps:
-        ranges.append((start, min(length, left)))
-        left -= ranges[-1][1]
-        if not left:
-            return ranges
-    raise InvalidRequestError(f"no room for {memory} MiB")  # _pick checked the room: cannot happen
-
-
-def _overlap(ours: Sequence[Range], theirs: Sequence[Sequence[int]]) -> bool:
-    return any(a < c + d and c < a + b for a, b in ours for c, d in theirs)
-
-
-def _others(fd: int, start: int, end: int, found: list[Range]) -> list[Range]:
-    """Append to `found` the ranges in [start, end) of the file that other processes lock, clipped
-    (end 0: to infinity; a whole-file lock is then reported as (0, 0)); returns `found`.
-
-    F_GETLK reports one conflicting lock at a time, in no particular order, so the search
-    splits around each one it finds."""
-    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, end - start if end else 0, 0)
-    kind, _, lock_start, lock_len, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
-    if kind == fcntl.F_UNLCK:
-        return found
-    first = max(start, lock_start)
-    if not end:
-        found.append((first, lock_len))
-        return found
-    last = end if lock_len == 0 else min(end, lock_start + lock_len)
-    found.append((first, last - first))
-    if start < first:
-        _others(fd, start, first, found)
-    if last < end:
-        _others(fd, last, end, found)
-    return found
-
-
-def _fifo_has_reader(fifo: Path) -> bool:
-    try:
-        if not stat.S_ISFIFO(os.stat(fifo).st_mode):
-            return False
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # ENXIO: nobody has it open for reading; ENOENT: gone
-        return False
-    os.close(fd)
-    return True
-
-
-def _poke(fifo: Path) -> None:
-    try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:
-        return
-    try:
-        os.write(fd, b"!")
-    except OSError as exc:  # a full pipe already holds a wake-up; a broken one lost its waiter
-        if exc.errno not in (errno.EAGAIN, errno.EPIPE):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _drain(fd: int) -> None:
-    with contextlib.suppress(BlockingIOError):
-        while os.read(fd, 4096):
-            pass
