@@ -249,9 +249,12 @@ class JobProcess:
         buffers: its out-of-band buffers. The job process gets them by the fork (shared until
             written); run() empties the list, so this process lets go of their memory once the
             job no longer waits (a LoadCheck may need them while it does).
+        close_fds: descriptors of this process the job process must not keep (a spare's
+            connection process still has the server's listening socket).
     """
 
-    def __init__(self, body: bytes | None = None, buffers: list[Any] | None = None) -> None:
+    def __init__(self, body: bytes | None = None, buffers: list[Any] | None = None,
+                 close_fds: Sequence[int] = ()) -> None:
         go_r, self._go_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -261,7 +264,7 @@ class JobProcess:
         parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:
-            for fd in (self._go_w, out_r, err_r, res_r):
+            for fd in (self._go_w, out_r, err_r, res_r, *close_fds):
                 os.close(fd)
             _child(body, buffers or (), go_r, out_w, err_w, res_w, parent)
         self._buffers = buffers

@@ -229,7 +229,7 @@ class DLServer(ForkingServer):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would close the listener
             runner.die_with_parent(parent)  # a spare must not outlive the server: it holds the port
             runner.name_process("rpycdl-spare")
-            self._spare_job = runner.JobProcess()
+            self._spare_job = runner.JobProcess(close_fds=[self.listener.fileno()])
             sock = self._take_client()
             os.write(self._taken_w, _PID.pack(os.getpid()))
             runner.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop

@@ -8,7 +8,16 @@ import signal
 import socket
 import time
 
-from helpers import children, connection_processes, server_pid, spare_processes, wait_until
+from helpers import (
+    Background,
+    children,
+    connection_processes,
+    gate_job,
+    open_gate,
+    server_pid,
+    spare_processes,
+    wait_until,
+)
 
 from rpycdl import registry, wire
 from rpycdl.defaults import SPARE_CONNECTIONS
@@ -29,6 +38,17 @@ def _ready_jobs(pid: int) -> set[int]:
         return {job for jobs in held for job in jobs}
 
     return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares, each with its job process")
+
+
+def _bindable(port: int) -> bool:
+    """Whether nothing listens on the port any more."""
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            again.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _make_job_pid():
@@ -114,8 +134,22 @@ def test_spares_die_with_a_killed_server_and_free_its_port(server, cluster, conn
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _comm(p) != "rpycdl-conn" for p in spares + list(jobs)),
                timeout=2.0, what="the spares and their job processes to be gone")
-    with socket.socket() as again:  # nothing holds the listening socket any more
-        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        again.bind(("127.0.0.1", port))
+    assert _bindable(port), "something still holds the listening socket"
     assert serving.root.run_code(lambda x: x, "after") == "after"  # a connection already served goes on
 
+
+
+def test_a_killed_server_frees_its_port_while_a_job_it_took_still_runs(server, cluster, connect, tmp_path):
+    port = server()
+    pid = server_pid(cluster, port)
+    _ready_jobs(pid)
+    gate = str(tmp_path / "gate")
+    job = Background(connect(port), gate_job(gate), "finished")  # the connection's first job: its spare
+    wait_until(lambda: any(state == "running" for state, _ in job.states), what="the job to run")
+    os.kill(pid, signal.SIGKILL)  # no shutdown() of the listening socket: only closing every descriptor frees it
+    next(p for p in cluster.processes if p.popen.pid == pid).popen.wait(10)
+    # The spares die with the server; the job process must not hold its listening socket either.
+    wait_until(lambda: _bindable(port), timeout=2.0, what="the port to be free")
+    open_gate(gate)
+    wait_until(lambda: job.done, what="the job to finish")
+    assert job.value == "finished", job.error
