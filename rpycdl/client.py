@@ -107,25 +107,19 @@ class RemoteRoot:
                 outcome = _call(self._conn, "run", payload, whole, _sink(out), _sink(err), timeout, queue_timeout,
                                 state_cb, *share)
         except KeyboardInterrupt:
-            self._conn.close()  # the server sees the client go and cancels the job
+            transport.close_now(self._conn)  # the server sees the client go and cancels the job
             raise
         return wire.decode_outcome(outcome, received)
 
     def _send(self, sock: Any, buffers: list[Any]) -> None:
         """The call's out-of-band buffers, written raw on the connection (transport.pull)."""
-        try:
+        with transport.closed_on_failure(self._conn):
             transport.send_buffers(sock, buffers)
-        except BaseException:
-            self._conn.close()  # the stream is out of step
-            raise
 
     def _receive(self, sock: Any, layout: Any) -> list[Any]:
         """A result's out-of-band buffers, read raw from the connection (transport.push)."""
-        try:
+        with transport.closed_on_failure(self._conn):
             return transport.receive_buffers(sock, wire.check_layout(layout))
-        except BaseException:
-            self._conn.close()  # the stream is out of step
-            raise
 
     def run_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                       workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -153,7 +147,7 @@ class RemoteRoot:
             outcome = _call(self._conn, "run_container", image, command, ngpus, env, workdir, mounts, _sink(out),
                             _sink(err), timeout, queue_timeout, state_cb)
         except KeyboardInterrupt:
-            self._conn.close()
+            transport.close_now(self._conn)
             raise
         return wire.decode_outcome(outcome)
 

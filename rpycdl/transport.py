@@ -8,9 +8,10 @@ peers that do not understand each other.
 Large buffers (rpycdl.wire's out-of-band buffers) bypass RPyC: the side that needs them makes
 an RPyC request to a callback of the other side (`pull`, `push`), and the raw bytes travel on
 the same socket between that request and its reply, written straight from the sender's memory
-and read straight into fresh memory of the receiver. Only the side that made the request reads
-or writes the socket meanwhile, so the stream never gets out of step; on any failure in the
-middle the connection is closed."""
+and read straight into fresh memory of the receiver. Between that request and its reply neither
+side sends or reads an RPyC message, only the raw bytes move, so the stream never gets out of
+step; on any failure in the middle the connection is closed at once (closed_on_failure: RPyC's
+own close would wait for an answer that never comes)."""
 
 from __future__ import annotations
 
@@ -196,10 +197,22 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
 
 def close_now(conn: rpyc.Connection) -> None:
     """Close an RPyC connection at once: the peer sees end of file, where RPyC's close() would
-    send a close request and wait for the peer to act on it."""
+    send a close request and wait for the peer to answer it (forever, mid-transfer, when the
+    stream holds raw bytes instead of an answer)."""
     if not conn.closed:
         conn._channel.close()
     conn.close()  # its close request now fails at once; it still releases what the connection holds
+
+
+@contextlib.contextmanager
+def closed_on_failure(conn: rpyc.Connection) -> Iterator[None]:
+    """Close `conn` at once (close_now) if the block raises: a raw transfer cut short leaves the
+    stream out of step, and the peer must see the connection end."""
+    try:
+        yield
+    except BaseException:
+        close_now(conn)
+        raise
 
 
 # -- large buffers beside RPyC ---------------------------------------------------------------------
@@ -277,11 +290,8 @@ def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple
     right after our request to call it, before its reply."""
     call = rpyc.async_(send)
     reply = call()
-    try:
+    with closed_on_failure(conn):
         buffers = receive_buffers(bulk_socket(conn), layout)
-    except BaseException:
-        conn.close()
-        raise
     reply.wait()
     return buffers
 
@@ -295,11 +305,8 @@ def push(conn: rpyc.Connection, receive: Callable[[Any], None], layout: Sequence
     """
     call = rpyc.async_(receive)
     reply = call(tuple(layout))
-    try:
+    with closed_on_failure(conn):
         sent = forward(bulk_socket(conn), fd, sum(size for size, _ in layout))
-    except BaseException:
-        conn.close()
-        raise
     reply.wait()
     return sent
 

@@ -229,6 +229,12 @@ DYING_CLIENT = textwrap.dedent('''
         os._exit(3)
 
 
+    def receive_half_then_interrupt(sock, layout):
+        transport._receive(sock, memoryview(bytearray(size // 2)))
+        print("half received", flush=True)
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a result
+
+
     def job(args):
         import os
 
@@ -241,8 +247,15 @@ DYING_CLIENT = textwrap.dedent('''
     conn = rpycdl.connect(host="127.0.0.1", port=port)
     if way == "argument":
         conn.root.run_code(lambda blob: len(blob), os.urandom(size))
-    else:
+    elif way == "result":
         conn.root.run_code(job, {"dir": directory, "size": size})
+    else:  # interrupted
+        transport.receive_buffers = receive_half_then_interrupt
+        try:
+            conn.root.run_code(job, {"dir": directory, "size": size})
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(4)
 ''')
 
 
@@ -279,3 +292,15 @@ def test_a_client_dying_mid_transfer_leaves_nothing_behind_and_the_server_goes_o
     data = os.urandom(64 * MiB)
     digest = connect(port).root.run_code(lambda blob: __import__("hashlib").sha256(blob).hexdigest(), data)
     assert digest == hashlib.sha256(data).hexdigest()
+
+
+def test_ctrl_c_in_the_middle_of_a_large_result_ends_the_call_at_once(cluster, server, connect, tmp_path):
+    port = server("pytorch", "fake:1")
+    status = connect(port)
+    client = subprocess.run([sys.executable, "-c", DYING_CLIENT, str(port), "interrupted", str(tmp_path),
+                             str(256 * MiB)], capture_output=True, text=True, timeout=30)
+    assert client.returncode == 4 and "half received" in client.stdout and "interrupted" in client.stdout, \
+        client.stdout + client.stderr
+    wait_until(lambda: [job["state"] for job in status.root.jobs()] == ["cancelled"], what="the job to be cancelled")
+    wait_idle(status)
+    assert connect(port).root.run_code(lambda x: x, "still serving") == "still serving"
