@@ -1,10 +1,10 @@
 """Who may talk to a server, said before RPyC says a word: the server's greeting (or refusal),
 mutual TLS (rpycdl.tls), the shared-secret handshake, and the identity a connection gets.
 
-A server that requires authentication greets every accepted connection from its parent
-process with one line, `RPYCDL-AUTH tls`, `RPYCDL-AUTH secret` or `RPYCDL-AUTH tls+secret`;
-a server over its connection limit answers `RPYCDL-REFUSED <why>` and closes, whatever its
-mode. A client with credentials reads the greeting, then does every step it names (TLS first,
+A server that requires authentication greets every client with one line from the connection
+process that took it, `RPYCDL-AUTH tls`, `RPYCDL-AUTH secret` or `RPYCDL-AUTH tls+secret`;
+a server over its connection limit answers `RPYCDL-REFUSED <why>` from its parent and closes,
+whatever its mode. A client with credentials reads the greeting, then does every step it names (TLS first,
 then the secret), each of which also proves the server; a client without credentials sees the
 line where it expected RPyC's first reply. The greeting steers nothing the client has not
 configured, so a forged one can only make a connection fail.
@@ -30,6 +30,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from rpyc.utils.authenticators import AuthenticationError
 
@@ -73,9 +74,14 @@ def declared(user: object) -> Identity:
     Raises:
         InvalidRequestError: not a plausible user name.
     """
-    if not isinstance(user, str) or not USER_NAME.match(user):
+    if not is_user_name(user):
         raise InvalidRequestError(f"not a user name: {user!r} (1 to 64 letters, digits, '.', '_' or '-')")
     return Identity(user)
+
+
+def is_user_name(value: object) -> TypeGuard[str]:
+    """Whether `value` is a user (or host) name rpycdl accepts: USER_NAME."""
+    return isinstance(value, str) and USER_NAME.match(value) is not None
 
 
 def load_secret(path: str | None = None) -> bytes | None:
@@ -88,12 +94,10 @@ def load_secret(path: str | None = None) -> bytes | None:
     if not path:
         return None
     try:
-        info = os.stat(path)
         secret = Path(path).read_bytes().strip()
     except OSError as exc:
         raise InvalidRequestError(f"cannot read the secret file {path}: {exc.strerror}") from None
-    if info.st_mode & 0o077:
-        raise InvalidRequestError(f"the secret file {path} is readable by others: chmod 600 {path}")
+    tls.check_private(path, "secret file")
     if len(secret) < 16:
         raise InvalidRequestError(f"the secret in {path} is too short: use at least 16 characters "
                                   "(e.g. `openssl rand -hex 32`)")

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rpycdl.auth import USER_NAME
+from rpycdl.auth import is_user_name
 from rpycdl.defaults import CA_DAYS, SERVER_CERT_DAYS, USER_CERT_DAYS
 from rpycdl.errors import InvalidRequestError
 from rpycdl.tls import ADMIN_UNIT
@@ -39,8 +39,8 @@ class Issued:
 
 
 def _check_name(name: str, what: str) -> str:
-    """A user or host name (it becomes part of file names): what auth.USER_NAME allows."""
-    if not isinstance(name, str) or not USER_NAME.match(name):
+    """A user or host name (it becomes part of file names): what auth.is_user_name allows."""
+    if not is_user_name(name):
         raise InvalidRequestError(f"bad {what} {name!r}: 1 to 64 letters, digits, '.', '_' or '-'")
     return name
 

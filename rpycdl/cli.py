@@ -1,4 +1,4 @@
-"""The `rpycdl` command: registry, serve, status, jobs, cancel, demo, selftest."""
+"""The `rpycdl` command: registry, serve, status, jobs, cancel, run, demo, selftest, certs, up, down."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from rpycdl import credentials, registry
 from rpycdl.auth import Identity
-from rpycdl.client import Connection, connect
+from rpycdl.client import Connection, connect, connect_to
 from rpycdl.defaults import (
     CA_DAYS,
     CONFIG_FILE,
@@ -229,9 +229,8 @@ def _servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[
     if not addresses:
         raise RpycdlError(f"the registry {registry.registry_address(settings.registry)} knows no "
                           f"{'server of ' + args.service.upper() if args.service else 'server'}")
-    return [(address, functools.partial(connect, host=address[0], port=address[1], secret_file=settings.secret_file,
-                                        tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_ca=settings.tls_ca))
-            for address in addresses]
+    secret, tls_context = settings.secret(), settings.tls_context()  # read once for every server
+    return [(address, functools.partial(connect_to, address, secret, tls_context)) for address in addresses]
 
 
 def _each_server(args: argparse.Namespace, call: str) -> list[tuple[tuple[str, int], Any]]:
@@ -340,8 +339,6 @@ def _cancel(args: argparse.Namespace) -> int:
 
 def run_command(argv: list[str]) -> int:
     """The job of `rpycdl run`: the command, with the job's GPUs; returns its exit code."""
-    import subprocess
-
     try:
         return subprocess.run(argv, check=False).returncode
     except OSError as exc:  # not found, not executable: say so like a shell would

@@ -103,7 +103,7 @@ class RemoteRoot:
                     self._buffers_beside = False
             if outcome is None:
                 if buffers:
-                    payload, buffers = wire.encode_payload(fn, args), []
+                    payload = wire.encode_payload(fn, args)
                 outcome = _call(self._conn, "run", payload, whole, _sink(out), _sink(err), timeout, queue_timeout,
                                 state_cb, *share)
         except KeyboardInterrupt:
@@ -185,7 +185,7 @@ class Connection:
         self.address = address
         self.root = RemoteRoot(conn)
         user = getpass.getuser()
-        user = user if auth.USER_NAME.match(user) else "unknown"
+        user = user if auth.is_user_name(user) else "unknown"
         # Not waited for: the server handles it before any request sent after it.
         self._identity: rpyc.AsyncResult | dict[str, Any] = conn.async_request(
             consts.HANDLE_CALLATTR, conn.root, "identify", (user,), ())
@@ -256,11 +256,16 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
                                    registry=registry_address)
     secret, tls_context = settings.secret(), settings.tls_context()
     if host is not None:
-        address = (host, port or SERVER_PORT)
-        return Connection(transport.connect(*address, CLIENT_CONFIG, secret, tls_context), address)
+        return connect_to((host, port or SERVER_PORT), secret, tls_context)
     if not service:
         raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
     return _discover(service, settings.registry, secret, tls_context)
+
+
+def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.SSLContext | None) -> Connection:
+    """Connect to the server at `address` with credentials already loaded (connect() loads them;
+    a command talking to many servers loads them once)."""
+    return Connection(transport.connect(*address, CLIENT_CONFIG, secret, tls_context), address)
 
 
 def _discover(service: str, registry_address: str | None, secret: bytes | None,

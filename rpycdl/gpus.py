@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 from rpycdl.defaults import ENV_GPUS, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
 from rpycdl.jobs import process_alive
+
+_T = TypeVar("_T")
 
 GiB = 1024**3
 FAKE_DEFAULT_MEMORY = 16 * GiB
@@ -152,13 +155,8 @@ class NvmlInventory(Inventory):
         return list(self._gpus)
 
     def memory_used(self) -> dict[str, int | None]:
-        nvml = self._nvml
-        used: dict[str, int | None] = {gpu.uuid: None for gpu in self._gpus}
-        try:
-            nvml.nvmlInit()
-        except Exception:
-            return used
-        try:
+        def query(nvml: ModuleType) -> dict[str, int | None]:
+            used: dict[str, int | None] = {}
             for gpu in self._gpus:
                 try:  # one broken GPU yields an unknown entry, not a failed listing
                     handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode())
@@ -166,23 +164,28 @@ class NvmlInventory(Inventory):
                 except Exception:
                     used[gpu.uuid] = None
             return used
-        finally:
-            nvml.nvmlShutdown()
 
+        return self._ask(query, {gpu.uuid: None for gpu in self._gpus})
 
     def process_memory(self, uuid: str) -> dict[int, int] | None:
-        nvml = self._nvml
-        try:
-            nvml.nvmlInit()
-        except Exception:
-            return None
-        try:
+        def query(nvml: ModuleType) -> dict[int, int]:
             handle = nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
             return {int(p.pid): int(p.usedGpuMemory or 0) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+
+        return self._ask(query, None)
+
+    def _ask(self, query: Callable[[ModuleType], _T], failed: _T) -> _T:
+        """query(nvml) between nvmlInit and nvmlShutdown; `failed` if NVML cannot start or the query raises."""
+        try:
+            self._nvml.nvmlInit()
         except Exception:
-            return None
+            return failed
+        try:
+            return query(self._nvml)
+        except Exception:
+            return failed
         finally:
-            nvml.nvmlShutdown()
+            self._nvml.nvmlShutdown()
 
 
 def simulate_memory(size: int, device: int = 0) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.defaults import FINISHED_JOBS_KEPT
-from rpycdl.lockdir import shared_dir, shared_file
+from rpycdl.lockdir import names, shared_dir, shared_file
 
 
 class JobState(str, Enum):
@@ -101,8 +101,8 @@ class JobStore:
 
     def all(self) -> list[JobRecord]:
         records = []
-        for path in self.root.glob("*.json"):
-            record = self.load(path.stem)
+        for name in names(self.root, "", ".json"):
+            record = self.load(name.removesuffix(".json"))
             if record is not None:
                 records.append(record)
         return sorted(records, key=lambda r: r.submitted)

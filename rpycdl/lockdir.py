@@ -129,8 +129,10 @@ def poke(fifo: Path) -> None:
         os.close(fd)
 
 
-def drain(fd: int) -> None:
-    """Read a non-blocking FIFO empty (the wake-ups are counted as one)."""
+def drain(fd: int) -> bytes:
+    """Read a non-blocking pipe or FIFO empty (a waiter's wake-ups count as one); returns what it held."""
+    data = b""
     with contextlib.suppress(BlockingIOError):
-        while os.read(fd, 4096):
-            pass
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    return data

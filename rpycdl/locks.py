@@ -32,8 +32,9 @@ available for whole-GPU requests.
 
 What the locks do not guarantee: they are fcntl locks, so they belong to a process (one
 process must not close a descriptor of a lock file it holds a lock in; rpycdl.lockdir keeps
-one descriptor per file for the process's life, so it never does), and they are freed by the
-kernel when the holder dies, without any wake-up: waiters re-check at least every
+one descriptor per file for the process's life, and the only other one, fasteners' for a whole
+GPU, is closed as that GPU is released, when the process holds no share of it), and they are
+freed by the kernel when the holder dies, without any wake-up: waiters re-check at least every
 WAIT_FALLBACK_POLL seconds, and a server parent that sees one of its connection processes die
 wakes them at once.
 """
@@ -160,21 +161,6 @@ class GPULockManager:
         taken = [r for ranges in _SHARES.get(self._lock_path(uuid), {}).values() for r in ranges]
         lockdir.others(self._fd(uuid), 0, end, taken)
         return taken
-
-    def _rooms(self, sizes: Mapping[str, int], uuids: set[str], fractional: bool) -> dict[str, planning.Room]:
-        """Under the queue lock: each GPU's room. Free MiB of a busy GPU are counted only when a
-        fractional request is involved (sizes are known for every GPU such a request may use)."""
-        rooms = {}
-        for uuid in uuids:
-            size = sizes.get(uuid, 0)
-            taken = self._taken(uuid, size if fractional else 0)
-            if not taken:
-                rooms[uuid] = planning.Room(True, size)
-            elif fractional and size:
-                rooms[uuid] = planning.Room(False, size - sum(length for _, length in taken))
-            else:
-                rooms[uuid] = planning.Room(False, 0)
-        return rooms
 
     def _waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
         """Live waiting requests in ticket order (only those before ticket `before`, if given);
@@ -307,42 +293,47 @@ class GPULockManager:
             sizes.update(waiter.get("sizes", {}))
         sizes.update(need["sizes"])
         fractional = bool(need["memory"]) or any(waiter.get("memory") for waiter in earlier)
-        rooms = self._rooms(sizes, involved, fractional)
+        taken = {uuid: self._taken(uuid, sizes.get(uuid, 0) if fractional else 0) for uuid in involved}
+        rooms = planning.rooms(taken, sizes, fractional)
         ahead = 0
         behind_a_grant = False
         for waiter in earlier:
             competes = bool(set(waiter["candidates"]) & set(candidates))
             ahead += competes
-            theirs = planning.pick(rooms, waiter["count"], waiter.get("memory", 0), waiter["candidates"])
+            memory = waiter.get("memory", 0)
+            theirs = planning.pick(rooms, waiter["count"], memory, waiter["candidates"])
             if theirs:
-                planning.take(rooms, theirs, waiter.get("memory", 0))  # they will take these first
+                planning.take(rooms, theirs, memory)  # they will take these first
                 behind_a_grant |= competes  # and be granted first: their grant wakes us
             else:
-                for uuid in waiter["candidates"]:  # reserved while they wait
-                    rooms[uuid] = planning.Room(False, 0)
+                planning.take(rooms, waiter["candidates"], 0)  # reserved while they wait
         mine = planning.pick(rooms, need["count"], need["memory"], candidates)
         if behind_a_grant or not mine:
             return None, ahead
-        grant = self._lock(mine, need["memory"], sizes, ticket)
+        # No earlier request was planned on `mine` (it would compete, and we would be behind its
+        # grant), so what is taken of them is still what was probed above.
+        grant = self._lock(mine, need["memory"], sizes, taken, ticket)
         if grant is None:  # cannot happen under the queue lock, but never double-book
             return None, ahead
         since = time.time()
         for uuid in grant.uuids:
             self._clear_records(uuid, grant.ranges)
             lockdir.write_json(self.root / "held" / f"{uuid}.{ticket}.json",
-                        {**info, "ticket": ticket, "sequence": grant.sequence, "memory": grant.memory,
-                         "ranges": [list(r) for r in grant.ranges], "since": since})
+                               {**info, "ticket": ticket, "sequence": grant.sequence, "memory": grant.memory,
+                                "ranges": [list(r) for r in grant.ranges], "since": since})
         entry = self.root / "queue" / f"{ticket:016d}.json"
         entry.unlink(missing_ok=True)
         entry.with_suffix(".fifo").unlink(missing_ok=True)
         return grant, ahead
 
-    def _lock(self, uuids: list[str], memory: int, sizes: Mapping[str, int], ticket: int) -> Grant | None:
-        """Under the queue lock: take the locks of a planned grant; None (nothing held) if one fails."""
+    def _lock(self, uuids: list[str], memory: int, sizes: Mapping[str, int], taken: Mapping[str, list[Range]],
+              ticket: int) -> Grant | None:
+        """Under the queue lock: take the locks of a planned grant, given what is `taken` of each GPU;
+        None (nothing held) if one fails."""
         if memory:
             uuid = uuids[0]
             fd = self._fd(uuid)
-            ranges = planning.fit(self._taken(uuid, sizes[uuid]), sizes[uuid], memory)
+            ranges = planning.fit(taken[uuid], sizes[uuid], memory)
             done: list[Range] = []
             for start, length in ranges:
                 try:
@@ -385,7 +376,7 @@ class GPULockManager:
                 if not _SHARES.get(path):
                     _SHARES.pop(path, None)
             elif path in _WHOLE:
-                _WHOLE.pop(path).release()  # closes its own descriptor: this process holds no share there
+                _WHOLE.pop(path).release()  # closes fasteners' descriptor: no share of it is held here
         self.wake_all()
 
     def wake_all(self) -> None:

@@ -1,9 +1,10 @@
 """Grants planned on paper, for rpycdl.locks: which GPUs a request would get now, and which MiB
-of a GPU's lock file a share would lock. Pure functions of each GPU's room; nothing is locked here."""
+of a GPU's lock file a share would lock, from each GPU's room (`take` updates the plan in place);
+nothing is locked here."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rpycdl.errors import InvalidRequestError
@@ -17,6 +18,22 @@ class Room:
 
     idle: bool
     free: int
+
+
+def rooms(taken: Mapping[str, list[Range]], sizes: Mapping[str, int], fractional: bool) -> dict[str, Room]:
+    """Each GPU's room, from the ranges `taken` of it (by every holder). Free MiB of a busy GPU are
+    counted only when a fractional request is involved (sizes are known for every GPU such a
+    request may use)."""
+    found = {}
+    for uuid, ranges in taken.items():
+        size = sizes.get(uuid, 0)
+        if not ranges:
+            found[uuid] = Room(True, size)
+        elif fractional and size:
+            found[uuid] = Room(False, size - sum(length for _, length in ranges))
+        else:
+            found[uuid] = Room(False, 0)
+    return found
 
 
 def pick(rooms: dict[str, Room], count: int, memory: int, candidates: Sequence[str]) -> list[str]:

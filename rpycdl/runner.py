@@ -157,7 +157,7 @@ def _write(fd: int, data: Any) -> None:
 
 class _ResultPipe:
     """The connection process's end of the result pipe: the header, then the out-of-band buffers
-    (handed to `on_buffers` with the pipe, blocking, to read them from), then the outcome."""
+    (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the outcome."""
 
     def __init__(self, fd: int, on_buffers: Callable[[wire.Layout], int] | None) -> None:
         self.fd = fd

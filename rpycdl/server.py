@@ -1,4 +1,5 @@
-"""Builds and starts the ForkingServer: service names, registration, the lock directory, the sweeper."""
+"""Builds and starts the ForkingServer: service names, registration, the lock directory, spare
+connection processes, authentication, the sweeper."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import rpyc
 from rpyc.utils.server import ForkingServer
 
-from rpycdl import auth, runner, tls, transport
+from rpycdl import auth, lockdir, runner, tls, transport
 from rpycdl.defaults import REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
@@ -125,8 +126,8 @@ class DLServer(ForkingServer):
     process serves one client and exits, as with RPyC's ForkingServer. The parent counts them:
     at --max-connections it keeps no spare and accepts connections itself, to refuse them.
 
-    It is a child subreaper, so what a job leaves behind is reaped here. When one of its
-    connection processes dies (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose
+    It is a child subreaper, so what a job leaves behind is reaped here. When a child exits other
+    than cleanly with 0 (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose
     connection process is gone (kill -9): it kills their process groups, marks them failed,
     and wakes the waiting requests."""
 
@@ -200,9 +201,9 @@ class DLServer(ForkingServer):
                 raise
             return
         if self._exited_r in readable:
-            _drain(self._exited_r)
+            lockdir.drain(self._exited_r)
         if self._taken_r in readable:
-            for (pid,) in _PID.iter_unpack(_drain(self._taken_r)):
+            for (pid,) in _PID.iter_unpack(lockdir.drain(self._taken_r)):
                 self._spares.discard(pid)
                 self._connections.add(pid)
         if self.listener in readable and self.active:
@@ -292,8 +293,7 @@ class DLServer(ForkingServer):
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
             select.select([self._wake_r], [], [], SWEEP_INTERVAL)
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+            lockdir.drain(self._wake_r)
 
 
 def _remove_orphan_containers(lock_dir: str) -> None:
@@ -319,15 +319,6 @@ def _running(pid: int) -> bool:
 def _poke(fd: int) -> None:
     with contextlib.suppress(BlockingIOError):
         os.write(fd, b"!")
-
-
-def _drain(fd: int) -> bytes:
-    """What a non-blocking pipe holds now."""
-    data = b""
-    with contextlib.suppress(BlockingIOError):
-        while chunk := os.read(fd, 4096):
-            data += chunk
-    return data
 
 
 def build_server(config: ServerConfig) -> DLServer:

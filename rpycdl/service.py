@@ -1,4 +1,5 @@
-"""The RPyC service: run_code (ours and the original servers'), gpu_status, jobs, cancel."""
+"""The RPyC service: run, run_buffers and run_code (ours and the original servers'), run_container,
+gpu_status, load, jobs, cancel, identify, limits, server_info."""
 
 from __future__ import annotations
 

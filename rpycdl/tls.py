@@ -31,9 +31,18 @@ def _check_files(cert: str | None, key: str | None, ca: str | None, what: str) -
     for name, path in given.items():
         if not os.path.isfile(path):
             raise InvalidRequestError(f"the {name} file {path} does not exist")
-    if os.stat(key).st_mode & 0o077:
-        raise InvalidRequestError(f"the key file {key} is readable by others: chmod 600 {key}")
+    check_private(key, "key file")  # type: ignore[arg-type]
     return cert, key, ca  # type: ignore[return-value]
+
+
+def check_private(path: str, what: str) -> None:
+    """Refuse a key or secret file that other users can read.
+
+    Raises:
+        InvalidRequestError: its mode gives group or others any access.
+    """
+    if os.stat(path).st_mode & 0o077:
+        raise InvalidRequestError(f"the {what} {path} is readable by others: chmod 600 {path}")
 
 
 def _context(purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLContext:

@@ -60,22 +60,11 @@ class BulkSocketStream(SocketStream):
 
     def read(self, count: int) -> bytes:
         buffer = bytearray(count)
-        view = memoryview(buffer)
-        done = 0
-        while done < count:
-            try:
-                received = self.sock.recv_into(view[done:], min(count - done, 1 << 24))
-            except TimeoutError:
-                continue
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                self.close()
-                raise EOFError(exc) from exc
-            if not received:
-                self.close()
-                raise EOFError("connection closed by peer")
-            done += received
+        try:
+            _receive(self.sock, memoryview(buffer))
+        except EOFError:
+            self.close()
+            raise
         return bytes(buffer)
 
     def poll(self, timeout: float) -> bool:
@@ -241,9 +230,9 @@ def allocate(size: int, readonly: bool) -> tuple[Any, ctypes.Array]:
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Write `buffers` (PickleBuffers, or anything with a buffer) raw on `sock`, in order."""
+    """Write `buffers` (the PickleBuffers of wire.encode_call) raw on `sock`, in order."""
     for buffer in buffers:
-        with (buffer.raw() if hasattr(buffer, "raw") else memoryview(buffer).cast("B")) as view:
+        with buffer.raw() as view:
             _send(sock, view)
 
 

@@ -22,7 +22,8 @@ _ANCESTRY_DEPTH = 32
 
 
 class MemoryWatch:
-    """Watches the job with process group `pgid` on `gpu`, granted `grant` bytes of it.
+    """Watches a job's use of `gpu`, granted `grant` bytes of it (check() names the job by its
+    process group).
 
     Args:
         inventory: where per-process memory comes from.
@@ -55,6 +56,8 @@ class MemoryWatch:
 def in_job(pid: int, pgid: int) -> bool:
     """Whether process `pid` belongs to the job whose process group (and first process) is `pgid`:
     in its group, or descended from it."""
+    if pid == pgid:  # the job process itself: no need to read /proc
+        return True
     for _ in range(_ANCESTRY_DEPTH):
         try:
             with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
@@ -62,7 +65,7 @@ def in_job(pid: int, pgid: int) -> bool:
         except OSError:
             return False
         ppid, group = int(fields[1]), int(fields[2])
-        if pid == pgid or group == pgid:
+        if pid == pgid or group == pgid:  # a descendant reached the job process, or is in its group
             return True
         if ppid <= 1:
             return False

@@ -156,12 +156,12 @@ def connection_processes(server_pid: int) -> list[int]:
     """The live children of a server process serving clients (its connection processes, and jobs
     they left), not the spares waiting for a client (nor those just forked, still named as the
     server)."""
-    return [pid for pid in children(server_pid) if _comm(pid) not in ("rpycdl-spare", "rpycdl-server")]
+    return [pid for pid in children(server_pid) if comm(pid) not in ("rpycdl-spare", "rpycdl-server")]
 
 
 def spare_processes(server_pid: int) -> list[int]:
     """The server's connection processes forked ahead, waiting for a client."""
-    return [pid for pid in children(server_pid) if _comm(pid) == "rpycdl-spare"]
+    return [pid for pid in children(server_pid) if comm(pid) == "rpycdl-spare"]
 
 
 def children(pid: int) -> list[int]:
@@ -177,7 +177,8 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _comm(pid: int) -> str:
+def comm(pid: int) -> str:
+    """A process's name (/proc/PID/comm), or "" once it is gone."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:

@@ -11,6 +11,7 @@ import time
 from helpers import (
     Background,
     children,
+    comm,
     connection_processes,
     gate_job,
     open_gate,
@@ -21,11 +22,6 @@ from helpers import (
 
 from rpycdl import registry, wire
 from rpycdl.defaults import SPARE_CONNECTIONS
-
-
-def _comm(pid: int) -> str:
-    with open(f"/proc/{pid}/comm") as comm:
-        return comm.read().strip()
 
 
 def _ready_jobs(pid: int) -> set[int]:
@@ -67,9 +63,9 @@ _job_pid = _make_job_pid()
 def test_a_server_keeps_spares_each_with_a_job_process_named_for_ps(server, cluster):
     pid = server_pid(cluster, server())
     jobs = _ready_jobs(pid)
-    assert {_comm(spare) for spare in spare_processes(pid)} == {"rpycdl-spare"}
-    assert {_comm(job) for job in jobs} == {"rpycdl-job"}
-    assert _comm(pid) == "rpycdl-server"
+    assert {comm(spare) for spare in spare_processes(pid)} == {"rpycdl-spare"}
+    assert {comm(job) for job in jobs} == {"rpycdl-job"}
+    assert comm(pid) == "rpycdl-server"
     assert connection_processes(pid) == []
 
 
@@ -83,7 +79,7 @@ def test_the_first_job_of_a_connection_runs_in_a_job_process_forked_before_it_co
     assert first in ready, (first, ready)
     assert second not in ready and second != first  # later jobs of the connection: forked as they come
     [serving] = connection_processes(pid)
-    assert _comm(serving) == "rpycdl-conn"
+    assert comm(serving) == "rpycdl-conn"
     assert len(_ready_jobs(pid) - ready) == 1, "the spare that took the client was replaced"
 
 
@@ -132,7 +128,7 @@ def test_spares_die_with_a_killed_server_and_free_its_port(server, cluster, conn
     serving = connect(port)
     assert serving.root.run_code(lambda x: x, "before") == "before"
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _comm(p) != "rpycdl-conn" for p in spares + list(jobs)),
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and comm(p) != "rpycdl-conn" for p in spares + list(jobs)),
                timeout=2.0, what="the spares and their job processes to be gone")
     assert _bindable(port), "something still holds the listening socket"
     assert serving.root.run_code(lambda x: x, "after") == "after"  # a connection already served goes on
