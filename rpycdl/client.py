@@ -81,7 +81,7 @@ class RemoteRoot:
         """
         payload, buffers = wire.encode_call(fn, args)
         layout = wire.layout(buffers)
-        self._check_size(len(payload) + sum(size for size, _ in layout))
+        self._check_size(len(payload) + wire.layout_bytes(layout))
         out = stdout if stdout is not None else sys.stdout
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))

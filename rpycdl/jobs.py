@@ -107,13 +107,11 @@ class JobStore:
                 records.append(record)
         return sorted(records, key=lambda r: r.submitted)
 
-    def request_cancel(self, job_id: str) -> JobRecord | None:
-        """Mark a live job for cancellation; the connection process serving it stops it."""
-        record = self.load(job_id)
-        if record is None or record.state.finished:
-            return record
-        shared_file(self._path(job_id).with_suffix(".cancel"))
-        return record
+    def request_cancel(self, record: JobRecord) -> None:
+        """Mark a live job for cancellation (a finished one is left alone); the connection process
+        serving it stops it."""
+        if not record.state.finished:
+            shared_file(self._path(record.job_id).with_suffix(".cancel"))
 
     def sweep(self, server_id: str) -> list[JobRecord]:
         """Fail this server's live jobs whose connection process died, killing what is left of

@@ -181,8 +181,7 @@ class _ResultPipe:
                 self.layout = tuple(_ENTRY.unpack_from(self.header, offset)
                                     for offset in range(_COUNT.size, need, _ENTRY.size))
                 if self.layout:
-                    total = sum(size for size, _ in self.layout)
-                    self.complete = self._on_buffers(self.layout) == total  # type: ignore[misc]
+                    self.complete = self._on_buffers(self.layout) == wire.layout_bytes(self.layout)  # type: ignore[misc]
                 break
             try:
                 chunk = os.read(self.fd, need - len(self.header))

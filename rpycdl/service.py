@@ -398,7 +398,7 @@ class GPUService(rpyc.Service):
         call of the client's `receive(layout)` (transport.push). Returns outcome bytes."""
         try:
             layout = wire.check_layout(layout)
-            self._check_size(payload, "payload", sum(size for size, _ in layout))
+            self._check_size(payload, "payload", wire.layout_bytes(layout))
             request = self._request(ngpus, gpus, gpu_memory)
             body = wire.check_payload(payload, len(layout))
             if layout and send is None:
@@ -507,7 +507,7 @@ class GPUService(rpyc.Service):
                 owner = auth.Identity(record.user, record.user_verified).label
                 raise NotAllowedError(f"job {job_id} belongs to {owner} and you are {me.label}: only its owner "
                                       "or an admin can cancel it")
-            self._store.request_cancel(job_id)
+            self._store.request_cancel(record)
             self._locks.wake_all()
             return wire.encode_ok(record.state.value)
         except RpycdlError as exc:

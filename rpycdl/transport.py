@@ -31,7 +31,7 @@ from rpyc.core import netref
 from rpyc.core.channel import Channel
 from rpyc.core.stream import SocketStream
 
-from rpycdl import auth, tls
+from rpycdl import auth, tls, wire
 from rpycdl.errors import AuthFailedError
 
 CHUNK = 1 << 24
@@ -295,7 +295,7 @@ def push(conn: rpyc.Connection, receive: Callable[[Any], None], layout: Sequence
     call = rpyc.async_(receive)
     reply = call(tuple(layout))
     with closed_on_failure(conn):
-        sent = forward(bulk_socket(conn), fd, sum(size for size, _ in layout))
+        sent = forward(bulk_socket(conn), fd, wire.layout_bytes(layout))
     reply.wait()
     return sent
 

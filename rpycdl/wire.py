@@ -93,6 +93,11 @@ def layout(buffers: Sequence[pickle.PickleBuffer]) -> Layout:
     return tuple(sizes)
 
 
+def layout_bytes(layout: Sequence[tuple[int, bool]]) -> int:
+    """How many bytes the buffers of `layout` hold together."""
+    return sum(size for size, _ in layout)
+
+
 def check_layout(value: Any) -> Layout:
     """Check a layout that came over the network: a tuple of at most MAX_BUFFERS (size > 0,
     read-only) tuples, which RPyC passes by value.
