@@ -2,7 +2,7 @@
 value, against a raw loopback TCP socket measured in the same run; and the server's peak memory
 (its connection process and job process together) against the payload size.
 
-    python bench/bench_payload.py [--mib 1024] [--runs 3]
+    python bench/bench_payload.py [--mib 1024] [--runs 3] [--urandom]
 
 Argument: from run_code's call to the function starting with its argument in hand (the function
 returns time.monotonic(), the same clock on this machine). Result: from the function returning
@@ -10,8 +10,13 @@ returns time.monotonic(), the same clock on this machine). Result: from the func
 includes the job's own work of making or using the data, and each includes everything else on
 its way: pickling, the transfer, the connection and job processes, unpickling. MB/s are 10^6
 bytes per second. Memory is measured in separate runs (sampling costs CPU): the peak, over the
-call, of the proportional set size (Pss, so pages the job shares with the connection process
+same span, of the proportional set size (Pss, so pages the job shares with the connection process
 after the fork count once) of the connection process and its children.
+
+Random bytes come from NumPy's generator, written in user space. With --urandom they come from
+os.urandom, as in earlier runs: on the development VM, memory the kernel's getrandom wrote makes
+a bytes result several times slower, and a process holding such memory at times faults in new
+memory at a fifth of the usual rate (bench_fault_in.py; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -38,11 +43,11 @@ from rpycdl.local import LocalCluster
 MB = 1e6
 
 
-def raw_socket_rate(size: int) -> float:
-    """MB/s of sending `size` bytes over loopback TCP with sendall to recv_into in another process
+def raw_socket_rate(payload: bytes) -> float:
+    """MB/s of sending `payload` over loopback TCP with sendall to recv_into in another process
     (as client and server are), whose buffer is allocated and touched before the clock starts;
     the clock stops when the receiver acknowledges the last byte."""
-    payload = os.urandom(size)
+    size = len(payload)
     server = socket.create_server(("127.0.0.1", 0))
     address = server.getsockname()
     pid = os.fork()
@@ -74,6 +79,15 @@ def _started(data: Any) -> float:
 
 
 def _random_bytes(size: int) -> tuple[float, bytes]:
+    import time
+
+    import numpy
+
+    data = numpy.random.default_rng().bytes(size)
+    return time.monotonic(), data
+
+
+def _urandom_bytes(size: int) -> tuple[float, bytes]:
     import os
     import time
 
@@ -90,23 +104,27 @@ def _random_array(size: int) -> tuple[float, Any]:
     return time.monotonic(), data
 
 
-def argument_seconds(conn: rpycdl.Connection, data: Any) -> float:
+def argument_span(conn: rpycdl.Connection, data: Any) -> tuple[float, float]:
+    """(start, end) on the monotonic clock: from the call to the function starting."""
     start = time.monotonic()
-    return conn.root.run_code(_started, data) - start
+    return start, conn.root.run_code(_started, data)
 
 
-def result_seconds(conn: rpycdl.Connection, make: Callable[[int], Any], size: int) -> float:
+def result_span(conn: rpycdl.Connection, make: Callable[[int], Any], size: int) -> tuple[float, float]:
+    """(start, end) on the monotonic clock: from the function returning to run_code returning."""
     returned, value = conn.root.run_code(make, size)
     done = time.monotonic()
     assert len(value) * value.itemsize == size if isinstance(value, np.ndarray) else len(value) == size
-    return done - returned
+    return returned, done
 
 
 class PssPeak:
-    """Samples the summed Pss of a process and its children in a thread; `peak` in bytes."""
+    """Samples the summed Pss of a process and its children in a thread; `peak(start, end)` is the
+    largest sample taken between two monotonic times, in bytes."""
 
     def __init__(self, pid: int, interval: float = 0.01) -> None:
-        self.pid, self.interval, self.peak = pid, interval, 0
+        self.pid, self.interval = pid, interval
+        self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -118,9 +136,12 @@ class PssPeak:
         self._stop.set()
         self._thread.join()
 
+    def peak(self, start: float, end: float) -> int:
+        return max((pss for at, pss in self.samples if start <= at <= end), default=0)
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, sum(_pss(pid) for pid in _tree(self.pid)))
+            self.samples.append((time.monotonic(), sum(_pss(pid) for pid in _tree(self.pid))))
             time.sleep(self.interval)
 
 
@@ -150,9 +171,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=1024, help="payload size in MiB (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each case (default: %(default)s)")
+    parser.add_argument("--urandom", action="store_true", help="make the random bytes with os.urandom")
     args = parser.parse_args()
     size = args.mib << 20
-    payloads = {"bytes": (os.urandom(size), _random_bytes),
+    random_bytes = os.urandom(size) if args.urandom else np.random.default_rng().bytes(size)
+    payloads = {"bytes": (random_bytes, _urandom_bytes if args.urandom else _random_bytes),
                 "NumPy float64": (np.random.default_rng(0).random(size // 8), _random_array)}
     raw: list[float] = []
     rates: dict[tuple[str, str], list[float]] = {}
@@ -160,21 +183,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
         _, port = cluster.add_server("pytorch", "fake:1")
         for _ in range(args.runs):
-            raw.append(raw_socket_rate(size))
+            raw.append(raw_socket_rate(random_bytes))
             for kind, (data, make) in payloads.items():
                 with rpycdl.connect(host="127.0.0.1", port=port) as conn:
-                    rates.setdefault((kind, "argument"), []).append(size / MB / argument_seconds(conn, data))
-                    rates.setdefault((kind, "result"), []).append(size / MB / result_seconds(conn, make, size))
+                    for way, (start, end) in (("argument", argument_span(conn, data)),
+                                              ("result", result_span(conn, make, size))):
+                        rates.setdefault((kind, way), []).append(size / MB / (end - start))
                 print(f"raw {raw[-1]:.0f} MB/s; {kind}: argument {rates[kind, 'argument'][-1]:.0f} MB/s, result "
                       f"{rates[kind, 'result'][-1]:.0f} MB/s", file=sys.stderr, flush=True)
         for kind, (data, make) in payloads.items():
-            for way, call in (("argument", lambda c, data=data: argument_seconds(c, data)),
-                              ("result", lambda c, make=make: result_seconds(c, make, size))):
+            for way, call in (("argument", lambda c, data=data: argument_span(c, data)),
+                              ("result", lambda c, make=make: result_span(c, make, size))):
                 with rpycdl.connect(host="127.0.0.1", port=port) as conn:
                     pid = json.loads(conn.root.server_info())["pid"]  # answered by this connection's own process
-                    with PssPeak(pid) as peak:
-                        call(conn)
-                    peaks[kind, way] = peak.peak
+                    with PssPeak(pid) as sampler:
+                        start, end = call(conn)
+                    peaks[kind, way] = sampler.peak(start, end)
     client_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     raw_median = statistics.median(raw)
     print(f"{args.mib} MiB, {args.runs} runs; raw loopback socket {min(raw):.0f} to {max(raw):.0f} MB/s, "
