@@ -186,9 +186,9 @@ def _registry(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from rpycdl.context import Limits
     from rpycdl.gpus import parse_size
     from rpycdl.server import ServerConfig, serve  # the server's imports are not the client's
-    from rpycdl.service import Limits
     from rpycdl.shares import ShareRules
 
     max_payload = parse_size(args.max_payload)

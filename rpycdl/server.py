@@ -24,11 +24,12 @@ import rpyc
 from rpyc.utils.server import ForkingServer
 
 from rpycdl import auth, lockdir, runner, tls, transport
+from rpycdl.context import Limits, ServerContext
 from rpycdl.defaults import REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpus import load_inventory
 from rpycdl.registry import registry_client
-from rpycdl.service import GPUService, Limits, ServerContext
+from rpycdl.service import GPUService
 from rpycdl.shares import ShareRules
 
 PR_SET_CHILD_SUBREAPER = 36

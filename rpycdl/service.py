@@ -9,8 +9,7 @@ import os
 import select
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import dill
@@ -18,14 +17,8 @@ import rpyc
 from rpyc.core.netref import BaseNetref
 
 from rpycdl import auth, caps, runner, transport, wire
-from rpycdl.defaults import (
-    ENV_SIMULATED_GPUS,
-    IDLE_TIMEOUT,
-    MAX_CONNECTIONS,
-    MAX_PAYLOAD,
-    MAX_QUEUED,
-    MAX_QUEUED_PER_USER,
-)
+from rpycdl.context import ServerContext
+from rpycdl.defaults import ENV_SIMULATED_GPUS
 from rpycdl.errors import (
     GPUMemoryExceededError,
     InvalidRequestError,
@@ -36,10 +29,10 @@ from rpycdl.errors import (
     NotAllowedError,
     RpycdlError,
 )
-from rpycdl.gpus import GPU, FakeInventory, Inventory
-from rpycdl.jobs import JobRecord, JobState, JobStore, new_job_id
-from rpycdl.locks import GPULockManager, Grant
-from rpycdl.shares import GPURequest, MiB, ShareRules, parse_request
+from rpycdl.gpus import GPU, FakeInventory
+from rpycdl.jobs import JobRecord, JobState, new_job_id
+from rpycdl.locks import Grant
+from rpycdl.shares import GPURequest, MiB, parse_request
 from rpycdl.watchdog import MemoryWatch
 
 MAX_TIMEOUT = 366 * 24 * 3600.0
@@ -53,52 +46,6 @@ Stop = Callable[[int], tuple[runner.Ending, str] | None]
 Executor = Callable[[JobRecord, dict[str, str], float | None, Stop, runner.JobProcess | None], runner.Result]
 """Runs a job whose GPUs are locked: (its record, the GPU environment, its timeout, its Stop, the job
 process forked for a payload) -> how it ended."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one server accepts (see rpycdl.defaults); each refusal names the limit's option."""
-
-    max_payload: int = MAX_PAYLOAD
-    max_queued: int = MAX_QUEUED
-    max_queued_per_user: int = MAX_QUEUED_PER_USER
-    max_connections: int = MAX_CONNECTIONS
-    idle_timeout: float = IDLE_TIMEOUT
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class ServerContext:
-    """What every connection of one server shares; built once in the server parent."""
-
-    name: str
-    aliases: tuple[str, ...]
-    inventory: Inventory
-    lock_dir: str
-    server_id: str
-    host: str = ""
-    port: int = 0
-    framework_version: str | None = None
-    limits: Limits = field(default_factory=Limits)
-    shares: ShareRules = field(default_factory=ShareRules)
-    gpus: list[GPU] = field(default_factory=list)
-    locks: GPULockManager = field(init=False)
-    store: JobStore = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.gpus = self.inventory.gpus()
-        self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
-        self.store = JobStore(self.lock_dir)
-        if isinstance(self.inventory, FakeInventory):
-            self.inventory.state_dir = Path(self.lock_dir) / "simulated-gpus"
-
-    def info(self) -> dict[str, Any]:
-        return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,
-                "server_id": self.server_id, "inventory": self.inventory.spec,
-                "simulated": self.inventory.simulated, "framework_version": self.framework_version,
-                "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict()}
 
 
 def check_seconds(value: Any, name: str) -> float | None:
