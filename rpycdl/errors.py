@@ -16,7 +16,8 @@ class NoInventoryError(RpycdlError):
 
 
 class LimitError(RpycdlError):
-    """A request over one of the server's limits; the message names the limit and its option."""
+    """A request over one of the server's limits (the message names the limit and its option), or
+    one the machine has no process to spare for."""
 
 
 class QueueTimeoutError(RpycdlError, TimeoutError):

@@ -39,6 +39,7 @@ from typing import Any
 
 from rpycdl import caps, transport, wire
 from rpycdl.defaults import KILL_WAIT
+from rpycdl.errors import LimitError
 from rpycdl.jobs import group_alive, kill_group
 
 PR_SET_PDEATHSIG = 1
@@ -193,6 +194,18 @@ class _ResultPipe:
         return _read_into(self.fd, self.outcome)
 
 
+def _fork(what: str, pipes: Sequence[int]) -> int:
+    """os.fork(); if the machine has no process or memory to spare, the `pipes` made for the child
+    are closed and LimitError names `what` the process was for."""
+    try:
+        return os.fork()
+    except OSError as exc:
+        for fd in pipes:
+            os.close(fd)
+        raise LimitError(f"this server could not start a process for {what} ({exc.strerror or exc}); try again "
+                         "later or use another server") from exc
+
+
 class LoadCheck:
     """Unpickles a payload in a throwaway process while its request waits for GPUs, so a callable
     this server cannot load (a module it lacks) fails at once rather than after the wait.
@@ -203,7 +216,7 @@ class LoadCheck:
     def __init__(self, body: bytes, buffers: Sequence[Any] = ()) -> None:
         read_end, write_end = os.pipe()
         parent = os.getpid()
-        self.pid = os.fork()
+        self.pid = _fork("a load check", (read_end, write_end))
         if self.pid == 0:
             os.close(read_end)
             message = b""
@@ -250,6 +263,9 @@ class JobProcess:
             job no longer waits (a LoadCheck may need them while it does).
         close_fds: descriptors of this process the job process must not keep (a spare's
             connection process still has the server's listening socket).
+
+    Raises:
+        LimitError: the machine has no process to spare for it.
     """
 
     def __init__(self, body: bytes | None = None, buffers: list[Any] | None = None,
@@ -261,7 +277,7 @@ class JobProcess:
         with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
             fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         parent = os.getpid()
-        self.pid = os.fork()
+        self.pid = _fork("the job", (go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w))
         if self.pid == 0:
             for fd in (self._go_w, out_r, err_r, res_r, *close_fds):
                 os.close(fd)

@@ -26,7 +26,7 @@ from rpyc.utils.server import ForkingServer
 from rpycdl import auth, lockdir, runner, tls, transport
 from rpycdl.context import Limits, ServerContext
 from rpycdl.defaults import REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
-from rpycdl.errors import InvalidRequestError
+from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.gpus import load_inventory
 from rpycdl.registry import registry_client
 from rpycdl.service import GPUService
@@ -231,7 +231,8 @@ class DLServer(ForkingServer):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would close the listener
             runner.die_with_parent(parent)  # a spare must not outlive the server: it holds the port
             runner.name_process("rpycdl-spare")
-            self._spare_job = runner.JobProcess(close_fds=[self.listener.fileno()])
+            with contextlib.suppress(LimitError):  # none to spare: the first job forks as its request comes
+                self._spare_job = runner.JobProcess(close_fds=[self.listener.fileno()])
             sock = self._take_client()
             os.write(self._taken_w, _PID.pack(os.getpid()))
             runner.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop

@@ -3,6 +3,7 @@ gpu_status, load, jobs, cancel, identify, limits, server_info."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -151,6 +152,7 @@ class GPUService(rpyc.Service):
         waiting_since: float | None = None
         wake_fds = self._socket_fd()
         check: runner.LoadCheck | None = None
+        check_tried = False
 
         def on_position(ahead: int) -> None:
             nonlocal waiting_since
@@ -163,11 +165,13 @@ class GPUService(rpyc.Service):
                                                 "gpu_memory": request.memory}))
 
         def on_wake() -> None:
-            nonlocal check
+            nonlocal check, check_tried
             self._serve_client()
-            if body is not None and check is None and time.monotonic() - waiting_since >= LOAD_CHECK_AFTER:
-                check = runner.LoadCheck(body, buffers or ())  # one that waits longer learns early if it cannot load
-                wake_fds.append(check.fd)
+            if body is not None and not check_tried and time.monotonic() - waiting_since >= LOAD_CHECK_AFTER:
+                check_tried = True  # one that waits longer learns early if it cannot load
+                with contextlib.suppress(LimitError):  # no process to spare: the job itself will tell
+                    check = runner.LoadCheck(body, buffers or ())
+                    wake_fds.append(check.fd)
             if check is not None and check.fd in wake_fds and select.select([check.fd], [], [], 0)[0]:
                 wake_fds.remove(check.fd)
                 error = check.error()

@@ -3,10 +3,13 @@ already, which the connection's first job runs in. Real registry, server and cli
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from helpers import (
     Background,
@@ -14,12 +17,15 @@ from helpers import (
     comm,
     connection_processes,
     gate_job,
+    idle,
     open_gate,
+    quick_error,
     server_pid,
     spare_processes,
     wait_until,
 )
 
+import rpycdl
 from rpycdl import registry, wire
 from rpycdl.defaults import SPARE_CONNECTIONS
 
@@ -150,3 +156,68 @@ def test_a_killed_server_frees_its_port_while_a_job_it_took_still_runs(server, c
     open_gate(gate)
     wait_until(lambda: job.done, what="the job to finish")
     assert job.value == "finished", job.error
+
+
+PIDS_CGROUPS = Path("/sys/fs/cgroup/pids")
+"""cgroup v1's pids controller, where the development machine and CI have it."""
+
+
+@contextlib.contextmanager
+def _forks_fail(pid: int) -> Iterator[Callable[[], None]]:
+    """Put process `pid` alone in a pids cgroup that allows it no task more than it has, so that
+    its forks fail with EAGAIN, as on a machine out of processes (root ignores RLIMIT_NPROC).
+    Yields a function that lifts the limit; afterwards `pid` and whatever it forked meanwhile go
+    back to the root cgroup."""
+    assert (PIDS_CGROUPS / "cgroup.procs").exists(), f"this test needs cgroup v1's pids controller at {PIDS_CGROUPS}"
+    group = PIDS_CGROUPS / f"rpycdl-test-{os.getpid()}-{pid}"
+    group.mkdir()
+    try:
+        (group / "pids.max").write_text(str(len(os.listdir(f"/proc/{pid}/task"))))
+        (group / "cgroup.procs").write_text(str(pid))
+        yield lambda: (group / "pids.max").write_text("max")
+    finally:
+        def emptied() -> bool:
+            for member in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+                    (PIDS_CGROUPS / "cgroup.procs").write_text(member)
+            return not (group / "cgroup.procs").read_text().split()
+
+        wait_until(emptied, what="the test cgroup to empty")
+        group.rmdir()
+
+
+def test_a_server_that_cannot_fork_refuses_clearly_and_recovers(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    _ready_jobs(pid)
+    with _forks_fail(pid) as lift:
+        taken = [connect(port) for _ in range(SPARE_CONNECTIONS)]  # each takes a spare; none can be replaced
+        assert [conn.root.run_code(lambda x: x * 2, n) for n, conn in enumerate(taken)] == [0, 2]
+        assert spare_processes(pid) == []
+        error, _ = quick_error(lambda: connect(port))
+        assert isinstance(error, rpycdl.LimitError) and "could not start a process" in str(error), repr(error)
+        log = next(process.lines for process in cluster.processes if process.popen.pid == pid)
+        assert any("could not fork a connection process" in line for line in log)
+        assert all(conn.root.run_code(lambda x: x, "still served") == "still served" for conn in taken)
+        lift()
+        _ready_jobs(pid)  # the parent forks spares again on its next turn
+        assert connect(port).root.run_code(lambda x: x + 1, 1) == 2
+        wait_until(lambda: idle(taken[0]), what="every GPU free, nobody waiting")  # released just after the reply
+
+
+def test_a_connection_that_cannot_fork_its_job_refuses_the_call_clearly_and_goes_on(server, cluster, connect):
+    port = server()
+    pid = server_pid(cluster, port)
+    _ready_jobs(pid)
+    conn = connect(port)
+    assert conn.root.run_code(lambda x: x, "in the spare job") == "in the spare job"
+    (serving,) = wait_until(lambda: connection_processes(pid), what="the connection process")
+    with _forks_fail(serving) as lift:  # a later job is forked as its request comes
+        descriptors = len(os.listdir(f"/proc/{serving}/fd"))
+        error, _ = quick_error(lambda: conn.root.run_code(lambda x: x, "refused", ngpus=2))
+        assert isinstance(error, rpycdl.LimitError) and "could not start a process for the job" in str(error), \
+            repr(error)
+        assert idle(conn)
+        assert len(os.listdir(f"/proc/{serving}/fd")) == descriptors, "the job's pipes were left open"
+        lift()
+        assert conn.root.run_code(lambda x: x, "served again", ngpus=2) == "served again"
