@@ -160,9 +160,14 @@ class DLServer(ForkingServer):
     def close(self) -> None:
         self._stop.set()
         _poke(self._wake_w)
-        for pid in self._spares:  # their spare jobs die with them (PR_SET_PDEATHSIG)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for spare in self._spares:
+            doomed = [spare, *_children(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in doomed:  # reaped here, so that no zombie of them outlives the server
+                with contextlib.suppress(ChildProcessError):  # reaped by _handle_sigchld already
+                    os.waitpid(pid, 0)
         super().close()
 
     @classmethod
@@ -308,6 +313,15 @@ def _remove_orphan_containers(lock_dir: str) -> None:
             print(f"removed orphaned job container {name}", flush=True)
     except Exception as exc:  # no engine reachable: nothing of ours can run there either
         log.info("orphaned job containers not checked: %s", exc)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid`, none if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listed:
+            return [int(child) for child in listed.read().split()]
+    except OSError:
+        return []
 
 
 def _running(pid: int) -> bool:

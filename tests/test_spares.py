@@ -142,6 +142,17 @@ def test_spares_die_with_a_killed_server_and_free_its_port(server, cluster, conn
 
 
 
+def test_a_stopped_server_leaves_no_spare_behind_not_even_a_zombie(server, cluster):
+    port = server()
+    pid = server_pid(cluster, port)
+    jobs = _ready_jobs(pid)
+    spares = spare_processes(pid)
+    os.kill(pid, signal.SIGTERM)
+    next(p for p in cluster.processes if p.popen.pid == pid).popen.wait(10)
+    left = {p: comm(p) for p in spares + sorted(jobs) if os.path.exists(f"/proc/{p}")}
+    assert not left, f"left to init by the stopped server: {left}"
+
+
 def test_a_killed_server_frees_its_port_while_a_job_it_took_still_runs(server, cluster, connect, tmp_path):
     port = server()
     pid = server_pid(cluster, port)
