@@ -1,6 +1,7 @@
 """How fast a process faults in fresh memory, depending on what else it holds: nothing, a buffer the
 kernel's getrandom wrote (os.urandom), or a buffer written in user space (NumPy's generator). No
-rpycdl code runs: this measures the machine, to explain bench_payload's `--urandom` numbers.
+rpycdl code runs (only its madvise constant is borrowed): this measures the machine, to explain
+bench_payload's `--urandom` numbers.
 
 Each case runs in a fresh forked process: it makes what it holds, then times MADV_POPULATE_WRITE
 (Linux 5.14) of a fresh private anonymous mapping, the way rpycdl's receiver faults in a buffer.
@@ -19,7 +20,8 @@ import time
 
 import numpy as np
 
-MADV_POPULATE_WRITE = 23
+from rpycdl.transport import MADV_POPULATE_WRITE
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 

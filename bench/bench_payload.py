@@ -32,12 +32,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import rpycdl
+from rpycdl.jobs import child_pids
 from rpycdl.local import LocalCluster
 
 MB = 1e6
@@ -147,16 +147,9 @@ class PssPeak:
 
 def _tree(pid: int) -> list[int]:
     pids = [pid]
-    for child in _children(pid):
+    for child in child_pids(pid):
         pids.extend(_tree(child))
     return pids
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def _pss(pid: int) -> int:

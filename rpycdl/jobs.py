@@ -148,6 +148,15 @@ def group_alive(pgid: int) -> bool:
     return _exists(os.killpg, pgid)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux's /proc), none if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listed:
+            return [int(child) for child in listed.read().split()]
+    except OSError:
+        return []
+
+
 def process_alive(pid: int) -> bool:
     """Whether a process with this pid exists (perhaps as another user's)."""
     return pid > 0 and _exists(os.kill, pid)

@@ -28,6 +28,7 @@ from rpycdl.context import Limits, ServerContext
 from rpycdl.defaults import REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.gpus import load_inventory
+from rpycdl.jobs import child_pids
 from rpycdl.registry import registry_client
 from rpycdl.service import GPUService
 from rpycdl.shares import ShareRules
@@ -161,7 +162,7 @@ class DLServer(ForkingServer):
         self._stop.set()
         _poke(self._wake_w)
         for spare in self._spares:
-            doomed = [spare, *_children(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
+            doomed = [spare, *child_pids(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
             for pid in doomed:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -313,15 +314,6 @@ def _remove_orphan_containers(lock_dir: str) -> None:
             print(f"removed orphaned job container {name}", flush=True)
     except Exception as exc:  # no engine reachable: nothing of ours can run there either
         log.info("orphaned job containers not checked: %s", exc)
-
-
-def _children(pid: int) -> list[int]:
-    """The child processes of `pid`, none if it is gone."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as listed:
-            return [int(child) for child in listed.read().split()]
-    except OSError:
-        return []
 
 
 def _running(pid: int) -> bool:

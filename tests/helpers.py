@@ -185,10 +185,15 @@ def comm(pid: int) -> str:
         return ""
 
 
-def server_pid(cluster: Any, port: int) -> int:
-    """The pid of the cluster's server on `port`."""
+def server_process(cluster: Any, port: int) -> Any:
+    """The cluster's server on `port` (a rpycdl.local.Process: its popen, its output lines)."""
     for process in cluster.processes:
         if any(f"127.0.0.1:{port} as" in line for line in process.lines):
-            return process.popen.pid
+            return process
     raise AssertionError(f"no server on port {port}")
+
+
+def server_pid(cluster: Any, port: int) -> int:
+    """The pid of the cluster's server on `port`."""
+    return server_process(cluster, port).popen.pid
 

@@ -21,6 +21,7 @@ from helpers import (
     open_gate,
     quick_error,
     server_pid,
+    server_process,
     spare_processes,
     wait_until,
 )
@@ -148,7 +149,7 @@ def test_a_stopped_server_leaves_no_spare_behind_not_even_a_zombie(server, clust
     jobs = _ready_jobs(pid)
     spares = spare_processes(pid)
     os.kill(pid, signal.SIGTERM)
-    next(p for p in cluster.processes if p.popen.pid == pid).popen.wait(10)
+    server_process(cluster, port).popen.wait(10)
     left = {p: comm(p) for p in spares + sorted(jobs) if os.path.exists(f"/proc/{p}")}
     assert not left, f"left to init by the stopped server: {left}"
 
@@ -161,7 +162,7 @@ def test_a_killed_server_frees_its_port_while_a_job_it_took_still_runs(server, c
     job = Background(connect(port), gate_job(gate), "finished")  # the connection's first job: its spare
     wait_until(lambda: any(state == "running" for state, _ in job.states), what="the job to run")
     os.kill(pid, signal.SIGKILL)  # no shutdown() of the listening socket: only closing every descriptor frees it
-    next(p for p in cluster.processes if p.popen.pid == pid).popen.wait(10)
+    server_process(cluster, port).popen.wait(10)
     # The spares die with the server; the job process must not hold its listening socket either.
     wait_until(lambda: _bindable(port), timeout=2.0, what="the port to be free")
     open_gate(gate)
@@ -207,7 +208,7 @@ def test_a_server_that_cannot_fork_refuses_clearly_and_recovers(server, cluster,
         assert spare_processes(pid) == []
         error, _ = quick_error(lambda: connect(port))
         assert isinstance(error, rpycdl.LimitError) and "could not start a process" in str(error), repr(error)
-        log = next(process.lines for process in cluster.processes if process.popen.pid == pid)
+        log = server_process(cluster, port).lines
         assert any("could not fork a connection process" in line for line in log)
         assert all(conn.root.run_code(lambda x: x, "still served") == "still served" for conn in taken)
         lift()
