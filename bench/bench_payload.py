@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 import rpycdl
-from rpycdl.jobs import child_pids
+from rpycdl import procs
 from rpycdl.local import LocalCluster
 
 MB = 1e6
@@ -147,7 +147,7 @@ class PssPeak:
 
 def _tree(pid: int) -> list[int]:
     pids = [pid]
-    for child in child_pids(pid):
+    for child in procs.children(pid):
         pids.extend(_tree(child))
     return pids
 

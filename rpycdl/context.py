@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rpycdl import procs
 from rpycdl.defaults import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_PAYLOAD, MAX_QUEUED, MAX_QUEUED_PER_USER
 from rpycdl.gpus import GPU, FakeInventory, Inventory
 from rpycdl.jobs import JobStore
@@ -44,6 +45,7 @@ class ServerContext:
     limits: Limits = field(default_factory=Limits)
     shares: ShareRules = field(default_factory=ShareRules)
     gpus: list[GPU] = field(default_factory=list)
+    server_process: procs.Pid = field(default_factory=lambda: procs.identify(os.getpid()))
     locks: GPULockManager = field(init=False)
     store: JobStore = field(init=False)
 

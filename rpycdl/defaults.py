@@ -26,10 +26,14 @@ WAIT_FALLBACK_POLL = 0.5
 Normal releases wake waiters at once; this bounds the wait after a holder died without
 saying so (kill -9 of a whole server)."""
 
-SWEEP_INTERVAL = 5.0
-"""Seconds between the server parent's routine sweeps for jobs whose connection process died.
+LINGER_POLL = 0.02
+"""Seconds a waiting request sleeps at most while what a crashed job left, which it has just
+killed, may still be dying (rpycdl.locks)."""
 
-A connection process that dies also triggers a sweep at once (SIGCHLD)."""
+SWEEP_INTERVAL = 0.5
+"""Seconds between the server parent's routine sweeps for jobs whose connection process died
+(its own, whose deaths also trigger a sweep at once through SIGCHLD, and other servers' after
+those died: see DLServer). A sweep reads only the live records: a fraction of a millisecond."""
 
 SPARE_CONNECTIONS = 2
 """Connection processes a server keeps forked and waiting in accept(), each with a spare job

@@ -11,9 +11,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+from rpycdl import procs
 from rpycdl.defaults import ENV_GPUS, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
-from rpycdl.jobs import process_alive
 
 _T = TypeVar("_T")
 
@@ -104,7 +104,7 @@ class FakeInventory(Inventory):
         for entry in folder.iterdir() if folder and folder.is_dir() else ():
             with contextlib.suppress(ValueError, OSError):
                 pid, size = int(entry.name), int(entry.read_text() or 0)
-                if process_alive(pid):
+                if procs.alive(pid):
                     used[pid] = size
         return used
 

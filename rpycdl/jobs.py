@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import signal
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import FINISHED_JOBS_KEPT
+from rpycdl import procs
+from rpycdl.defaults import FINISHED_JOBS_KEPT, KILL_WAIT
 from rpycdl.lockdir import names, shared_dir, shared_file
+
+PRUNE_SLACK = 50
+"""Finished records beyond FINISHED_JOBS_KEPT that may pile up before a sweep prunes them."""
 
 
 class JobState(str, Enum):
@@ -36,9 +39,10 @@ class JobState(str, Enum):
 class JobRecord:
     """One run_code call.
 
-    `owner_pid` is the connection process serving it and `pgid` the job's process group,
-    both in the server's own PID namespace; `server_id` says which server started it; `user`
-    who sent it, proven by a client certificate when `user_verified`, else declared."""
+    `owner_pid` is the connection process serving it and `pgid` the job process (which leads its
+    own session and process group), each with its start time (rpycdl.procs.Pid), in the PID
+    namespace every server of the lock directory shares; `server_id` says which server started
+    it; `user` who sent it, proven by a client certificate when `user_verified`, else declared."""
 
     job_id: str
     server_id: str
@@ -47,7 +51,9 @@ class JobRecord:
     gpu_memory: int = 0  # MiB of its one GPU for a share; 0 for whole GPUs
     state: JobState = JobState.PENDING
     owner_pid: int = 0
+    owner_start: int = 0
     pgid: int = 0
+    leader_start: int = 0
     gpus: list[str] = field(default_factory=list)
     submitted: float = field(default_factory=time.time)
     started: float | None = None
@@ -79,6 +85,7 @@ class JobStore:
     def __init__(self, lock_dir: str | os.PathLike[str]) -> None:
         self.root = Path(lock_dir) / "jobs"
         shared_dir(self.root)
+        self._finished: set[str] = set()  # ids of records seen finished (a finished record never changes)
 
     def _path(self, job_id: str) -> Path:
         if not job_id.isalnum():
@@ -113,61 +120,38 @@ class JobStore:
         if not record.state.finished:
             shared_file(self._path(record.job_id).with_suffix(".cancel"))
 
-    def sweep(self, server_id: str) -> list[JobRecord]:
-        """Fail this server's live jobs whose connection process died, killing what is left of
-        them, and prune old finished records. Returns the jobs it failed."""
-        failed = []
-        records = self.all()
-        for record in records:
-            if record.server_id != server_id or record.state.finished or process_alive(record.owner_pid):
+    def sweep(self) -> list[JobRecord]:
+        """End the live records, of any server, whose connection process died: kill what is left
+        of each job (rpycdl.procs) and mark it failed (cancelled, if a cancel was asked); then prune
+        old finished records. Any server (or reader) may sweep; a store remembers which records it
+        saw finished, so that a sweep reads only the live ones. Returns the records it ended."""
+        ended = []
+        listed = [name.removesuffix(".json") for name in names(self.root, "", ".json")]
+        self._finished &= set(listed)
+        for job_id in listed:
+            record = None if job_id in self._finished else self.load(job_id)
+            if record is not None and record.state.finished:
+                self._finished.add(job_id)
+            if record is None or record.state.finished:
                 continue
-            if record.pgid:
-                kill_group(record.pgid)
+            if procs.alive(record.owner_pid, record.owner_start):
+                continue
+            leader = (record.pgid, record.leader_start) if record.pgid else None
+            procs.kill_until_gone(functools.partial(procs.job_processes, record.job_id, leader), KILL_WAIT)
             record.state = JobState.CANCELLED if self.cancel_requested(record.job_id) else JobState.FAILED
             record.error = record.error or "the connection process serving this job died"
             record.ended = time.time()
             self.save(record)
-            failed.append(record)
-        finished = [r for r in records if r.state.finished]
+            self._finished.add(job_id)
+            ended.append(record)
+        if len(self._finished) > FINISHED_JOBS_KEPT + PRUNE_SLACK:
+            self._prune()
+        return ended
+
+    def _prune(self) -> None:
+        """Remove the oldest finished records beyond FINISHED_JOBS_KEPT."""
+        finished = [r for r in self.all() if r.state.finished]
         for record in finished[: max(0, len(finished) - FINISHED_JOBS_KEPT)]:
             self._path(record.job_id).unlink(missing_ok=True)
             self._path(record.job_id).with_suffix(".cancel").unlink(missing_ok=True)
-        return failed
-
-
-def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal a whole process group; a group that is already gone is fine."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group still exists."""
-    return _exists(os.killpg, pgid)
-
-
-def child_pids(pid: int) -> list[int]:
-    """The child processes of `pid` (Linux's /proc), none if it is gone."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as listed:
-            return [int(child) for child in listed.read().split()]
-    except OSError:
-        return []
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (perhaps as another user's)."""
-    return pid > 0 and _exists(os.kill, pid)
-
-
-def _exists(send: Callable[[int, int], None], target: int) -> bool:
-    """Signal 0 to `target` with `send`: it exists unless there is no such process (or group)."""
-    try:
-        send(target, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+            self._finished.discard(record.job_id)

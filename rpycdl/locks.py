@@ -34,15 +34,22 @@ What the locks do not guarantee: they are fcntl locks, so they belong to a proce
 process must not close a descriptor of a lock file it holds a lock in; rpycdl.lockdir keeps
 one descriptor per file for the process's life, and the only other one, fasteners' for a whole
 GPU, is closed as that GPU is released, when the process holds no share of it), and they are
-freed by the kernel when the holder dies, without any wake-up: waiters re-check at least every
-WAIT_FALLBACK_POLL seconds, and a server parent that sees one of its connection processes die
-wakes them at once.
+freed by the kernel when the holder dies, without any wake-up, while what its job started may
+still run. So a lock is not the whole grant: its held/ record, written under queue.lock before
+the job can start, names the job (its id, its job process, the server that granted it), and is
+removed only once the job is over. A released grant loses its record before its lock. A record
+whose lock nobody holds is an orphan (its holder died): its GPUs stay taken while the job's
+server, which adopts what the job left, still runs (its sweep kills that and then removes the
+record: clear_orphans), or while any process of the job runs (rpycdl.procs), which every
+granter then kills. Waiters re-check at least every WAIT_FALLBACK_POLL seconds, and every
+LINGER_POLL while they wait for the processes of a crashed job to die.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import select
 import time
@@ -53,8 +60,8 @@ from typing import Any
 
 import fasteners
 
-from rpycdl import lockdir, planning
-from rpycdl.defaults import WAIT_FALLBACK_POLL
+from rpycdl import lockdir, planning, procs
+from rpycdl.defaults import KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 from rpycdl.planning import Range
 
@@ -74,6 +81,7 @@ def _forget_held() -> None:
 os.register_at_fork(after_in_child=_forget_held)
 
 _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path
+_RECORDS: dict[str, dict[str, Any]] = {}  # held/ records already read, by path (never rewritten)
 
 TICKET, GRANT = 0, 1  # lines of the counters file
 _COUNTER_WIDTH = 20
@@ -98,6 +106,12 @@ class Grant:
     ranges: tuple[Range, ...] = ()
 
 
+def _job_left(record: dict[str, Any]) -> list[int]:
+    """The processes of a grant's job that still run, found from anywhere on the host."""
+    leader = record.get("leader")
+    return procs.job_processes(str(record.get("job_id", "")), tuple(leader) if leader else None)
+
+
 def describe_need(count: int, memory: int) -> str:
     """'2 GPU(s)' or '6144 MiB of one GPU', for messages."""
     return f"{memory} MiB of one GPU" if memory else f"{count} GPU(s)"
@@ -120,6 +134,7 @@ class GPULockManager:
         self._queue_fd = lockdir.open_once(str(self.root / "queue.lock"))
         self._gpus_dir = str(self.root / "gpus")
         self._sleep_poll = sleep_poll
+        self._killing = False  # this process killed what a crashed job left: re-check soon
 
     # -- the queue lock and counters ---------------------------------------------------
 
@@ -153,14 +168,82 @@ class GPULockManager:
         """This process's descriptor of the GPU's lock file, for probes and shares; never closed."""
         return lockdir.open_once(self._lock_path(uuid))
 
-    def _taken(self, uuid: str, end: int) -> list[Range]:
+    def _taken(self, uuid: str, end: int, records: list[tuple[Path, dict[str, Any]]]) -> list[Range]:
         """Under the queue lock: ranges below MiB `end` (0: all of the file) that others hold,
-        plus this process's own; one covering [0, end) if the GPU is held whole."""
+        plus this process's own; one covering [0, end) if the GPU is held whole. The ranges of
+        orphaned `records` of the GPU (see _orphan_holds) count as held while their job lingers;
+        the others are removed."""
         if self._lock_path(uuid) in _WHOLE:
             return [(0, end)]
         taken = [r for ranges in _SHARES.get(self._lock_path(uuid), {}).values() for r in ranges]
         lockdir.others(self._fd(uuid), 0, end, taken)
+        for path, record in records:
+            if self._holds(uuid, record):
+                continue
+            if self._orphan_holds(record, kill=True):
+                taken.extend(tuple(r) for r in record.get("ranges") or [(0, end)])
+            else:
+                self._forget(path)
         return taken
+
+    def _records(self) -> dict[str, list[tuple[Path, dict[str, Any]]]]:
+        """The held/ records by GPU UUID (each read once per process: records are never rewritten)."""
+        found: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+        listed = set()
+        for name in lockdir.names(self.root / "held", "", ".json"):
+            uuid, _, ticket = name.removesuffix(".json").rpartition(".")
+            path = self.root / "held" / name
+            listed.add(str(path))
+            record = _RECORDS.get(str(path)) or lockdir.read_json(path)
+            if uuid and ticket.isdigit() and record is not None:
+                _RECORDS[str(path)] = record
+                found.setdefault(uuid, []).append((path, record))
+        for gone in [path for path in _RECORDS if path not in listed]:
+            del _RECORDS[gone]
+        return found
+
+    def _forget(self, path: Path) -> None:
+        """Under the queue lock: remove a grant's record."""
+        path.unlink(missing_ok=True)
+        _RECORDS.pop(str(path), None)
+
+    def _orphan_holds(self, record: dict[str, Any], kill: bool) -> bool:
+        """Whether the GPUs of an orphaned grant (a record whose locks nobody holds: its connection
+        process died) are still taken: while the server that granted it runs (it adopted what the
+        job left, and its sweep removes the record once all of that is gone), or while any process
+        of the job runs anywhere on the host (which `kill` kills)."""
+        server = record.get("server_process")
+        if server and procs.alive(*server):
+            return True
+        left = _job_left(record)
+        if kill and left:
+            procs.kill(left)
+            self._killing = True
+        return bool(left)
+
+    def orphans(self) -> list[tuple[Path, dict[str, Any]]]:
+        """The records of grants whose locks nobody holds any more (their holder died)."""
+        return [(path, record) for uuid, records in self._records().items() for path, record in records
+                if not self._holds(uuid, record)]
+
+    def clear_orphans(self, claim: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+        """Remove the orphaned records that `claim` accepts once nothing of their job runs (the
+        sweep of the server that granted them, or of any server if that one is gone): kill every
+        process of the job (rpycdl.procs), wait until none runs (KILL_WAIT at most: a record whose
+        job still runs stays), then remove the record and wake every waiter.
+
+        Returns:
+            The records removed.
+        """
+        cleared = []
+        for path, record in self.orphans():
+            if claim(record) and procs.kill_until_gone(functools.partial(_job_left, record), KILL_WAIT):
+                with self._locked():
+                    self._forget(path)
+                cleared.append(record)
+        if cleared:
+            self.wake_all()
+        return cleared
 
     def _waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
         """Live waiting requests in ticket order (only those before ticket `before`, if given);
@@ -206,7 +289,10 @@ class GPULockManager:
         Args:
             count: how many GPUs, 1 to len(candidates); 1 for a fractional request.
             candidates: UUIDs of the GPUs this request may use (the server's inventory).
-            info: shown to others while waiting and holding (job_id, client, server, ...).
+            info: shown to others while waiting and holding (job_id, client, server, ...); for the
+                grant to be found after a crash, it names the job: `job_id`, `leader` (the job
+                process, [pid, start]: procs.Pid) and `server_process` (the server parent, which
+                adopts what the job leaves when its connection process dies).
             queue_timeout: seconds to wait at most; None waits for as long as it takes.
             wake_fds: other file descriptors that end a sleep when readable.
             on_wake: called after each sleep; it may raise to give up waiting (cancel).
@@ -244,6 +330,8 @@ class GPULockManager:
                 # Requests behind others are woken by the grants ahead of them, so they re-check
                 # less often (a request ahead that died silently is noticed within 2 s).
                 timeout = self._sleep_poll if position == 0 else self._sleep_poll * 4
+                if self._killing:
+                    timeout = min(timeout, LINGER_POLL)
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -293,7 +381,10 @@ class GPULockManager:
             sizes.update(waiter.get("sizes", {}))
         sizes.update(need["sizes"])
         fractional = bool(need["memory"]) or any(waiter.get("memory") for waiter in earlier)
-        taken = {uuid: self._taken(uuid, sizes.get(uuid, 0) if fractional else 0) for uuid in involved}
+        records = self._records()
+        self._killing = False
+        taken = {uuid: self._taken(uuid, sizes.get(uuid, 0) if fractional else 0, records.get(uuid, []))
+                 for uuid in involved}
         rooms = planning.rooms(taken, sizes, fractional)
         ahead = 0
         behind_a_grant = False
@@ -317,7 +408,6 @@ class GPULockManager:
             return None, ahead
         since = time.time()
         for uuid in grant.uuids:
-            self._clear_records(uuid, grant.ranges)
             lockdir.write_json(self.root / "held" / f"{uuid}.{ticket}.json",
                                {**info, "ticket": ticket, "sequence": grant.sequence, "memory": grant.memory,
                                 "ranges": [list(r) for r in grant.ranges], "since": since})
@@ -356,15 +446,6 @@ class GPULockManager:
         _WHOLE.update(zip(map(self._lock_path, uuids), locks, strict=True))
         return Grant(tuple(uuids), ticket, self._next(GRANT))
 
-    def _clear_records(self, uuid: str, ranges: tuple[Range, ...]) -> None:
-        """Under the queue lock, after locking `ranges` of the GPU (all of it if none): remove the
-        records of earlier holders that overlap them; they are dead, or we could not have locked."""
-        for name in lockdir.names(self.root / "held", f"{uuid}.", ".json"):
-            path = self.root / "held" / name
-            old = lockdir.read_json(path)
-            if old is None or not ranges or not old.get("ranges") or planning.overlap(ranges, old["ranges"]):
-                path.unlink(missing_ok=True)
-
     def release(self, grant: Grant) -> None:
         """Free the grant's GPUs (or share) and wake every waiter. Releasing twice is harmless."""
         for uuid in grant.uuids:
@@ -394,17 +475,19 @@ class GPULockManager:
     def snapshot(self) -> dict[str, Any]:
         """Who holds which GPU and who waits, in order: {"held": {uuid: [info]}, "queue": [info]}.
 
-        Each GPU's holders are in grant order; `memory` is a holder's MiB (0: the whole GPU).
-        Holders and waiters that died are not reported. It takes no lock, so requests waiting
-        in numbers never slow it: probes (F_GETLK) take nothing, records appear by rename after
-        their locks are taken, and nothing is removed here (the next grant of a GPU removes its
-        dead holders' records, the next granter the dead waiters' entries)."""
+        Each GPU's holders are in grant order; `memory` is a holder's MiB (0: the whole GPU). A
+        holder that died while its job's processes still run (or before its server has cleaned up
+        after it) is reported with `leftover` true: its GPUs are not free yet. Waiters that died
+        are not reported. It takes no lock, so requests waiting in numbers never slow it: probes
+        (F_GETLK) take nothing, records appear by rename after their locks are taken, and nothing
+        is removed or killed here (granters and sweeps do that)."""
         held: dict[str, list[dict[str, Any]]] = {}
-        for name in lockdir.names(self.root / "held", "", ".json"):
-            uuid, _, ticket = name.removesuffix(".json").rpartition(".")
-            info = lockdir.read_json(self.root / "held" / name)
-            if uuid and ticket.isdigit() and info is not None and self._holds(uuid, info):
-                held.setdefault(uuid, []).append(info)
+        for uuid, records in self._records().items():
+            for _, info in records:
+                if self._holds(uuid, info):
+                    held.setdefault(uuid, []).append(info)
+                elif self._orphan_holds(info, kill=False):
+                    held.setdefault(uuid, []).append({**info, "leftover": True})
         for holders in held.values():
             holders.sort(key=lambda holder: holder["sequence"])
         return {"held": held, "queue": self._waiters(prune=False)}

@@ -76,6 +76,3 @@ def fit(taken: list[Range], size: int, memory: int) -> list[Range]:
             return ranges
     raise InvalidRequestError(f"no room for {memory} MiB")  # pick checked the room: cannot happen
 
-
-def overlap(ours: Sequence[Range], theirs: Sequence[Sequence[int]]) -> bool:
-    return any(a < c + d and c < a + b for a, b in ours for c, d in theirs)

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import fcntl
 import json
+import logging
 import os
 import select
 import signal
@@ -37,19 +38,45 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from rpycdl import caps, transport, wire
+from rpycdl import caps, procs, transport, wire
 from rpycdl.defaults import KILL_WAIT
-from rpycdl.errors import LimitError
-from rpycdl.jobs import group_alive, kill_group
+from rpycdl.errors import InvalidRequestError, LimitError
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
 STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
 _GO = struct.Struct("<I?")  # go pipe header: length of the environment's JSON, out-of-band results
 _COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
 _ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
+
+_OWN: set[int] = set()
+"""The job processes and load checks this process forked and has not reaped yet; any other
+child it has was adopted (see _strays)."""
+
+log = logging.getLogger("rpycdl.runner")
+
+
+def _forked() -> None:
+    """In a forked child: nothing is its own yet, and it is not a subreaper (prctl is not inherited)."""
+    global _subreaper
+    _OWN.clear()
+    _subreaper = False
+
+
+_subreaper = False
+os.register_at_fork(after_in_child=_forked)
+
+
+def adopt_orphans() -> None:
+    """Make this process a child subreaper (once): what a job process leaves when it ends, however
+    deep, becomes this process's child instead of init's, so close() finds and kills all of it."""
+    global _subreaper
+    if not _subreaper:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        _subreaper = True
 
 
 class Ending(str, Enum):
@@ -109,7 +136,7 @@ def _child(body: bytes | None, buffers: Sequence[Any], go_r: int, out_w: int, er
     """Body of the job process: waits for its environment (and, in a spare, its payload `body`)
     on `go_r`, then runs the payload. Never returns."""
     try:
-        os.setpgid(0, 0)
+        os.setsid()  # its own session and process group: procs finds what it starts by them
         die_with_parent(parent)
         name_process("rpycdl-job")
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
@@ -131,10 +158,14 @@ def _child(body: bytes | None, buffers: Sequence[Any], go_r: int, out_w: int, er
         caps.install_caps()
         try:
             fn, args = wire.load_call(body, buffers)
-            outcome, result = wire.encode_value(fn(args), out_of_band)
-        except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
-            tb = "".join(traceback.format_exception(exc))
-            outcome, result = wire.encode_error(exc, tb), []
+        except BaseException as exc:  # noqa: BLE001 - told as what it is: a request this server cannot run
+            fn, args = None, None
+            outcome, result = wire.encode_error(cannot_load(exc), "".join(traceback.format_exception(exc))), []
+        if fn is not None:
+            try:
+                outcome, result = wire.encode_value(fn(args), out_of_band)
+            except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
+                outcome, result = wire.encode_error(exc, "".join(traceback.format_exception(exc))), []
         sys.stdout.flush()
         sys.stderr.flush()
         layout = wire.layout(result)
@@ -194,6 +225,14 @@ class _ResultPipe:
         return _read_into(self.fd, self.outcome)
 
 
+def cannot_load(exc: BaseException) -> InvalidRequestError:
+    """What a client is told of a callable this server cannot unpickle (a module it lacks), the
+    same whether its request found out while waiting (LoadCheck) or as its job started."""
+    if isinstance(exc, InvalidRequestError):
+        return exc
+    return InvalidRequestError(f"the callable cannot be loaded on this server: {type(exc).__name__}: {exc}")
+
+
 def _fork(what: str, pipes: Sequence[int]) -> int:
     """os.fork(); if the machine has no process or memory to spare, the `pipes` made for the child
     are closed and LimitError names `what` the process was for."""
@@ -229,21 +268,22 @@ class LoadCheck:
                 os.environ["CUDA_VISIBLE_DEVICES"] = ""
                 wire.load_call(body, buffers)
             except BaseException as exc:  # noqa: BLE001 - what failed is the answer
-                message = f"{type(exc).__name__}: {exc}".encode(errors="replace")
+                message = str(cannot_load(exc)).encode(errors="replace")
             os.write(write_end, message[:4096])
             os._exit(0)
+        _OWN.add(self.pid)
         os.close(write_end)
         self.fd = read_end
 
-    def error(self) -> str | None:
-        """Once `fd` is readable: why the payload cannot be loaded here, or None if it can."""
+    def error(self) -> InvalidRequestError | None:
+        """Once `fd` is readable: why the payload cannot be loaded here (cannot_load), or None if it can."""
         os.set_blocking(self.fd, True)
         message = os.read(self.fd, 4096).decode(errors="replace")
-        return message or None
+        return InvalidRequestError(message) if message else None
 
     def close(self) -> None:
         """Stop the check (if still running) and release what it holds."""
-        kill_group(self.pid)
+        procs.kill_group(self.pid)
         _reap(self.pid)
         os.close(self.fd)
 
@@ -277,6 +317,7 @@ class JobProcess:
         with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
             fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
         parent = os.getpid()
+        adopt_orphans()
         self.pid = _fork("the job", (go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w))
         if self.pid == 0:
             for fd in (self._go_w, out_r, err_r, res_r, *close_fds):
@@ -285,12 +326,10 @@ class JobProcess:
         self._buffers = buffers
         self._body = b""  # a spare's payload, sent down the go pipe by run()
         self._spare = body is None
+        _OWN.add(self.pid)
+        self.identity = procs.identify(self.pid)
         for fd in (go_r, out_w, err_w, res_w):
             os.close(fd)
-        try:
-            os.setpgid(self.pid, self.pid)
-        except OSError:  # already done by the child, or it is gone
-            pass
         self._pidfd = os.pidfd_open(self.pid)
         self._out, self._err, self._res = out_r, err_r, res_r
         for fd in (out_r, err_r, res_r):
@@ -389,11 +428,13 @@ class JobProcess:
                     on_watch()
                 if ending is None and stop is not None and time.monotonic() >= next_stop_check:
                     next_stop_check = time.monotonic() + STOP_POLL
+                    procs.reap(_adopted())  # what the job's programs left, adopted here: no zombie piles up
                     ending, reason = stop(pid) or (None, "")
                 if ending is None and deadline is not None and time.monotonic() >= deadline:
                     ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
         finally:
-            kill_group(pid)
+            procs.kill_group(pid)
+            procs.kill([pid])  # in case it died before it could lead its own group
             for fd in streams:
                 _forward(fd, *streams[fd])
         if ending is Ending.FINISHED and not result.complete:
@@ -403,12 +444,14 @@ class JobProcess:
         return Result(ending, bytes(result.outcome), reason)
 
     def close(self) -> None:
-        """Kill the job's process group and wait until it is gone. Closing twice is harmless."""
+        """Kill the job process and everything it started, and wait until none of them runs (they
+        are this process's own descendants, or adopted by it: see _strays). Closing twice is harmless."""
         if self._pidfd < 0:
             return
-        kill_group(self.pid)
+        procs.kill_group(self.pid)
+        procs.kill([self.pid])
         self._reap()
-        _wait_group_gone(self.pid)
+        _kill_strays()
         for fd in (self._go_w, self._out, self._err, self._res, self._pidfd):
             if fd >= 0:
                 os.close(fd)
@@ -446,14 +489,36 @@ def _reap(pid: int) -> int:
         _, status = os.waitpid(pid, 0)
     except ChildProcessError:
         return 0
+    finally:
+        _OWN.discard(pid)
     return status
 
 
-def _wait_group_gone(pgid: int) -> None:
-    deadline = time.monotonic() + KILL_WAIT
-    while group_alive(pgid) and time.monotonic() < deadline:
-        kill_group(pgid)
-        time.sleep(0.005)
+def _adopted() -> list[int]:
+    """Children of this process that it did not fork itself: what ended job processes left, adopted
+    by this process (a child subreaper)."""
+    return [pid for pid in procs.children(os.getpid()) if pid not in _OWN]
+
+
+def _strays() -> list[int]:
+    """The adopted processes and everything they started in turn."""
+    adopted = _adopted()
+    return adopted + [pid for stray in adopted for pid in procs.subtree(stray)]
+
+
+def _kill_strays() -> None:
+    """SIGKILL what the ended jobs of this process left running, until none of it runs. A process
+    that cannot be killed (another user's, or stuck in the kernel) is waited for, however long:
+    its GPUs are not free while it runs."""
+    def running() -> list[int]:
+        return [pid for pid in _strays() if procs.alive(pid)]
+
+    def reap() -> None:
+        procs.reap(_adopted())
+
+    while not procs.kill_until_gone(running, KILL_WAIT, reap):
+        log.warning("processes left by a job still run after SIGKILL: %s", running())
+    reap()
 
 
 def _describe(status: int) -> str:

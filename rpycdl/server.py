@@ -19,16 +19,16 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import rpyc
 from rpyc.utils.server import ForkingServer
 
-from rpycdl import auth, lockdir, runner, tls, transport
+from rpycdl import auth, lockdir, procs, runner, tls, transport
 from rpycdl.context import Limits, ServerContext
-from rpycdl.defaults import REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
+from rpycdl.defaults import KILL_WAIT, REREGISTER_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL, lock_dir
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.gpus import load_inventory
-from rpycdl.jobs import child_pids
 from rpycdl.registry import registry_client
 from rpycdl.service import GPUService
 from rpycdl.shares import ShareRules
@@ -47,6 +47,10 @@ so the server parent never imports, let alone initialises, the framework)."""
 
 CONTAINER_SERVICE = "deeplearning"
 """The generic service, whose jobs may run in containers of their own."""
+
+CONTAINER_WATCHER = "rpycdl.containers"
+"""The module a job container's watcher runs (`python -m`): it removes its container once the
+connection process that ran the job has died."""
 
 FRAME_SLACK = 1 << 20
 """Bytes an RPyC frame may carry beyond the payload limit (the call around the payload)."""
@@ -128,10 +132,12 @@ class DLServer(ForkingServer):
     process serves one client and exits, as with RPyC's ForkingServer. The parent counts them:
     at --max-connections it keeps no spare and accepts connections itself, to refuse them.
 
-    It is a child subreaper, so what a job leaves behind is reaped here. When a child exits other
-    than cleanly with 0 (and every SWEEP_INTERVAL anyway) it sweeps for jobs whose
-    connection process is gone (kill -9): it kills their process groups, marks them failed,
-    and wakes the waiting requests."""
+    It is a child subreaper, so what a connection process that died leaves running (its job
+    process dies with it, not what the job started) becomes its child. When a child exits other
+    than cleanly with 0 (and every SWEEP_INTERVAL anyway) its sweeper kills what it adopted,
+    clears the orphaned grants of its own dead connection processes (and of servers that died)
+    once nothing of their jobs runs, ends the records of jobs whose connection process died (of
+    any server: rpycdl.jobs), and wakes the waiting requests."""
 
     # Self-pipes written from SIGCHLD: one wakes the sweeper, the other the loop that forks spares.
     _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -145,6 +151,7 @@ class DLServer(ForkingServer):
         self._stop = threading.Event()
         self._connections: set[int] = set()  # pids of the connection processes serving a client
         self._spares: set[int] = set()  # pids of those still waiting for one
+        self._forking = threading.Lock()  # held while those sets change: the sweeper kills other children
         self._taken_r, self._taken_w = os.pipe2(os.O_CLOEXEC)  # a spare writes its pid here as it takes a client
         os.set_blocking(self._taken_r, False)
         self._spare_job: runner.JobProcess | None = None  # in a connection process: its spare job
@@ -162,7 +169,7 @@ class DLServer(ForkingServer):
         self._stop.set()
         _poke(self._wake_w)
         for spare in self._spares:
-            doomed = [spare, *child_pids(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
+            doomed = [spare, *procs.children(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
             for pid in doomed:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -191,13 +198,15 @@ class DLServer(ForkingServer):
         """One turn of the parent's loop (RPyC's start() repeats it while the server is active):
         fork the spares the limit leaves room for, note the ones that took a client, and refuse
         connections while there is no spare to take them."""
-        self._connections = {pid for pid in self._connections if _running(pid)}
-        self._spares = {pid for pid in self._spares if _running(pid)}
+        with self._forking:
+            self._connections = {pid for pid in self._connections if _running(pid)}
+            self._spares = {pid for pid in self._spares if _running(pid)}
         limit = self.context.limits.max_connections
         room = limit - len(self._connections)
         try:
             while self.active and len(self._spares) < min(SPARE_CONNECTIONS, room):
-                self._spares.add(self._fork_spare())
+                with self._forking:
+                    self._spares.add(self._fork_spare())
         except OSError as exc:  # out of processes or memory: refuse, and try again next turn
             self.logger.error("could not fork a connection process: %s", exc)
         watched = [self._taken_r, self._exited_r] + ([] if self._spares else [self.listener])
@@ -210,9 +219,10 @@ class DLServer(ForkingServer):
         if self._exited_r in readable:
             lockdir.drain(self._exited_r)
         if self._taken_r in readable:
-            for (pid,) in _PID.iter_unpack(lockdir.drain(self._taken_r)):
-                self._spares.discard(pid)
-                self._connections.add(pid)
+            with self._forking:
+                for (pid,) in _PID.iter_unpack(lockdir.drain(self._taken_r)):
+                    self._spares.discard(pid)
+                    self._connections.add(pid)
         if self.listener in readable and self.active:
             try:
                 sock, _ = self.listener.accept()
@@ -292,16 +302,41 @@ class DLServer(ForkingServer):
             service.after_reply()
 
     def _sweep(self) -> None:
-        store, locks = self.context.store, self.context.locks
         while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
-                for record in store.sweep(self.context.server_id):
-                    log.warning("job %s failed: %s", record.job_id, record.error)
-                    locks.wake_all()
+                self._sweep_once()
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
             select.select([self._wake_r], [], [], SWEEP_INTERVAL)
             lockdir.drain(self._wake_r)
+
+    def _sweep_once(self) -> None:
+        """Kill what this server adopted; then, unless some of it will not die, clear the orphaned
+        grants of its dead connection processes; clear those of dead servers; end dead jobs' records."""
+        ctx = self.context
+        clean = procs.kill_until_gone(self._adopted, KILL_WAIT)  # each is reaped by _handle_sigchld
+        if not clean:
+            log.warning("processes left by dead connection processes still run after SIGKILL: %s", self._adopted())
+
+        def claim(record: dict[str, Any]) -> bool:
+            server = record.get("server_process")
+            return (clean and record.get("server_id") == ctx.server_id) or not (server and procs.alive(*server))
+
+        for record in ctx.locks.clear_orphans(claim):
+            log.warning("GPUs of job %s granted again: its connection process died", record.get("job_id"))
+        for record in ctx.store.sweep():
+            log.warning("job %s failed: %s", record.job_id, record.error)
+            ctx.locks.wake_all()
+
+    def _adopted(self) -> list[int]:
+        """The running processes this server adopted (it is a child subreaper): its children that
+        are neither spares nor connection processes (what dead connection processes left), and
+        their descendants; but not a job container's watcher, which removes its container."""
+        with self._forking:
+            mine = self._spares | self._connections
+            found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
+        found = [pid for pid in found if not procs.runs_module(pid, CONTAINER_WATCHER)]
+        return [each for pid in found for each in (pid, *procs.subtree(pid)) if procs.alive(each)]
 
 
 def _remove_orphan_containers(lock_dir: str) -> None:

@@ -17,7 +17,7 @@ import dill
 import rpyc
 from rpyc.core.netref import BaseNetref
 
-from rpycdl import auth, caps, runner, transport, wire
+from rpycdl import auth, caps, procs, runner, transport, wire
 from rpycdl.context import ServerContext
 from rpycdl.defaults import ENV_SIMULATED_GPUS
 from rpycdl.errors import (
@@ -91,6 +91,7 @@ class GPUService(rpyc.Service):
         endpoints = conn._config.get("endpoints") or (None, ("?", 0))
         peer = endpoints[1]
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._me = procs.identify(os.getpid())
         self._locks = self.context.locks
         self._store = self.context.store
         self._busy = False  # one job at a time per connection: a second would be served inside the first
@@ -146,8 +147,8 @@ class GPUService(rpyc.Service):
             raise InvalidRequestError("this connection is already running a job: use one connection per "
                                       "concurrent job (rpycdl.connect() again)")
         user = self._identity
-        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, request.memory, owner_pid=os.getpid(),
-                           user=user.user, user_verified=user.verified)
+        record = JobRecord(new_job_id(), ctx.server_id, self._client, count, request.memory, owner_pid=self._me[0],
+                           owner_start=self._me[1], user=user.user, user_verified=user.verified)
 
         waiting_since: float | None = None
         wake_fds = self._socket_fd()
@@ -175,8 +176,8 @@ class GPUService(rpyc.Service):
             if check is not None and check.fd in wake_fds and select.select([check.fd], [], [], 0)[0]:
                 wake_fds.remove(check.fd)
                 error = check.error()
-                if error:
-                    raise InvalidRequestError(f"the callable cannot be loaded on this server: {error}")
+                if error is not None:
+                    raise error
             if self._store.cancel_requested(record.job_id):
                 raise JobCancelledError(f"job {record.job_id} was cancelled while waiting")
 
@@ -185,10 +186,12 @@ class GPUService(rpyc.Service):
         try:
             if body is not None:
                 job = self._job_process(body, buffers)
+                record.pgid, record.leader_start = job.identity
             grant = self._locks.acquire(
                 count, [gpu.uuid for gpu in ctx.gpus],
                 {"job_id": record.job_id, "client": self._client, "server": ctx.name, "server_id": ctx.server_id,
-                 "user": user.label},
+                 "user": user.label, "leader": [record.pgid, record.leader_start] if job else None,
+                 "owner": list(self._me), "server_process": list(ctx.server_process)},
                 queue_timeout=queue_timeout, wake_fds=wake_fds, on_wake=on_wake, on_position=on_position,
                 memory=request.memory, sizes={gpu.uuid: gpu.memory_total // MiB for gpu in ctx.gpus})
             by_uuid = {gpu.uuid: gpu for gpu in ctx.gpus}
@@ -283,8 +286,7 @@ class GPUService(rpyc.Service):
 
         def execute(record: JobRecord, env: dict[str, str], timeout: float | None, stop: Stop,
                     job: runner.JobProcess | None) -> runner.Result:
-            def on_start(pid: int) -> None:
-                record.pgid = pid
+            def on_start(_: int) -> None:
                 self._store.save(record)
 
             assert job is not None  # _submit forks it for every payload

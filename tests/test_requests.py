@@ -101,6 +101,19 @@ def test_a_callable_the_server_cannot_load_is_refused_while_waiting(busy, tmp_pa
     assert conn.root.gpu_status()["queue"] == []
 
 
+def test_a_callable_the_server_cannot_load_gives_the_same_error_granted_at_once_or_after_waiting(
+        busy, server, connect, tmp_path, monkeypatch):
+    (tmp_path / "client_only_module2.py").write_text("def work(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from client_only_module2 import work
+
+    waited, _ = quick_error(lambda: busy[0].root.run_code(work, 1, queue_timeout=30))
+    at_once, _ = quick_error(lambda: connect(server("pytorch", "fake:1")).root.run_code(work, 1))
+    assert type(waited) is type(at_once) is rpycdl.InvalidRequestError, (waited, at_once)
+    assert str(waited) == str(at_once), (str(waited), str(at_once))
+    assert "cannot be loaded on this server: ModuleNotFoundError" in str(at_once)
+
+
 def test_dill_bytes_of_something_not_callable_give_invalid_request(server, connect):
     conn = connect(server("pytorch", "fake:1"))
     with pytest.raises(rpycdl.InvalidRequestError, match="int, not a callable"):

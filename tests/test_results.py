@@ -113,8 +113,10 @@ def test_exception_class_at_module_level_of_the_test_cannot_travel_to_the_server
         raise ModuleLevelError(args)
 
     # dill sends module-level classes by reference; this test module is not importable on the server,
-    # so the callable itself cannot be loaded there, and that is what the client is told
-    with pytest.raises(ModuleNotFoundError, match=__name__) as info:
+    # so the callable itself cannot be loaded there, and that is what the client is told (the same
+    # words as when a waiting request finds it out: tests/test_requests.py)
+    with pytest.raises(rpycdl.InvalidRequestError,
+                       match=f"cannot be loaded on this server: ModuleNotFoundError: .*{__name__}") as info:
         conn.root.run_code(job, 7)
     assert "dill" in info.value.remote_traceback
 
