@@ -1,0 +1,1347 @@
+"""Chaos for promises 1 and 3: clients, a killer, an independent observer of /proc, and the end check."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+import random
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+GIB = 1024**3
+GPU_MEMORY = 16 * GIB  # each GPU of fake:4
+GRACE = 1.0  # promise 3: a job's GPUs are free again within a second
+PATIENCE = 6.0  # seconds after the last kill the end check keeps looking, to say when it got clean
+TOKEN_VAR = "RPYCDL_CHAOS_RUN"
+JOB_VAR = "RPYCDL_JOB_ID"
+HERE = Path(__file__).resolve()
+
+REQUESTS: tuple[dict[str, Any], ...] = (
+    {"ngpus": 1}, {"ngpus": 1}, {"ngpus": 2}, {"ngpus": -1},
+    {"gpu_memory": "3GiB"}, {"gpu_memory": "6GiB"}, {"gpu_memory": "10GiB"}, {"gpus": 0.5},
+)
+
+STUBBORN_PYTHON = ("import signal, subprocess, time\n"
+                   "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                   "subprocess.Popen(['sleep', '1000'])\n"
+                   "while True:\n"
+                   "    time.sleep(1)\n")
+CHILDREN: dict[str, tuple[float, list[str]]] = {  # kind: (weight, argv); "{python}" is the job's interpreter
+    "plain": (0.4, ["sleep", "1000"]),
+    "stubborn_shell": (0.45, ["sh", "-c", "trap '' TERM; sleep 1000 & while :; do sleep 1; done"]),
+    "stubborn_python": (0.15, ["{python}", "-I", "-S", "-c", STUBBORN_PYTHON]),
+}
+
+CONN_KILLS = ("conn_after_grant", "conn", "orphan_conn")
+KILLS: dict[str, float] = {  # the killer's actions and their weights
+    "conn_after_grant": 3.0,  # kill -9 a job's connection process as soon as the job has a child
+    "conn": 1.5,  # kill -9 the connection process of a running job
+    "orphan_conn": 2.0,  # kill -9 a connection process whose server parent was killed
+    "job": 1.5,  # kill -9 a job process
+    "children_kill": 1.5,  # kill -9 some of a job's children and grandchildren
+    "children_term": 1.5,  # SIGTERM them (some ignore it)
+    "client": 0.3,  # kill -9 a client, start another
+}
+
+
+@dataclass(frozen=True)
+class ChaosSettings:
+    """One chaos run. `server_args` go to every `rpycdl serve` (another scheduling policy, say)."""
+
+    duration: float = 25.0
+    clients: int = 6
+    servers: int = 2
+    gpus: str = "fake:4"
+    server_args: tuple[str, ...] = ()
+    requests: tuple[dict[str, Any], ...] = REQUESTS  # run_code keywords, drawn at random
+    queue_timeout: float = 3.0
+    hold: tuple[float, float] = (0.02, 0.25)  # seconds a job runs
+    children: tuple[int, int] = (1, 2)  # children a job starts
+    kill_every: tuple[float, float] = (0.02, 0.08)  # seconds between the killer's actions
+    restart_every: tuple[float, float] = (3.0, 6.0)  # seconds between server kills
+    kills: tuple[tuple[str, float], ...] = tuple(KILLS.items())
+    observer_nice: int = 0
+    seed: int = field(default_factory=lambda: int(os.environ.get("RPYCDL_CHAOS_SEED", random.randrange(1 << 30))))
+
+
+# -- /proc ----------------------------------------------------------------------------------------
+
+
+class Stat(NamedTuple):
+    """What /proc/PID/stat says of a process (start: clock ticks after boot, with pid its identity)."""
+
+    state: str
+    ppid: int
+    pgrp: int
+    start: int
+
+
+def read_stat(pid: int) -> Stat | None:
+    """A process's state, parent, group and start time; None once it is gone."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 1024)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    fields = data.rpartition(b")")[2].split()
+    if len(fields) < 20:
+        return None
+    return Stat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
+
+
+def read_environ(pid: int) -> dict[bytes, bytes]:
+    """A process's environment as it exec'd (empty for kernel threads and once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return {}
+    return dict(entry.partition(b"=")[::2] for entry in data.split(b"\0") if entry)
+
+
+def read_comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def alive(stat: Stat | None, start: int) -> bool:
+    """Whether `stat` is of the process that started at `start` and is not a zombie."""
+    return stat is not None and stat.start == start and stat.state not in "ZX"
+
+
+def proc_pids() -> Iterator[int]:
+    return (int(name) for name in os.listdir("/proc") if name.isdigit())
+
+
+def marked_job(pid: int, token: bytes) -> str | None:
+    """The job id in a process's environment, if it carries this run's token too."""
+    environ = read_environ(pid)
+    if environ.get(TOKEN_VAR.encode()) != token:
+        return None
+    job = environ.get(JOB_VAR.encode())
+    return job.decode() if job else None
+
+
+def signal_process(pid: int, start: int, sig: int) -> bool:
+    """Send `sig` to the process `pid` only if it is still the one that started at `start`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        stat = read_stat(pid)
+        if stat is None or stat.start != start:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+_FLOCK = "hhqqi4x"  # struct flock on Linux x86-64: type, whence, start, len, pid
+
+
+def lock_holder(path: str | Path, start: int = 0, length: int = 0) -> int | None:
+    """The pid of a process holding an fcntl lock on bytes [start, start + length) of a file
+    (length 0: to its end), asked with F_GETLK, which takes nothing; None if nobody does."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+        kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    finally:
+        os.close(fd)
+    return None if kind == fcntl.F_UNLCK else pid
+
+
+def gpu_name(uuid: str) -> str:
+    """A simulated GPU's index (its UUID ends in it), else the UUID."""
+    return str(int(uuid[-12:])) if uuid[-12:].isdigit() else uuid
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+# -- reports ----------------------------------------------------------------------------------------
+
+
+class Report(NamedTuple):
+    """What a job process says of itself before it starts anything."""
+
+    job_id: str
+    pid: int
+    ppid: int
+    pgrp: int
+    start: int
+    uuids: tuple[str, ...]
+    memory: int  # bytes of its share; 0: whole GPUs
+    time: float
+
+
+def read_report(path: str | Path) -> Report | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return Report(data["job_id"], data["pid"], data["ppid"], data["pgrp"], data["start"], tuple(data["uuids"]),
+                  data["memory"], data["time"])
+
+
+def read_reports(directory: Path) -> dict[str, Report]:
+    reports = (read_report(path) for path in directory.glob("*.json"))
+    return {report.job_id: report for report in reports if report is not None}
+
+
+def take_inbox(inbox: str) -> list[Report]:
+    """The reports linked into `inbox` since the last call (each is removed once read)."""
+    taken = []
+    for name in os.listdir(inbox):
+        path = os.path.join(inbox, name)
+        report = read_report(path)
+        if report is not None:
+            taken.append(report)
+            os.unlink(path)
+    return sorted(taken, key=lambda report: report.time)
+
+
+# -- clients ----------------------------------------------------------------------------------------
+
+
+def make_job() -> Callable[[dict[str, Any]], str]:
+    """The job every client sends (built in a function so that dill sends its code, not a reference).
+
+    It writes its report to args["reports"] (linked into each of args["inboxes"] first), starts
+    args["children"] by exec, sleeps args["hold"] seconds and returns its job id."""
+
+    def job(args: dict[str, Any]) -> str:
+        import json
+        import os
+        import subprocess
+        import sys
+        import time
+
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+        job_id = os.environ["RPYCDL_JOB_ID"]
+        report = {"job_id": job_id, "pid": os.getpid(), "ppid": int(fields[1]), "pgrp": int(fields[2]),
+                  "start": int(fields[19]), "uuids": os.environ["RPYCDL_GPU_UUIDS"].split(","),
+                  "memory": int(os.environ.get(args["memory_var"], 0)), "time": time.time()}
+        tmp = os.path.join(args["reports"], f".{job_id}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        for inbox in args["inboxes"]:
+            os.link(tmp, os.path.join(inbox, f"{job_id}.json"))
+        os.replace(tmp, os.path.join(args["reports"], f"{job_id}.json"))
+        for argv in args["children"]:
+            subprocess.Popen([sys.executable if arg == "{python}" else arg for arg in argv], stdin=subprocess.DEVNULL)
+        time.sleep(args["hold"])
+        return job_id
+
+    return job
+
+
+def client_main(run_dir: str, seed: int) -> None:
+    """A client process: random requests for ever, connecting again whenever its connection dies."""
+    import rpycdl
+
+    die_with_parent()
+    config = json.loads(Path(run_dir, "client.json").read_text())
+    rng = random.Random(seed)
+    job = make_job()
+    conn = None
+    with open(Path(run_dir, "clients", f"{os.getpid()}.log"), "a", buffering=1) as log:
+        while True:
+            conn = conn or _connect(Path(run_dir, "ports.json"), rng)
+            try:
+                conn.root.run_code(job, _job_args(config, rng), queue_timeout=config["queue_timeout"],
+                                   **rng.choice(config["requests"]))
+                outcome = "ok"
+            except rpycdl.RpycdlError as exc:
+                outcome = type(exc).__name__
+            except Exception as exc:  # noqa: BLE001 - its connection process or server died: connect again
+                outcome = type(exc).__name__
+                with contextlib.suppress(Exception):
+                    conn.close()
+                conn = None
+            if conn is not None and conn.closed:
+                conn = None
+            log.write(f"{outcome}\n")
+
+
+def _job_args(config: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """The arguments of one job: where it reports, how long it runs, which children it starts."""
+    kinds = list(CHILDREN)
+    chosen = rng.choices(kinds, [CHILDREN[kind][0] for kind in kinds], k=rng.randint(*config["children"]))
+    return {"reports": config["reports"], "inboxes": config["inboxes"], "memory_var": config["memory_var"],
+            "hold": rng.uniform(*config["hold"]), "children": [CHILDREN[kind][1] for kind in chosen]}
+
+
+def _connect(ports_file: Path, rng: random.Random) -> Any:
+    """Connect to one of the servers the ports file lists now, trying until one answers."""
+    import rpycdl
+
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            ports = json.loads(ports_file.read_text())
+            if ports:
+                with contextlib.suppress(OSError, EOFError, rpycdl.RpycdlError):
+                    return rpycdl.connect(host="127.0.0.1", port=rng.choice(ports))
+        time.sleep(0.05)
+
+
+# -- observer ---------------------------------------------------------------------------------------
+
+
+class _Seen:
+    """A process the observer knows: its identity, group, job mark and the job it belongs to."""
+
+    __slots__ = ("start", "pgrp", "mark", "job")
+
+    def __init__(self, start: int, pgrp: int, mark: str | None) -> None:
+        self.start, self.pgrp, self.mark = start, pgrp, mark
+        self.job: str | None = None
+
+
+class ReleaseWatch:
+    """Promise 3 while the chaos runs: a job's grant ends within GRACE of its last live process.
+
+    A job's grant lasts while a record in the lock directory's held/ names the job and the
+    connection process that ran it (the job process's parent when it reported) is alive and has
+    not gone on to a later job. Past GRACE, a probe of the record's range of the GPU's lock file
+    must find that very process holding it before the job counts as late."""
+
+    CHECK_EVERY = 0.01  # seconds between looks at held/
+
+    def __init__(self, lock_dir: str) -> None:
+        self.lock_dir = Path(lock_dir)
+        self.records: dict[str, dict[str, Any]] = {}  # held/ file name -> record (never rewritten)
+        self.conns: dict[str, tuple[int, int, float]] = {}  # unresolved job -> its connection (pid, start, time)
+        self.ended: dict[str, float] = {}  # unresolved job -> when none of its processes was seen alive
+        self.finished: dict[str, float] = {}  # resolved job -> the same
+        self.latencies = array("d")  # seconds from a job's end to its grant's end, within CHECK_EVERY
+        self.late: dict[str, dict[str, Any]] = {}
+        self._next = 0.0
+
+    def reported(self, report: Report) -> None:
+        stat = read_stat(report.ppid)
+        self.conns[report.job_id] = (report.ppid, stat.start if stat else 0, report.time)
+
+    def step(self, live_jobs: set[str], zombies: Callable[[str], list[str]]) -> None:
+        now = time.time()
+        for job in self.conns:
+            if job in live_jobs:
+                self.ended.pop(job, None)
+            else:
+                self.ended.setdefault(job, now)
+        if now < self._next:
+            return
+        self._next = now + self.CHECK_EVERY
+        holding = self._holding()
+        for job, ended in list(self.ended.items()):
+            records = holding.get(job, [])
+            if not records or self._moved_on(job):
+                self._resolve(job, now - ended)
+            elif now - ended > GRACE:
+                self._late(job, records, ended, now, zombies)
+
+    def _holding(self) -> dict[str, list[dict[str, Any]]]:
+        """The held/ records, by job."""
+        holding: dict[str, list[dict[str, Any]]] = {}
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.lock_dir / "held"):
+                if name.endswith(".json") and name not in self.records:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.records[name] = {**json.loads((self.lock_dir / "held" / name).read_text()),
+                                              "gpu": name.rpartition(".json")[0].rpartition(".")[0]}
+                record = self.records.get(name)
+                if record is not None:
+                    holding.setdefault(record.get("job_id", ""), []).append(record)
+        return holding
+
+    def _moved_on(self, job: str) -> bool:
+        """Whether the job's connection process is gone (the kernel freed its locks) or ran a later job."""
+        pid, start, since = self.conns[job]
+        if not alive(read_stat(pid), start):
+            return True
+        return any(other[0] == pid and other[1] == start and other[2] > since for other in self.conns.values())
+
+    def _resolve(self, job: str, latency: float) -> None:
+        self.latencies.append(latency)
+        del self.conns[job]
+        self.finished[job] = self.ended.pop(job)
+        if job in self.late:
+            self.late[job]["released_after"] = latency
+
+    def _late(self, job: str, records: list[dict[str, Any]], ended: float, now: float,
+              zombies: Callable[[str], list[str]]) -> None:
+        """Record the job as late if a probe finds its connection process still locking its GPUs."""
+        pid = self.conns[job][0]
+        locked = []
+        for record in records:
+            path = self.lock_dir / "gpus" / f"{record['gpu']}.lock"
+            ranges = record.get("ranges") or [[0, 0]]
+            if any(lock_holder(path, start, length) == pid for start, length in ranges):
+                locked.append(record["gpu"])
+        if not locked:
+            return
+        entry = self.late.setdefault(job, {"job": job, "gpus": locked, "conn": pid, "ended": ended,
+                                           "conn_comm": read_comm(pid), "zombies": zombies(job)})
+        entry["held_after"] = now - ended
+
+
+class Observer:
+    """Watches /proc for live processes of two jobs on one GPU beyond what the GPU allows, and for
+    grants that outlive their job by more than GRACE (ReleaseWatch).
+
+    A process belongs to a job if it is the job process that reported (same pid and start time),
+    carries the job's RPYCDL_JOB_ID and this run's token in /proc/PID/environ, or lives in the job
+    process's group. Zombies do not count. A GPU is over-committed when live processes of two jobs
+    use it and one job has it whole, or their shares add up to more than its memory. Before that
+    counts, the processes involved are read again: one still alive then was alive when the last of
+    them was seen, so all lived at one instant (a process that died during the scan, its pid given
+    to another, does not count)."""
+
+    def __init__(self, inbox: str, token: str, lock_dir: str) -> None:
+        self.inbox = inbox
+        self.token = token.encode()
+        self.jobs: dict[str, Report] = {}
+        self.by_pid: dict[int, list[Report]] = {}  # a job process's reports (several if its pid was reused)
+        self.seen: dict[int, _Seen] = {}
+        self.releases = ReleaseWatch(lock_dir)
+        self.violations: dict[tuple[str, frozenset[str]], dict[str, Any]] = {}
+        self.periods = array("d")
+        self.shared_at_once = 0  # loops in which two jobs shared one GPU within its memory
+        self.most_processes = 0
+
+    def run(self, stop: Callable[[], bool], ready: Callable[[], None]) -> None:
+        self.step()
+        ready()
+        last = time.monotonic()
+        while not stop():
+            self.step()
+            now = time.monotonic()
+            self.periods.append(now - last)
+            last = now
+
+    def step(self) -> None:
+        """One look at every process: which jobs' processes live, and on which GPUs."""
+        for report in take_inbox(self.inbox):
+            self.jobs[report.job_id] = report
+            self.by_pid.setdefault(report.pid, []).append(report)
+            self.releases.reported(report)
+        live: list[tuple[str, int, int]] = []  # (job, pid, order seen)
+        present = set()
+        for pid in proc_pids():
+            present.add(pid)
+            seen, stat = self.seen.get(pid), None
+            if seen is None:
+                stat = read_stat(pid)
+                if stat is None:
+                    continue
+                seen = self.seen[pid] = _Seen(stat.start, stat.pgrp, marked_job(pid, self.token))
+            if seen.job is None:
+                seen.job = self._owner(pid, seen)
+                if seen.job is None:
+                    continue
+            stat = stat or read_stat(pid)
+            if stat is None or stat.start != seen.start:
+                del self.seen[pid]  # gone, or a new process with its pid: seen afresh next time
+            elif stat.state not in "ZX":
+                live.append((seen.job, pid, len(live)))
+        for pid in self.seen.keys() - present:
+            del self.seen[pid]
+        self.most_processes = max(self.most_processes, len(live))
+        self._check(live)
+        self.releases.step({job for job, _, _ in live}, self._zombies)
+
+    def _zombies(self, job: str) -> list[str]:
+        """The job's processes that are dead but not reaped, with their parents."""
+        found = []
+        for pid, seen in list(self.seen.items()):
+            stat = read_stat(pid) if seen.job == job else None
+            if stat is not None and stat.state == "Z":
+                found.append(f"{pid} (parent {stat.ppid} {read_comm(stat.ppid)})")
+        return found
+
+    def _owner(self, pid: int, seen: _Seen) -> str | None:
+        """The job a process belongs to: the job process itself, a process marked with the job's id,
+        or one in the job process's group."""
+        for report in self.by_pid.get(pid, ()):
+            if report.start == seen.start:
+                return report.job_id
+        if seen.mark in self.jobs:
+            return seen.mark
+        leaders = [r for r in self.by_pid.get(seen.pgrp, ()) if r.pgrp == r.pid and r.start <= seen.start]
+        return max(leaders, key=lambda r: r.start).job_id if leaders else None
+
+    def _check(self, live: list[tuple[str, int, int]]) -> None:
+        by_gpu: dict[str, dict[str, list[tuple[int, int]]]] = {}
+        for job, pid, order in live:
+            for gpu in self.jobs[job].uuids:
+                by_gpu.setdefault(gpu, {}).setdefault(job, []).append((pid, order))
+        for gpu, users in by_gpu.items():
+            if len(users) < 2:
+                continue
+            if self._over(users):
+                self._confirm(gpu, users)
+            else:
+                self.shared_at_once += 1
+
+    def _over(self, users: dict[str, Any]) -> bool:
+        memory = [self.jobs[job].memory for job in users]
+        return 0 in memory or sum(memory) > GPU_MEMORY
+
+    def _confirm(self, gpu: str, users: dict[str, list[tuple[int, int]]]) -> None:
+        """Keep the processes that lived at one instant: the one seen last, and those still alive now."""
+        seen = [(order, pid, job) for job, entries in users.items() for pid, order in entries]
+        last = max(seen)
+        kept: dict[str, list[int]] = {}
+        for order, pid, job in seen:
+            entry = self.seen.get(pid)
+            if (order, pid, job) == last or (entry is not None and alive(read_stat(pid), entry.start)):
+                kept.setdefault(job, []).append(pid)
+        if len(kept) > 1 and self._over(kept):
+            self._record(gpu, kept)
+
+    def _record(self, gpu: str, users: dict[str, list[int]]) -> None:
+        key = (gpu, frozenset(users))
+        now = time.time()
+        violation = self.violations.get(key)
+        if violation is None:
+            violation = self.violations[key] = {"gpu": gpu, "first": now, "loops": 0, "jobs": {}}
+        violation["last"] = now
+        violation["loops"] += 1
+        for job, pids in users.items():
+            entry = violation["jobs"].setdefault(job, {"memory": self.jobs[job].memory, "granted": self.jobs[job].time,
+                                                       "job_pid": self.jobs[job].pid, "pids": {}})
+            for pid in pids:
+                if str(pid) not in entry["pids"]:
+                    entry["pids"][str(pid)] = read_comm(pid)
+
+    def summary(self) -> dict[str, Any]:
+        periods = sorted(self.periods)
+
+        def at(fraction: float) -> float:
+            return periods[min(len(periods) - 1, int(fraction * len(periods)))] * 1000 if periods else 0.0
+
+        latencies = sorted(self.releases.latencies)
+        return {"loops": len(periods), "period_ms": {"mean": sum(periods) / len(periods) * 1000 if periods else 0.0,
+                                                       "p50": at(0.5), "p99": at(0.99), "max": at(1.0)},
+                "jobs": len(self.jobs), "shared_at_once": self.shared_at_once,
+                "most_processes": self.most_processes,
+                "release_s": {"count": len(latencies), "max": latencies[-1] if latencies else 0.0,
+                              "p99": latencies[int(0.99 * len(latencies))] if latencies else 0.0},
+                "violations": sorted(self.violations.values(), key=lambda v: v["first"]),
+                "late_releases": sorted(self.releases.late.values(), key=lambda v: v["ended"]),
+                "ended": {**self.releases.finished, **self.releases.ended}}
+
+
+def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
+    """The observer process: loops until SIGTERM, then writes observer.json."""
+    die_with_parent()
+    if nice:
+        os.nice(nice)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir)
+    observer.run(stopping.is_set, lambda: Path(run_dir, "observer.ready").touch())
+    out = Path(run_dir, "observer.json")
+    out.with_suffix(".tmp").write_text(json.dumps(observer.summary()))
+    out.with_suffix(".tmp").replace(out)
+
+
+# -- servers and clients ---------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    process: Any  # rpycdl.local.Process
+    port: int
+    server_id: str
+    started: float
+    killed: float | None = None
+
+
+class Servers:
+    """The run's servers, all on the cluster's lock directory, their ports in a file the clients reread."""
+
+    def __init__(self, cluster: Any, ports_file: Path, settings: ChaosSettings) -> None:
+        self.cluster = cluster
+        self.ports_file = ports_file
+        self.settings = settings
+        self.live: list[Server] = []
+        self.killed: list[Server] = []
+        self._lock = threading.Lock()
+        self._restart: threading.Thread | None = None
+
+    def start(self) -> Server:
+        import rpycdl
+
+        process, port = self.cluster.add_server("pytorch", self.settings.gpus, *self.settings.server_args)
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            server_id = conn.root.gpu_status()["server"]["server_id"]
+        server = Server(process, port, server_id, time.time())
+        with self._lock:
+            self.live.append(server)
+            self._write_ports()
+        return server
+
+    def kill_and_restart(self, rng: random.Random) -> bool:
+        """kill -9 a server parent and start another in the background (one restart at a time)."""
+        if self.restarting or not self.live:
+            return False
+        with self._lock:
+            server = self.live.pop(rng.randrange(len(self.live)))
+            self._write_ports()
+        server.process.popen.kill()
+        server.killed = time.time()
+        server.process.popen.wait()
+        self.killed.append(server)
+        self._restart = threading.Thread(target=self.start, daemon=True)
+        self._restart.start()
+        return True
+
+    @property
+    def restarting(self) -> bool:
+        return self._restart is not None and self._restart.is_alive()
+
+    def wait_restarts(self) -> None:
+        if self._restart is not None:
+            self._restart.join(60)
+
+    def parent_pids(self) -> set[int]:
+        return {server.process.popen.pid for server in self.live}
+
+    def _write_ports(self) -> None:
+        tmp = self.ports_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps([server.port for server in self.live]))
+        tmp.replace(self.ports_file)
+
+
+class Clients:
+    """Client processes (`python chaos.py client`), each with a seed of its own."""
+
+    def __init__(self, run_dir: Path, seed: int) -> None:
+        self.run_dir = run_dir
+        self.rng = random.Random(seed)
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        argv = [sys.executable, str(HERE), "client", str(self.run_dir), str(self.rng.randrange(1 << 30))]
+        with open(self.run_dir / "clients" / "stderr.log", "ab") as stderr:
+            self.processes.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                   stderr=stderr))
+
+    def kill_one(self) -> bool:
+        live = [p for p in self.processes if p.poll() is None]
+        if not live:
+            return False
+        victim = self.rng.choice(live)
+        victim.kill()
+        victim.wait()
+        self.start()
+        return True
+
+    def kill_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.processes:
+            process.wait()
+
+    def outcomes(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for log in (self.run_dir / "clients").glob("*.log"):
+            if log.name != "stderr.log":
+                counts.update(line.strip() for line in log.read_text().splitlines() if line.strip())
+        return counts
+
+
+class StatusWatch:
+    """Asks a live server for gpu_status every INTERVAL seconds: which jobs hold which GPUs, by the
+    servers' own account (which counts a dead holder's grant while its job's processes linger)."""
+
+    INTERVAL = 0.05
+
+    def __init__(self, servers: Servers) -> None:
+        self.servers = servers
+        self.samples: list[tuple[float, dict[str, list[str]]]] = []  # (when asked, {job: GPUs held})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-status", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+
+    def _run(self) -> None:
+        import rpycdl
+
+        conn = None
+        while not self._stop.wait(self.INTERVAL):
+            try:
+                conn = conn or rpycdl.connect(host="127.0.0.1", port=random.choice(self.servers.live).port)
+                asked = time.time()
+                holders: dict[str, list[str]] = {}
+                for gpu in conn.root.gpu_status()["gpus"]:
+                    for holder in gpu["holders"]:
+                        holders.setdefault(holder["job_id"], []).append(gpu["uuid"])
+                self.samples.append((asked, holders))
+            except Exception:  # noqa: BLE001 - its server or connection process was killed: ask another
+                with contextlib.suppress(Exception):
+                    conn.close()
+                conn = None
+
+    def late(self, ended: dict[str, float]) -> list[dict[str, Any]]:
+        """Jobs still named as holders in two looks asked more than GRACE after their last process ended."""
+        looks: dict[str, list[tuple[float, list[str]]]] = {}
+        for asked, holders in self.samples:
+            for job, gpus in holders.items():
+                if job in ended and asked > ended[job] + GRACE:
+                    looks.setdefault(job, []).append((asked, gpus))
+        return [{"job": job, "ended": ended[job], "gpus": seen[0][1], "first": seen[0][0], "last": seen[-1][0],
+                 "looks": len(seen)} for job, seen in looks.items() if len(seen) > 1]
+
+
+# -- killer -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Kill:
+    time: float
+    kind: str
+    pid: int
+    job: str = ""
+    note: str = ""  # for a connection process: what the job's record said right after the kill
+
+
+class Killer:
+    """Kills at random every few tens of ms; counts and logs what it killed."""
+
+    def __init__(self, run_dir: Path, lock_dir: Path, token: str, servers: Servers, clients: Clients,
+                 settings: ChaosSettings, rng: random.Random) -> None:
+        self.inbox = str(run_dir / "inbox-killer")
+        self.lock_dir = lock_dir
+        self.token = token.encode()
+        self.servers, self.clients, self.settings, self.rng = servers, clients, settings, rng
+        self.running: dict[str, Report] = {}  # jobs whose job process was alive at the last look
+        self.kills: Counter[str] = Counter()
+        self.log: list[Kill] = []
+        self._actions: dict[str, Callable[[], int]] = {
+            "conn_after_grant": self._conn_after_grant, "conn": self._conn, "orphan_conn": self._orphan_conn,
+            "job": self._job, "children_kill": lambda: self._children(signal.SIGKILL, "children_kill"),
+            "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client}
+
+    def run(self, until: float) -> None:
+        kinds = [kind for kind, _ in self.settings.kills]
+        weights = [weight for _, weight in self.settings.kills]
+        next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
+        while time.monotonic() < until:
+            time.sleep(self.rng.uniform(*self.settings.kill_every))
+            self._fresh()
+            if time.monotonic() >= next_restart and self.servers.kill_and_restart(self.rng):
+                self._note("server", self.servers.killed[-1].process.popen.pid)
+                next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
+                continue
+            self._actions[self.rng.choices(kinds, weights)[0]]()
+
+    def _fresh(self) -> list[Report]:
+        reports = take_inbox(self.inbox)
+        self.running.update((report.job_id, report) for report in reports)
+        return reports
+
+    def _note(self, kind: str, pid: int, job: str = "", note: str = "") -> int:
+        self.kills[kind] += 1
+        self.log.append(Kill(time.time(), kind, pid, job, note))
+        return 1
+
+    def _running(self) -> list[Report]:
+        """Jobs whose job process still runs."""
+        for job, report in list(self.running.items()):
+            if not alive(read_stat(report.pid), report.start):
+                del self.running[job]
+        return list(self.running.values())
+
+    def _conn_after_grant(self) -> int:
+        """Wait for a job that has just been granted its GPUs; kill its connection process as soon as
+        the job process has a child."""
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            fresh = [r for r in self._fresh() if time.time() - r.time < 0.01]
+            if fresh:
+                report = fresh[-1]
+                until = time.monotonic() + 0.05
+                while not child_pids(report.pid) and time.monotonic() < until:
+                    time.sleep(0.0002)
+                return self._kill_conn(report, "conn_after_grant")
+            time.sleep(0.001)
+        return 0
+
+    def _conn(self) -> int:
+        running = self._running()
+        return self._kill_conn(self.rng.choice(running), "conn") if running else 0
+
+    def _orphan_conn(self) -> int:
+        """The connection process of a running job whose server parent was killed."""
+        servers = self.servers.parent_pids()
+        orphans = []
+        for report in self._running():
+            stat = read_stat(report.pid)
+            conn = read_stat(stat.ppid) if stat else None
+            if conn is not None and conn.ppid not in servers:
+                orphans.append(report)
+        return self._kill_conn(self.rng.choice(orphans), "orphan_conn") if orphans else 0
+
+    def _kill_conn(self, report: Report, kind: str) -> int:
+        """kill -9 the parent of a job process, if that is still a connection process of this run."""
+        stat = read_stat(report.pid)
+        if not alive(stat, report.start) or read_comm(stat.ppid) != "rpycdl-conn":
+            return 0
+        conn = read_stat(stat.ppid)
+        if conn is None or not signal_process(stat.ppid, conn.start, signal.SIGKILL):
+            return 0
+        return self._note(kind, stat.ppid, report.job_id, self._record(report.job_id))
+
+    def _record(self, job: str) -> str:
+        """What the job's record in the lock directory says of it: its state and process group."""
+        try:
+            record = json.loads((self.lock_dir / "jobs" / f"{job}.json").read_text())
+        except (OSError, ValueError):
+            return "no record"
+        return f"record {record.get('state')}, group {record.get('pgid')}"
+
+    def _job(self) -> int:
+        running = self._running()
+        if not running:
+            return 0
+        report = self.rng.choice(running)
+        return self._note("job", report.pid, report.job_id) if signal_process(
+            report.pid, report.start, signal.SIGKILL) else 0
+
+    def _children(self, sig: int, kind: str) -> int:
+        """Signal some of one job's children and grandchildren (found by their environment)."""
+        by_job: dict[str, list[tuple[int, int]]] = {}
+        for pid in proc_pids():
+            job = marked_job(pid, self.token)
+            stat = read_stat(pid) if job else None
+            if job and stat and stat.state not in "ZX":
+                by_job.setdefault(job, []).append((pid, stat.start))
+        if not by_job:
+            return 0
+        job, processes = self.rng.choice(sorted(by_job.items()))
+        done = 0
+        for pid, start in self.rng.sample(processes, self.rng.randint(1, len(processes))):
+            if signal_process(pid, start, sig):
+                done += self._note(kind, pid, job)
+        return done
+
+    def _client(self) -> int:
+        return self._note("client", 0) if self.clients.kill_one() else 0
+
+
+# -- the end check ---------------------------------------------------------------------------------
+
+
+def locked_gpus(lock_dir: Path) -> list[str]:
+    """GPU lock files on which some process holds an fcntl lock."""
+    held = []
+    for path in sorted((lock_dir / "gpus").glob("*.lock")):
+        pid = lock_holder(path)
+        if pid is not None:
+            held.append(f"{path.stem} locked by pid {pid} ({read_comm(pid) or 'gone'})")
+    return held
+
+
+def job_processes(reports: dict[str, Report], token: bytes) -> list[str]:
+    """Live processes of the run's jobs: job processes, processes marked with a job id, members of a
+    job process's group."""
+    leaders = {(r.pid, r.start): r.job_id for r in reports.values()}
+    groups = {r.pgrp: r for r in reports.values() if r.pgrp == r.pid}
+    found = []
+    for pid in proc_pids():
+        stat = read_stat(pid)
+        if stat is None or stat.state in "ZX" or pid == os.getpid():
+            continue
+        job = leaders.get((pid, stat.start)) or marked_job(pid, token)
+        leader = groups.get(stat.pgrp)
+        if job is None and leader is not None and leader.start <= stat.start:
+            job = leader.job_id
+        if job is not None:
+            found.append(f"{pid} {read_comm(pid)} of job {job}")
+    return found
+
+
+def live_records(lock_dir: Path) -> list[str]:
+    """Job records that still say pending or running."""
+    found = []
+    for path in sorted((lock_dir / "jobs").glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            if record["state"] in ("pending", "running"):
+                found.append(f"{record['job_id']} {record['state']} (server {record['server_id']}, "
+                             f"connection process {record['owner_pid']}, group {record['pgid']})")
+    return found
+
+
+LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files")
+
+
+def lock_dir_entries(directory: Path) -> list[str]:
+    """The records of held/ or queue/ (grants and waiting requests), with the job each names."""
+    found = []
+    for path in sorted(directory.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            found.append(f"{path.name} (job {json.loads(path.read_text()).get('job_id')})")
+    return found
+
+
+@dataclass
+class Leftovers:
+    """What one look found still held, waiting, running or recorded as live."""
+
+    since_kill: float  # seconds after the last kill the look started
+    holders: list[str] = field(default_factory=list)
+    queue: list[str] = field(default_factory=list)
+    locked: list[str] = field(default_factory=list)
+    processes: list[str] = field(default_factory=list)
+    records: list[str] = field(default_factory=list)
+    held_files: list[str] = field(default_factory=list)
+    queue_files: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, kind) for kind in LEFTOVER_KINDS)
+
+    def describe(self) -> str:
+        parts = [f"{name}: {items}" for name, items in (
+            ("GPU holders (gpu_status)", self.holders), ("queue (gpu_status)", self.queue),
+            ("locked GPU lock files", self.locked), ("job processes", self.processes),
+            ("job records pending/running", self.records), ("held/ records", self.held_files),
+            ("queue/ entries", self.queue_files)) if items]
+        return f"{self.since_kill:.3f} s after the last kill: " + ("; ".join(parts) or "nothing left")
+
+
+class EndCheck:
+    """Looks, again and again, at what the run left once the clients are gone."""
+
+    def __init__(self, lock_dir: Path, servers: Servers, reports_dir: Path, token: str) -> None:
+        self.lock_dir, self.servers, self.reports_dir, self.token = lock_dir, servers, reports_dir, token.encode()
+        self.conns: dict[int, Any] = {}
+
+    def look(self, since: float) -> Leftovers:
+        found = Leftovers(time.time() - since)
+        for server in list(self.servers.live):
+            status = self._status(server.port)
+            if status is None:
+                found.holders.append(f"server on port {server.port} did not answer")
+                continue
+            for gpu in status["gpus"]:
+                found.holders += [f"{gpu['uuid']}: job {h['job_id']} ({h['memory']} MiB)" for h in gpu["holders"]]
+            found.queue += [f"job {w['job_id']}" for w in status["queue"]]
+        found.holders = sorted(set(found.holders))
+        found.queue = sorted(set(found.queue))
+        found.locked = locked_gpus(self.lock_dir)
+        found.processes = job_processes(read_reports(self.reports_dir), self.token)
+        found.records = live_records(self.lock_dir)
+        found.held_files = lock_dir_entries(self.lock_dir / "held")
+        found.queue_files = lock_dir_entries(self.lock_dir / "queue")
+        return found
+
+    def _status(self, port: int) -> dict[str, Any] | None:
+        import rpycdl
+
+        try:
+            if port not in self.conns:
+                self.conns[port] = rpycdl.connect(host="127.0.0.1", port=port)
+            return self.conns[port].root.gpu_status()
+        except Exception:  # noqa: BLE001 - reported as a leftover; connect again next time
+            with contextlib.suppress(Exception):
+                self.conns.pop(port).close()
+            return None
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+# -- a run ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ending:
+    """What the looks after the last kill found: the first look, the first that started past GRACE
+    and found something, when each kind of leftover was first gone, and when all were."""
+
+    first: Leftovers
+    late: Leftovers | None = None
+    gone_after: dict[str, float] = field(default_factory=dict)
+    clean_after: float | None = None  # None: not within PATIENCE
+
+    def describe(self) -> str:
+        gone = ", ".join(f"{kind} {seconds:.3f} s" for kind, seconds in self.gone_after.items())
+        clean = f"{self.clean_after:.3f} s" if self.clean_after is not None else f"not within {PATIENCE:g} s"
+        return f"clean after the last kill: {clean} (gone after: {gone or '-'})"
+
+
+@dataclass
+class ChaosResult:
+    """What a run did and found."""
+
+    settings: ChaosSettings
+    started: float
+    seconds: float
+    jobs: int
+    outcomes: Counter[str]
+    kills: Counter[str]
+    kill_log: list[Kill]
+    servers: list[Server]
+    observer: dict[str, Any]
+    ending: Ending
+    records: dict[str, dict[str, Any]]
+    status_late: list[dict[str, Any]]  # StatusWatch.late
+    status_looks: int
+
+    def problems(self) -> list[str]:
+        """Broken promises, each with its figures."""
+        found = []
+        violations = self.observer.get("violations", [])
+        if violations:
+            shown = "\n  ".join(self.describe(v) for v in violations[:10])
+            found.append(f"promise 1: the observer saw {len(violations)} violation(s) (GPU, jobs), "
+                         f"{sum(v['loops'] for v in violations)} looks in all; jobs whose processes outlived "
+                         f"their grant: {self.culprits()}\n  {shown}")
+        late = self.observer.get("late_releases", [])
+        if late:
+            shown = "\n  ".join(self.describe_late(entry) for entry in late[:10])
+            found.append(f"promise 3: {len(late)} job(s) kept their GPUs more than {GRACE:g} s after their last "
+                         f"process ended:\n  {shown}")
+        if self.status_late:
+            shown = "\n  ".join(self.describe_status(entry) for entry in self.status_late[:10])
+            found.append(f"promise 3: gpu_status still named {len(self.status_late)} job(s) as holders more than "
+                         f"{GRACE:g} s after their last process ended:\n  {shown}")
+        if self.ending.late is not None:
+            found.append(f"promise 3: not clean {GRACE:g} s after the last kill ({self.ending.describe()}): "
+                         f"{self.ending.late.describe()}")
+        return found
+
+    def tested(self) -> list[str]:
+        """Why this run did not test what it should (too few jobs, kills or shares)."""
+        missing = [f"only {self.jobs} jobs ran"] if self.jobs < 50 else []
+        missing += [f"no {kind} kill" for kind in ("conn_after_grant", "conn", "job", "children_kill", "server")
+                    if not self.kills[kind]]
+        if not self.observer.get("shared_at_once"):
+            missing.append("the observer never saw two shares on one GPU at once")
+        if not self.observer.get("loops"):
+            missing.append("the observer never looped")
+        return missing
+
+    def culprits(self) -> str:
+        """The job of each violation whose processes outlived its grant, what was done to it, its record."""
+        jobs: Counter[str] = Counter(self._culprit(violation) for violation in self.observer.get("violations", []))
+        return "; ".join(f"{job} ({count} violation(s); {self._story(job)})" for job, count in jobs.items())
+
+    def _culprit(self, violation: dict[str, Any]) -> str:
+        """One whose connection process had been killed, else one whose job process is gone, else the
+        first granted."""
+        jobs = sorted(violation["jobs"].items(), key=lambda item: item[1]["granted"])
+        killed = {k.job for k in self.kill_log if k.kind in CONN_KILLS and k.time <= violation["first"]}
+        for job, _ in jobs:
+            if job in killed:
+                return job
+        for job, info in jobs:
+            if str(info["job_pid"]) not in info["pids"]:
+                return job
+        return jobs[0][0]
+
+    def _story(self, job: str, since: float | None = None) -> str:
+        """How the killer treated the job, and what its record says."""
+        since = self.started if since is None else since
+        kills = ", ".join(f"{k.kind} {k.pid} at {k.time - since:+.3f} s" + (f" ({k.note})" if k.note else "")
+                          for k in self.kill_log if k.job == job)
+        record = self.records.get(job, {})
+        server = next((s for s in self.servers if s.server_id == record.get("server_id")), None)
+        where = "" if server is None else f" of server :{server.port}" + (
+            f" (server killed at {server.killed - since:+.3f} s)" if server.killed else "")
+        return f"killed: {kills or 'nothing'}; record {record.get('state', 'gone')}{where}"
+
+    def describe(self, violation: dict[str, Any]) -> str:
+        """One violation: when, how long, the jobs and their live processes (times relative to it)."""
+        parts = []
+        for job, info in sorted(violation["jobs"].items(), key=lambda item: item[1]["granted"]):
+            share = f"{info['memory'] / GIB:g} GiB" if info["memory"] else "whole GPU"
+            pids = ", ".join(f"{pid} {comm or '?'}{' (job process)' if int(pid) == info['job_pid'] else ''}"
+                             for pid, comm in info["pids"].items())
+            parts.append(f"job {job} [{share}, granted {info['granted'] - violation['first']:+.3f} s; "
+                         f"{self._story(job, violation['first'])}] live: {pids}")
+        duration = (violation["last"] - violation["first"]) * 1000
+        return (f"GPU {gpu_name(violation['gpu'])} at {violation['first'] - self.started:.3f} s, seen for "
+                f"{duration:.1f} ms ({violation['loops']} looks): " + " WITH ".join(parts))
+
+    def describe_late(self, entry: dict[str, Any]) -> str:
+        released = entry.get("released_after")
+        return (f"job {entry['job']} ended at {entry['ended'] - self.started:.3f} s; GPU(s) "
+                f"{[gpu_name(gpu) for gpu in entry['gpus']]} still locked by its connection process {entry['conn']} "
+                f"({entry['conn_comm']}) {entry['held_after']:.3f} s later, released "
+                f"{'never' if released is None else f'after {released:.3f} s'}; its zombies then: "
+                f"{entry['zombies'] or 'none'}; {self._story(entry['job'], entry['ended'])}")
+
+    def describe_status(self, entry: dict[str, Any]) -> str:
+        return (f"job {entry['job']} ended at {entry['ended'] - self.started:.3f} s; holder of GPU(s) "
+                f"{[gpu_name(gpu) for gpu in entry['gpus']]} from {entry['first'] - entry['ended']:.3f} s to "
+                f"{entry['last'] - entry['ended']:.3f} s after ({entry['looks']} looks); "
+                f"{self._story(entry['job'], entry['ended'])}")
+
+    def summary(self) -> str:
+        period = self.observer.get("period_ms", {})
+        release = self.observer.get("release_s", {})
+        restarts = sum(1 for s in self.servers if s.killed)
+        return "\n".join([
+            f"chaos seed {self.settings.seed}: {self.seconds:.1f} s of chaos, {self.jobs} jobs started "
+            f"(client outcomes: {dict(self.outcomes.most_common())})",
+            f"kills: {dict(sorted(self.kills.items()))}; server restarts: {restarts}",
+            f"observer: {self.observer.get('loops', 0)} looks, period mean {period.get('mean', 0):.2f} ms, "
+            f"p50 {period.get('p50', 0):.2f} ms, p99 {period.get('p99', 0):.2f} ms, max {period.get('max', 0):.1f} ms; "
+            f"jobs seen {self.observer.get('jobs', 0)}, most job processes at once "
+            f"{self.observer.get('most_processes', 0)}, looks with shares together "
+            f"{self.observer.get('shared_at_once', 0)}",
+            f"grants ended after their job: {release.get('count', 0)} jobs, p99 {release.get('p99', 0):.3f} s, "
+            f"max {release.get('max', 0):.3f} s; late (> {GRACE:g} s): {len(self.observer.get('late_releases', []))} "
+            f"by the locks, {len(self.status_late)} by gpu_status ({self.status_looks} looks)",
+            f"promise 1 violations: {len(self.observer.get('violations', []))}; {self.ending.describe()}",
+            f"first look after the last kill: {self.ending.first.describe()}",
+        ])
+
+
+class Chaos:
+    """Servers, observer, clients and killer of one run; close() kills whatever it started."""
+
+    def __init__(self, cluster: Any, run_dir: Path, settings: ChaosSettings) -> None:
+        from rpycdl.caps import MEMORY_VAR  # the variable a job on a share finds its size in
+
+        self.settings = settings
+        self.run_dir = run_dir
+        self.lock_dir = Path(cluster.lock_dir)
+        self.token = uuid.uuid4().hex
+        self.rng = random.Random(settings.seed)
+        for sub in ("reports", "inbox-observer", "inbox-killer", "clients"):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        (run_dir / "client.json").write_text(json.dumps({
+            "reports": str(run_dir / "reports"), "inboxes": [str(run_dir / "inbox-observer"),
+                                                             str(run_dir / "inbox-killer")],
+            "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "hold": settings.hold,
+            "children": settings.children, "requests": settings.requests}))
+        self.servers = Servers(cluster, run_dir / "ports.json", settings)
+        self.clients = Clients(run_dir, self.rng.randrange(1 << 30))
+        self.killer = Killer(run_dir, self.lock_dir, self.token, self.servers, self.clients, settings, self.rng)
+        self.status = StatusWatch(self.servers)
+        self.observer: subprocess.Popen[bytes] | None = None
+        self.guard: subprocess.Popen[bytes] | None = None
+        self._saved_token = os.environ.get(TOKEN_VAR)
+
+    def start(self) -> None:
+        # The guard cleans up should this process die without close(); it does not carry the token.
+        self.guard = subprocess.Popen([sys.executable, str(HERE), "guard", self.token, str(os.getpid())],
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        os.environ[TOKEN_VAR] = self.token  # every process started from now on carries it
+        for _ in range(self.settings.servers):
+            self.servers.start()
+        argv = [sys.executable, str(HERE), "observe", str(self.run_dir), self.token, str(self.lock_dir),
+                str(self.settings.observer_nice)]
+        with open(self.run_dir / "observer.log", "ab") as stderr:
+            self.observer = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + 30
+        while not (self.run_dir / "observer.ready").exists():
+            if self.observer.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("the observer did not start: " + (self.run_dir / "observer.log").read_text())
+            time.sleep(0.01)
+        self.status.start()
+        for _ in range(self.settings.clients):
+            self.clients.start()
+
+    def run(self) -> ChaosResult:
+        """The chaos, then the end check; returns what happened."""
+        started = time.time()
+        self.killer.run(time.monotonic() + self.settings.duration)
+        self.servers.wait_restarts()
+        seconds = time.time() - started
+        self.clients.kill_all()
+        ending = self._wait_clean(time.time())
+        self.status.stop()
+        observed = self._stop_observer()
+        records = {}
+        for path in (self.lock_dir / "jobs").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                records[path.stem] = json.loads(path.read_text())
+        return ChaosResult(self.settings, started, seconds, len(read_reports(self.run_dir / "reports")),
+                           self.clients.outcomes(), self.killer.kills, self.killer.log,
+                           self.servers.killed + self.servers.live, observed, ending, records,
+                           self.status.late(observed.get("ended", {})), len(self.status.samples))
+
+    def _wait_clean(self, since: float) -> Ending:
+        """Look until everything is clean, or PATIENCE ran out."""
+        check = EndCheck(self.lock_dir, self.servers, self.run_dir / "reports", self.token)
+        ending: Ending | None = None
+        try:
+            while True:
+                found = check.look(since)
+                ending = ending or Ending(found)
+                for kind in LEFTOVER_KINDS:
+                    if not getattr(found, kind):
+                        ending.gone_after.setdefault(kind, time.time() - since)
+                if not found:
+                    ending.clean_after = time.time() - since
+                    return ending
+                if found.since_kill > GRACE and ending.late is None:
+                    ending.late = found
+                if time.time() - since > PATIENCE:
+                    return ending
+                time.sleep(0.01)
+        finally:
+            check.close()
+
+    def _stop_observer(self) -> dict[str, Any]:
+        if self.observer is None or self.observer.poll() is not None:
+            return {}
+        self.observer.terminate()
+        try:
+            self.observer.wait(20)
+        except subprocess.TimeoutExpired:
+            return {}
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((self.run_dir / "observer.json").read_text())
+        return {}
+
+    def close(self) -> None:
+        """Kill everything the run started: clients, observer, servers, and any process carrying the token."""
+        try:
+            self.status.stop()
+            self.servers.wait_restarts()
+            self.clients.kill_all()
+            if self.observer is not None and self.observer.poll() is None:
+                self.observer.kill()
+                self.observer.wait()
+            for server in self.servers.live:
+                server.process.stop()
+        finally:
+            if self._saved_token is None:
+                os.environ.pop(TOKEN_VAR, None)
+            else:
+                os.environ[TOKEN_VAR] = self._saved_token
+            left = kill_marked(self.token.encode())
+            if left:
+                print(f"chaos: could not kill {left}", file=sys.stderr)
+            if self.guard is not None:
+                self.guard.terminate()
+                self.guard.wait()
+
+
+def kill_marked(token: bytes, patience: float = 10.0) -> list[int]:
+    """SIGKILL every live process whose environment carries `token` until none is left; returns those
+    still alive after `patience` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        marked = []
+        for pid in proc_pids():
+            stat = read_stat(pid)
+            if pid != os.getpid() and stat is not None and stat.state not in "ZX" \
+                    and read_environ(pid).get(TOKEN_VAR.encode()) == token:
+                marked.append(pid)
+                signal_process(pid, stat.start, signal.SIGKILL)
+        if not marked or time.monotonic() > deadline:
+            return marked
+        time.sleep(0.05)
+
+
+def guard_main(token: str, pid: int) -> None:
+    """The guard process: once process `pid` (the test's) has died, however, kill whatever carries `token`."""
+    with contextlib.suppress(OSError):
+        watched = os.pidfd_open(pid)
+        select.select([watched], [], [])
+    kill_marked(token.encode())
+
+
+def run_chaos(cluster: Any, run_dir: Path, settings: ChaosSettings | None = None) -> ChaosResult:
+    """One chaos run on `cluster` (a rpycdl.local.LocalCluster; its lock directory is the run's).
+
+    - Servers: `settings.servers` of them on the cluster's lock directory; their ports in a file
+      that clients read again whenever they connect.
+    - Clients (`python chaos.py client`): random requests (whole GPUs and shares) with a queue
+      timeout, for ever, connecting again when their connection dies.
+    - Jobs (make_job): each reports itself (pid, start time, parent, group, job id, GPUs, share)
+      before it starts anything, then starts children by exec (some ignore SIGTERM and start
+      grandchildren), sleeps a little and returns.
+    - The killer (Killer, in this process) acts every few tens of ms: kill -9 the connection
+      process of a job as soon as the job, just granted, has a child; of any running job; of a
+      job whose server parent was killed; kill -9 a job process; kill -9 or SIGTERM a job's
+      children; kill -9 a server parent and start another server; kill -9 a client.
+    - The observer (`python chaos.py observe`, reading only /proc, the reports and the lock
+      directory) loops as fast as it can; see Observer and ReleaseWatch. A StatusWatch asks a
+      server for gpu_status every 50 ms, to compare the servers' own account with the jobs' ends.
+    - The end: the killer stops, the clients are killed, and every look that starts more than
+      GRACE seconds after that must find nothing left (EndCheck).
+
+    Everything started carries RPYCDL_CHAOS_RUN=<token> in its environment (servers, and so their
+    connection and job processes and what jobs start, clients, observer); close() kills every
+    live process that carries it, and a guard process does so should this process die first.
+    """
+    chaos = Chaos(cluster, run_dir, settings or ChaosSettings())
+    try:
+        chaos.start()
+        return chaos.run()
+    finally:
+        chaos.close()
+
+
+if __name__ == "__main__":
+    command, *rest = sys.argv[1:]
+    if command == "client":
+        client_main(rest[0], int(rest[1]))
+    elif command == "observe":
+        observe_main(rest[0], rest[1], rest[2], int(rest[3]))
+    elif command == "guard":
+        guard_main(rest[0], int(rest[1]))
+    else:
+        raise SystemExit(f"unknown command {command!r}")
