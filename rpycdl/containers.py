@@ -444,13 +444,14 @@ def remove_orphans(lock_dir: str, client: docker.DockerClient | None = None) -> 
     """Remove the job containers of `lock_dir` whose job holds no GPU lock any more.
 
     A job container is created after its GPUs are locked and removed before they are
-    released, so one whose job holds no lock lost the process that ran it."""
+    released, so one whose job holds no lock (or only the record of a grant whose holder died,
+    which stays while the container runs) lost the process that ran it."""
     client = client or docker_client()
     containers = _listed(client, f"{LABEL_ROLE}=job", f"{LABEL_LOCK_DIR}={lock_dir}")
     if not containers:
         return []
     holding = {info.get("job_id") for holders in GPULockManager(lock_dir).snapshot()["held"].values()
-               for info in holders}
+               for info in holders if not info.get("leftover")}
     removed = []
     for container in containers:
         if container.attrs["Labels"].get(LABEL_JOB) not in holding:

@@ -51,6 +51,18 @@ MAX_PAYLOAD = 8 * 1024**3
 MIN_MAX_PAYLOAD = 1024**2
 """The smallest --max-payload a server takes: calls up to this size need no look at the limit."""
 
+RELEASE_BEFORE_REPLY = 1024**2
+"""An outcome of more bytes than this gives its GPUs back before the reply is sent (a smaller one
+goes first, and the GPUs follow at once: the round trip does not wait for the release)."""
+
+RESULT_DECODE_TIMEOUT = 30.0
+"""Seconds a server spends at most making a job's value for an original client (`run_code`),
+which gets it by reference from the connection process; its GPUs are free by then."""
+
+RESULT_MEMORY_FACTOR = 32
+RESULT_MEMORY_MIN = 256 * 1024**2
+"""Making that value may take this many times the outcome's size in new memory (this much at least)."""
+
 MAX_QUEUED = 1000
 """Most requests of one server waiting at once (`--max-queued`)."""
 
@@ -102,3 +114,13 @@ MEMORY_ALLOWANCE = 1024**3
 
 WATCH_INTERVAL = 1.0
 """Seconds between the watchdog's looks at a fractional job's GPU memory."""
+
+ARGUMENT_ITEMS = 1_000_000
+"""Most items a server copies from the arguments an original client passes by reference (lists,
+dicts and sets arrive as RPyC netrefs: rpycdl.transport.materialize)."""
+
+ARGUMENT_DEPTH = 100
+"""Most levels of nested containers a server copies from arguments passed by reference."""
+
+ARGUMENT_TIMEOUT = 5.0
+"""Seconds a server spends at most copying the arguments an original client passed by reference."""

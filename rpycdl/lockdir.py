@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from rpycdl.errors import RpycdlError
 from rpycdl.planning import Range
 
 _FDS: dict[str, int] = {}  # a descriptor of each lock file (and queue.lock), open for the process's life
@@ -58,6 +59,27 @@ def open_once(path: str) -> int:
         shared_file(Path(path))
         fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     return fd
+
+
+def claim_pid_namespace(root: Path) -> None:
+    """Mark the lock directory `root` as used by this process's PID namespace, for as long as this
+    process lives (a shared lock on pid-namespaces/<namespace>); refuse if a live process of
+    another namespace holds such a mark. Every server sharing a lock directory must see the
+    processes of every job (to find what a crashed job left, and to check pids the records name).
+
+    Raises:
+        RpycdlError: a server in another PID namespace uses the lock directory.
+    """
+    mine = os.stat("/proc/self/ns/pid").st_ino
+    directory = root / "pid-namespaces"
+    shared_dir(directory)
+    fcntl.lockf(open_once(str(directory / str(mine))), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    for name in names(directory, "", ""):
+        if name != str(mine) and not name.startswith(".") and others(open_once(str(directory / name)), 0, 0, []):
+            raise RpycdlError(
+                f"the lock directory {root} is used by servers in another PID namespace (pid:[{name}], this is "
+                f"pid:[{mine}]); servers sharing a lock directory must see each other's processes: run server "
+                "containers with --pid host (rpycdl up and scripts/start_servers.sh do)")
 
 
 def names(directory: Path, prefix: str, suffix: str) -> list[str]:

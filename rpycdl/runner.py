@@ -189,15 +189,25 @@ def _write(fd: int, data: Any) -> None:
 
 class _ResultPipe:
     """The connection process's end of the result pipe: the header, then the out-of-band buffers
-    (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the outcome."""
+    (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the outcome.
+    A result of more than `limit` bytes is not read: `over` then says why."""
 
-    def __init__(self, fd: int, on_buffers: Callable[[wire.Layout], int] | None) -> None:
+    def __init__(self, fd: int, on_buffers: Callable[[wire.Layout], int] | None, limit: int | None) -> None:
         self.fd = fd
         self.header = bytearray()
         self.layout: wire.Layout | None = None
         self.outcome = bytearray()
         self.complete = True  # False: the buffers ended early, or the header made no sense
+        self.over = ""
         self._on_buffers = on_buffers
+        self._limit = limit
+
+    def _too_large(self, size: int) -> bool:
+        if self._limit is None or size <= self._limit:
+            return False
+        self.over = (f"the job's result is over this server's limit of {self._limit} bytes (--max-payload): "
+                     "return less, or save it to a file and return its path")
+        return True
 
     def read(self) -> bool:
         """Read what is there; False at end of file."""
@@ -212,6 +222,8 @@ class _ResultPipe:
             if len(self.header) == need:
                 self.layout = tuple(_ENTRY.unpack_from(self.header, offset)
                                     for offset in range(_COUNT.size, need, _ENTRY.size))
+                if self._too_large(wire.layout_bytes(self.layout)):
+                    return False
                 if self.layout:
                     self.complete = self._on_buffers(self.layout) == wire.layout_bytes(self.layout)  # type: ignore[misc]
                 break
@@ -222,7 +234,8 @@ class _ResultPipe:
             if not chunk:
                 return False
             self.header += chunk
-        return _read_into(self.fd, self.outcome)
+        more = _read_into(self.fd, self.outcome, self._limit)
+        return more and not self._too_large(len(self.outcome))
 
 
 def cannot_load(exc: BaseException) -> InvalidRequestError:
@@ -354,6 +367,7 @@ class JobProcess:
         on_watch: Callable[[], None] | None = None,
         stop: Callable[[int], tuple[Ending, str] | None] | None = None,
         on_buffers: Callable[[wire.Layout, int], int] | None = None,
+        max_result: int | None = None,
     ) -> Result:
         """Run the payload with `env` set, and wait for its outcome. When this returns, the job
         process's group has been sent SIGKILL and all its output forwarded.
@@ -371,6 +385,8 @@ class JobProcess:
                 printed so far has been handed on and `on_buffers(layout, fd)` must read exactly
                 their total size from the blocking pipe `fd` and say how many bytes it got (fewer
                 only if the pipe ended early). Timeout and `stop` wait until it returns.
+            max_result: the most bytes the result may have (its buffers, or its outcome), which
+                bounds the memory it takes here; a larger one ends the job with LimitError.
         """
         if self._buffers:
             self._buffers.clear()
@@ -396,7 +412,7 @@ class JobProcess:
             finally:
                 os.set_blocking(self._res, False)
 
-        result = _ResultPipe(self._res, stream if on_buffers is not None else None)
+        result = _ResultPipe(self._res, stream if on_buffers is not None else None, max_result)
         deadline = None if timeout is None else time.monotonic() + timeout
         ending: Ending | None = None
         reason = ""
@@ -437,6 +453,8 @@ class JobProcess:
             procs.kill([pid])  # in case it died before it could lead its own group
             for fd in streams:
                 _forward(fd, *streams[fd])
+        if result.over:
+            return Result(Ending.FINISHED, wire.encode_error(LimitError(result.over), tb=""), result.over)
         if ending is Ending.FINISHED and not result.complete:
             ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} while sending its result"
         elif ending is Ending.FINISHED and not result.outcome:
@@ -463,9 +481,9 @@ class JobProcess:
         return self._status
 
 
-def _read_into(fd: int, buffer: bytearray) -> bool:
-    """Read what is there; False at end of file."""
-    while True:
+def _read_into(fd: int, buffer: bytearray, limit: int | None = None) -> bool:
+    """Read what is there (stopping once `buffer` holds more than `limit` bytes); False at end of file."""
+    while limit is None or len(buffer) <= limit:
         try:
             chunk = os.read(fd, _READ)
         except BlockingIOError:
@@ -473,6 +491,7 @@ def _read_into(fd: int, buffer: bytearray) -> bool:
         if not chunk:
             return False
         buffer += chunk
+    return True
 
 
 def _forward(fd: int, decoder: codecs.IncrementalDecoder, sink: Callable[[str], None]) -> bool:

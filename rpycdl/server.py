@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import rpyc
@@ -279,7 +280,8 @@ class DLServer(ForkingServer):
         """RPyC's own, over the bulk transport (rpycdl.transport)."""
         config = dict(self.protocol_config, credentials=credentials,
                       endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
-        channel = transport.channel(sock, self.context.limits.max_payload + FRAME_SLACK)
+        limits = self.context.limits
+        channel = transport.channel(sock, limits.max_payload + FRAME_SLACK, limits.idle_timeout)
         service = self.service(self._spare_job)
         self._handle_connection(service._connect(channel, config), service)
 
@@ -383,6 +385,7 @@ def build_server(config: ServerConfig) -> DLServer:
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
                             host=config.host, framework_version=version, limits=config.limits,
                             shares=config.shares)
+    lockdir.claim_pid_namespace(Path(directory))
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)

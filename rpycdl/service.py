@@ -7,7 +7,9 @@ import contextlib
 import json
 import math
 import os
+import resource
 import select
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -15,11 +17,16 @@ from typing import Any
 
 import dill
 import rpyc
-from rpyc.core.netref import BaseNetref
 
 from rpycdl import auth, caps, procs, runner, transport, wire
 from rpycdl.context import ServerContext
-from rpycdl.defaults import ENV_SIMULATED_GPUS
+from rpycdl.defaults import (
+    ENV_SIMULATED_GPUS,
+    RELEASE_BEFORE_REPLY,
+    RESULT_DECODE_TIMEOUT,
+    RESULT_MEMORY_FACTOR,
+    RESULT_MEMORY_MIN,
+)
 from rpycdl.errors import (
     GPUMemoryExceededError,
     InvalidRequestError,
@@ -57,19 +64,6 @@ def check_seconds(value: Any, name: str) -> float | None:
             or not 0 < value <= MAX_TIMEOUT:
         raise InvalidRequestError(f"{name} must be a positive number of seconds (at most a year), not {value!r}")
     return float(value)
-
-
-def _materialize(obj: Any) -> Any:
-    """Copy containers an original client passed by reference (RPyC netrefs) into local values."""
-    if not isinstance(obj, BaseNetref):
-        return obj
-    type_name = object.__getattribute__(obj, "____id_pack__")[0]
-    if type_name in ("builtins.list", "builtins.tuple", "builtins.set"):
-        items = [_materialize(item) for item in obj]
-        return {"builtins.list": list, "builtins.tuple": tuple, "builtins.set": set}[type_name](items)
-    if type_name == "builtins.dict":
-        return {_materialize(key): _materialize(obj[key]) for key in obj}
-    return obj
 
 
 class GPUService(rpyc.Service):
@@ -221,8 +215,8 @@ class GPUService(rpyc.Service):
                 self._finish(record, result)
                 self._busy = False
 
-            if result is None:
-                end()
+            if result is None or len(result.outcome) > RELEASE_BEFORE_REPLY:
+                end()  # a large reply may take long to send: the GPUs do not wait for it
             else:  # the outcome is known: the client gets it while the job process is reaped
                 self._after_reply.append(end)
         return self._outcome(record, result)
@@ -292,7 +286,8 @@ class GPUService(rpyc.Service):
             assert job is not None  # _submit forks it for every payload
             return job.run(env, on_stdout, on_stderr, on_start=on_start, timeout=timeout,
                            watch_fds=self._socket_fd(), on_watch=self._serve_client, stop=stop,
-                           on_buffers=send_result if receive is not None else None)
+                           on_buffers=send_result if receive is not None else None,
+                           max_result=self.context.limits.max_payload)
 
         return execute
 
@@ -371,10 +366,12 @@ class GPUService(rpyc.Service):
         self._check_size(fn, "fn")
         request = self._request(ngpus, gpus, gpu_memory)
         wire.check_pickle(fn, "fn")
-        body = dill.dumps((bytes(fn), _materialize(args), True), recurse=True)
+        args = transport.materialize(args, self.context.limits.max_payload)  # lists and dicts come by reference
+        body = dill.dumps((bytes(fn), args, True), recurse=True)
         outcome = self._submit(self._run_payload(_writer(stdout), _writer(stderr)), request, timeout,
                                queue_timeout, None, body)
-        return wire.decode_outcome(outcome)
+        self.after_reply()  # the job is over: its GPUs go back before its value is made here
+        return _decode_bounded(outcome)
 
     def exposed_run_container(self, image: str, command: Any, ngpus: Any = 1, env: Any = None, workdir: Any = None,
                               mounts: Any = None, stdout: Callable[[str], None] | None = None,
@@ -389,8 +386,9 @@ class GPUService(rpyc.Service):
         from rpycdl import containers  # docker is only needed by servers that run containers
 
         try:
-            spec = containers.check_job(image, _materialize(command), _materialize(env), workdir,
-                                        _materialize(mounts))
+            command, env, workdir, mounts = transport.materialize((command, env, workdir, mounts),
+                                                                  self.context.limits.max_payload)
+            spec = containers.check_job(image, command, env, workdir, mounts)
             request = self._request(ngpus, None, None)
         except RpycdlError as exc:
             return wire.encode_error(exc, tb="")
@@ -441,7 +439,9 @@ class GPUService(rpyc.Service):
         return sum(1 for gpu in gpus if gpu.uuid not in held), len(queue), len(gpus)
 
     def exposed_jobs(self) -> str:
-        """JSON list of this server's job records, oldest first."""
+        """JSON list of this server's job records, oldest first (a record whose connection process died
+        is ended first: it never shows as pending or running)."""
+        self._store.sweep()
         return json.dumps([r.to_dict() for r in self._store.all() if r.server_id == self.context.server_id])
 
     def exposed_cancel(self, job_id: Any) -> bytes:
@@ -481,6 +481,35 @@ class GPUService(rpyc.Service):
     def exposed_server_info(self) -> str:
         """JSON description of this server."""
         return json.dumps(self.context.info())
+
+
+def _decode_bounded(outcome: bytes) -> Any:
+    """The job's value (or its exception, raised) for an original client, which gets it by reference
+    from this process: made here within RESULT_DECODE_TIMEOUT seconds and RESULT_MEMORY_FACTOR times
+    the outcome's size (RESULT_MEMORY_MIN at least) of new memory, whatever its pickle asks for.
+
+    Raises:
+        LimitError: it took longer, or needed more memory.
+    """
+    def too_slow(*_: Any) -> None:
+        raise LimitError(f"the job's result took longer than {RESULT_DECODE_TIMEOUT:g} s to load on the server")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    budget = mapped + max(RESULT_MEMORY_FACTOR * len(outcome), RESULT_MEMORY_MIN)
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, RESULT_DECODE_TIMEOUT)
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (budget if hard == resource.RLIM_INFINITY else min(budget, hard), hard))
+        return wire.decode_outcome(outcome)
+    except MemoryError:
+        raise LimitError(f"the job's result needs more than {budget - mapped} bytes of memory to load on the server "
+                         "(it returned something that grows when unpickled)") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _discard(_: str) -> None:

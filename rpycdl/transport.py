@@ -11,31 +11,46 @@ the same socket between that request and its reply, written straight from the se
 and read straight into fresh memory of the receiver. Between that request and its reply neither
 side sends or reads an RPyC message, only the raw bytes move, so the stream never gets out of
 step; on any failure in the middle the connection is closed at once (closed_on_failure: RPyC's
-own close would wait for an answer that never comes)."""
+own close would wait for an answer that never comes).
+
+What a peer sends costs bounded memory and time: a frame is checked against the limit before it is
+read and read into memory that grows with what arrives, a compressed one is inflated no further than
+the limit (LimitedChannel), and arguments a plain RPyC client passes by reference are copied within
+bounds on items, bytes, depth and time (materialize)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
+import pickle
 import socket
 import ssl
+import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import rpyc
-from rpyc.core import netref
+from rpyc.core import consts, netref
 from rpyc.core.channel import Channel
 from rpyc.core.stream import SocketStream
 
 from rpycdl import auth, tls, wire
-from rpycdl.errors import AuthFailedError
+from rpycdl.defaults import ARGUMENT_DEPTH, ARGUMENT_ITEMS, ARGUMENT_TIMEOUT
+from rpycdl.errors import AuthFailedError, InvalidRequestError, LimitError
 
 CHUNK = 1 << 24
 """Bytes per send, receive or splice of a large buffer."""
+
+FIRST_PIECE = 1 << 20
+"""Bytes a read of an RPyC frame allocates before any of them came: a larger frame is read in
+pieces that grow with what arrived (BulkSocketStream.read), since its header may announce far more
+than the peer ever sends."""
 
 MADV_POPULATE_WRITE = 23
 """madvise(2) advice (Linux 5.14): fault pages in writable, without writing to them."""
@@ -44,6 +59,8 @@ _bytes_address = ctypes.pythonapi.PyBytes_AsString
 _bytes_address.argtypes = [ctypes.py_object]
 _bytes_address.restype = ctypes.c_void_p
 _libc = ctypes.CDLL(None, use_errno=True)
+
+log = logging.getLogger("rpycdl.transport")
 
 
 class BulkSocketStream(SocketStream):
@@ -58,13 +75,21 @@ class BulkSocketStream(SocketStream):
             self.close()
             raise EOFError(exc) from exc
 
-    def read(self, count: int) -> bytes:
-        buffer = bytearray(count)
+    def read(self, count: int, keep: int | None = None) -> bytes:
+        """Read exactly `count` bytes; return them, or only the first `keep` of them.
+
+        Memory follows the bytes that arrive, not the count asked for: over FIRST_PIECE bytes are
+        read in pieces that grow with what came, then joined (one copy, as for a single buffer)."""
+        keep = count if keep is None else keep
         try:
+            if count > FIRST_PIECE:
+                return _receive_growing(self.sock, count, keep)
+            buffer = bytearray(count)
             _receive(self.sock, memoryview(buffer))
         except EOFError:
             self.close()
             raise
+        del buffer[keep:]
         return bytes(buffer)
 
     def poll(self, timeout: float) -> bool:
@@ -83,11 +108,11 @@ class ClientSocketStream(BulkSocketStream):
         super().__init__(sock)
         self._first = True
 
-    def read(self, count: int) -> bytes:
+    def read(self, count: int, keep: int | None = None) -> bytes:
         if not self._first:
-            return super().read(count)
+            return super().read(count, keep)
         self._first = False
-        data = super().read(count)
+        data = super().read(count, keep)
         if auth.is_banner(data):
             modes = auth.read_banner(self.sock, data)  # raises LimitError on a refusal
             self.close()
@@ -97,11 +122,12 @@ class ClientSocketStream(BulkSocketStream):
 
 
 class LimitedChannel(Channel):
-    """A Channel that drops the connection rather than read a frame over `max_frame` bytes."""
+    """A Channel that drops the connection rather than read a frame over `max_frame` bytes, or
+    inflate a compressed one (as original clients send them) to more."""
 
     __slots__ = ("max_frame",)
 
-    def __init__(self, stream: SocketStream, max_frame: int) -> None:
+    def __init__(self, stream: BulkSocketStream, max_frame: int) -> None:
         super().__init__(stream, compress=False)
         self.max_frame = max_frame
 
@@ -109,16 +135,45 @@ class LimitedChannel(Channel):
         header = self.stream.read(self.FRAME_HEADER.size)
         length, compressed = self.FRAME_HEADER.unpack(header)
         if length > self.max_frame:
-            self.close()
-            raise EOFError(f"a frame of {length} bytes is over this server's limit of {self.max_frame} (--max-payload)")
-        data = self.stream.read(length + len(self.FLUSHER))[: -len(self.FLUSHER)]
-        return zlib.decompress(data) if compressed else data
+            self._drop(f"a frame of {length} bytes is over this server's limit of {self.max_frame} (--max-payload)")
+        data = self.stream.read(length + len(self.FLUSHER), keep=length)
+        return self._inflate(data) if compressed else data
+
+    def _inflate(self, data: bytes) -> bytes:
+        """Decompress a frame, never to more than max_frame bytes."""
+        inflater = zlib.decompressobj()
+        try:
+            inflated = inflater.decompress(data, self.max_frame + 1)
+        except zlib.error as exc:
+            self._drop(f"a compressed frame of {len(data)} bytes does not decompress ({exc})")
+        if len(inflated) > self.max_frame:
+            self._drop(f"a compressed frame of {len(data)} bytes inflates to over this server's limit of "
+                       f"{self.max_frame} (--max-payload)")
+        if not inflater.eof:
+            self._drop(f"a compressed frame of {len(data)} bytes is cut short")
+        return inflated
+
+    def _drop(self, reason: str) -> NoReturn:
+        """Close the connection unread: the peer sees it end; RPyC sees EOFError, as if it had left."""
+        try:
+            peer = "{}:{}".format(*self.stream.sock.getpeername()[:2])
+        except (OSError, TypeError):
+            peer = "a client"
+        log.warning("dropped the connection of %s: %s", peer, reason)
+        self.close()
+        raise EOFError(reason)
 
 
-def channel(sock: socket.socket, max_frame: int) -> Channel:
+def channel(sock: socket.socket, max_frame: int, stall: float | None = None) -> Channel:
     """An uncompressed RPyC channel over a connected socket, without Nagle's delay, that drops
-    the connection on a frame over `max_frame` bytes."""
+    the connection on a frame over `max_frame` bytes, or when a read gets nothing for `stall`
+    seconds (SO_RCVTIMEO: the socket stays blocking, so sends and splices are untouched). A read
+    waits only inside a frame or a transfer (between frames the server polls), so a header alone
+    holds a connection process no longer than an idle connection."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if stall is not None:
+        seconds = int(min(stall, 2**31 - 1))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int((stall % 1) * 1e6)))
     return LimitedChannel(BulkSocketStream(sock), max_frame)
 
 
@@ -202,6 +257,180 @@ def closed_on_failure(conn: rpyc.Connection) -> Iterator[None]:
     except BaseException:
         close_now(conn)
         raise
+
+
+# -- arguments passed by reference ----------------------------------------------------------------
+
+COPIED = {"builtins.list": list, "builtins.tuple": tuple, "builtins.set": set, "builtins.frozenset": frozenset,
+          "builtins.dict": dict}
+"""The remote types whose netrefs materialize copies item by item, by the name RPyC gives them."""
+
+COPY_CHUNK = 4096
+"""Most items materialize asks a client for in one request: the netrefs of one answer cost the
+connection process about a kilobyte each, and its unpacking is not interrupted by the deadline."""
+
+
+def materialize(value: Any, max_bytes: int, max_items: int = ARGUMENT_ITEMS, max_depth: int = ARGUMENT_DEPTH,
+                timeout: float = ARGUMENT_TIMEOUT) -> Any:
+    """Copy a value that a plain RPyC client passed by reference into local values, within bounds.
+
+    Original clients pass their arguments with plain RPyC: lists, dicts and sets (and tuples holding
+    them) arrive as netrefs, proxies whose every use is a request to the client. This copies them:
+    a container's items in one request (RPyC's HANDLE_BUFFITER; COPY_CHUNK items at most each), a
+    dict's values one request each. Any other remote object (a generator, an instance of the
+    client's classes) is copied only as the client pickles it (HANDLE_PICKLE, which its RPyC config
+    allows with allow_pickle) and unpickled only where it is used, in the job. Nothing stays a netref.
+
+    Args:
+        value: what arrived; plain values come back as they are.
+        max_bytes: most bytes of strings, bytes and pickles in all (the server's --max-payload).
+        max_items: most items copied from remote containers, keys and values each counting one.
+        max_depth: most levels of nested containers.
+        timeout: most seconds for the whole copy; each request to the client is given what is left,
+            so a client that never answers is bounded too (its late answer is then ignored).
+
+    Returns:
+        The value, its remote lists, tuples, sets, frozensets and dicts copied into local ones.
+
+    Raises:
+        LimitError: over one of the bounds; the message names it and what sets it.
+        InvalidRequestError: a remote object that cannot be copied by value (a generator, or an
+            object the client does not pickle).
+        EOFError: the client went away.
+    """
+    copy = _Copy(max_bytes, max_items, max_depth, timeout)
+    try:
+        return copy.value(value, 0)
+    finally:
+        copy.restore()
+
+
+class _Pickled:
+    """An argument as the client pickled it: unpickled only where it is used (the job), since
+    pickling this object again gives the client's bytes to pickle.loads."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
+        return pickle.loads, (self.data,)
+
+
+class _Copy:
+    """One run of materialize: its bounds, what it used of them, and the connections whose RPyC
+    request timeout it set (restored at the end)."""
+
+    def __init__(self, max_bytes: int, max_items: int, max_depth: int, timeout: float) -> None:
+        self.max_bytes, self.max_items, self.max_depth, self.timeout = max_bytes, max_items, max_depth, timeout
+        self.bytes = self.items = 0
+        self.deadline = time.monotonic() + timeout
+        self.saved: dict[rpyc.Connection, Any] = {}
+
+    def restore(self) -> None:
+        for conn, timeout in self.saved.items():
+            conn._config["sync_request_timeout"] = timeout
+
+    def value(self, value: Any, depth: int) -> Any:
+        if isinstance(value, netref.BaseNetref):
+            return self.remote(value, depth)
+        if type(value) in (str, bytes):
+            self.count(0, len(value))
+        elif type(value) is tuple:  # RPyC sends tuples by value, with netrefs in them
+            self.check_depth(depth)
+            return tuple(self.value(item, depth + 1) for item in value)
+        return value
+
+    def remote(self, proxy: Any, depth: int) -> Any:
+        kind = object.__getattribute__(proxy, "____id_pack__")[0]
+        if kind not in COPIED:
+            return self.pickled(proxy, kind)
+        self.check_depth(depth)
+        copied = []
+        for chunk in self.chunks(proxy):
+            self.count(len(chunk), 0)
+            if kind != "builtins.dict":
+                copied.extend(self.value(item, depth + 1) for item in chunk)
+                continue
+            for key in chunk:
+                value = self.request(proxy, consts.HANDLE_CALLATTR, "__getitem__", (key,), ())
+                self.count(1, 0)
+                copied.append((self.value(key, depth + 1), self.value(value, depth + 1)))
+        return COPIED[kind](copied)
+
+    def chunks(self, proxy: Any) -> Iterator[tuple[Any, ...]]:
+        """A remote container's items (a dict's keys), COPY_CHUNK per request at most, so that what
+        one answer holds stays small: all of a small container at once, and a larger one again from
+        its start, through an iterator of it. Never more than one item over the bound on items."""
+        asked = self.chunk_size()
+        chunk = self.request(proxy, consts.HANDLE_BUFFITER, asked)
+        if len(chunk) < asked or asked < COPY_CHUNK:  # all of it, or more than the bound allows
+            yield chunk
+            return
+        del chunk
+        iterator = self.request(proxy, consts.HANDLE_CALLATTR, "__iter__", (), ())
+        while True:
+            asked = self.chunk_size()
+            chunk = self.request(iterator, consts.HANDLE_BUFFITER, asked)
+            yield chunk
+            if len(chunk) < asked:
+                return
+
+    def chunk_size(self) -> int:
+        return min(COPY_CHUNK, self.max_items - self.items + 1)
+
+    def pickled(self, proxy: Any, kind: str) -> _Pickled:
+        try:
+            data = self.request(proxy, consts.HANDLE_PICKLE, pickle.DEFAULT_PROTOCOL)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"an argument of type {kind} arrived by reference and cannot be copied by "
+                                      f"value: {exc}; pass lists, tuples, dicts, sets and plain values, or objects "
+                                      "the client may pickle (its RPyC config allow_pickle)") from None
+        if type(data) is not bytes:
+            raise InvalidRequestError(f"an argument of type {kind} arrived by reference and cannot be copied by value: "
+                                      "the client did not pickle it")
+        self.count(1, len(data))
+        return _Pickled(data)
+
+    def request(self, proxy: Any, handler: int, *args: Any) -> Any:
+        """Ask the client (RPyC's `handler` on `proxy`), within what is left of the time."""
+        conn = object.__getattribute__(proxy, "____conn__")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.late()
+        self.saved.setdefault(conn, conn._config["sync_request_timeout"])
+        conn._config["sync_request_timeout"] = left  # bounds RPyC's own requests meanwhile (HANDLE_INSPECT)
+        try:
+            return conn.async_request(handler, proxy, *args, timeout=left).value
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                self.late()
+            raise InvalidRequestError("the client's answer was a TimeoutError") from None
+        except (EOFError, LimitError):
+            raise
+        except Exception as exc:  # raised by the client, or by RPyC reading its answer
+            first = (str(exc).splitlines() or [""])[0]
+            raise InvalidRequestError(f"the client answered {type(exc).__name__}: {first}") from None
+
+    def check_depth(self, depth: int) -> None:
+        if depth >= self.max_depth:
+            raise LimitError(f"the arguments are nested more than {self.max_depth} levels deep, the most this server "
+                             "copies (ARGUMENT_DEPTH in rpycdl.defaults)")
+
+    def count(self, items: int, size: int) -> None:
+        self.items += items
+        self.bytes += size
+        if self.items > self.max_items:
+            raise LimitError(f"the arguments passed by reference hold more than {self.max_items} items, the most "
+                             "this server copies (ARGUMENT_ITEMS in rpycdl.defaults); send large data as bytes")
+        if self.bytes > self.max_bytes:
+            raise LimitError(f"the arguments hold more than {self.max_bytes} bytes of strings, bytes and pickles, "
+                             f"over this server's limit of {self.max_bytes} (--max-payload)")
+
+    def late(self) -> NoReturn:
+        raise LimitError(f"copying the arguments passed by reference took over {self.timeout:g} s, the most this "
+                         "server waits for a client (ARGUMENT_TIMEOUT in rpycdl.defaults)")
 
 
 # -- large buffers beside RPyC ---------------------------------------------------------------------
@@ -379,11 +608,34 @@ def _send(sock: socket.socket, view: memoryview) -> None:
             raise EOFError(exc) from exc
 
 
+def _receive_growing(sock: socket.socket, count: int, keep: int) -> bytes:
+    """Receive exactly `count` bytes into pieces that grow with what arrived (each at most CHUNK, and
+    never more than came before it, after the first FIRST_PIECE); return the first `keep`, joined."""
+    pieces: list[memoryview] = []
+    done = 0
+    while done < count:
+        piece = memoryview(bytearray(min(count - done, max(FIRST_PIECE, min(done, CHUNK)))))
+        _receive(sock, piece)
+        pieces.append(piece)
+        done += len(piece)
+    while done > keep:  # drop the tail (RPyC's flusher)
+        cut = min(done - keep, len(pieces[-1]))
+        pieces[-1] = pieces[-1][:len(pieces[-1]) - cut]
+        done -= cut
+        if not pieces[-1]:
+            pieces.pop()
+    return b"".join(pieces)
+
+
 def _receive(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock`; EOFError if the peer leaves, or sends nothing for as long as the
+    socket's receive timeout (SO_RCVTIMEO, set by channel()) allows."""
     done = 0
     while done < len(view):
         try:
             received = sock.recv_into(view[done:], min(len(view) - done, CHUNK))
+        except (BlockingIOError, ssl.SSLWantReadError):  # SO_RCVTIMEO passed without a byte
+            raise EOFError("the peer sent nothing in the middle of a message for --idle-timeout") from None
         except (TimeoutError, InterruptedError):
             continue
         except OSError as exc:

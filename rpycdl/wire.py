@@ -26,7 +26,7 @@ from typing import Any
 
 import dill
 
-from rpycdl.errors import InvalidRequestError, RemoteError, VersionMismatchError
+from rpycdl.errors import InvalidRequestError, RemoteError, RpycdlError, VersionMismatchError
 
 MAGIC = b"RPYCDL1"
 PYTHON = sys.version_info[:2]
@@ -240,6 +240,8 @@ def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
     value's out-of-band buffers."""
     try:
         outcome = dill.loads(data[1:], buffers=buffers)
+    except (MemoryError, RpycdlError):  # out of memory, or a bound of the caller's (a timer's LimitError)
+        raise
     except Exception as exc:
         raise RemoteError("UnreadableResult", f"the job's result could not be loaded here: {exc}") from None
     if data[:1] == OK:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import textwrap
+import time
 
+import dill
 import pytest
-from helpers import wait_idle
+import rpyc
+from helpers import wait_idle, wait_until
 
 import rpycdl
 from rpycdl.registry import discover
@@ -107,3 +111,55 @@ def test_other_original_services_start_register_and_serve(cluster, server, origi
     assert result.returncode == 0, result.stderr
     assert "job sees GPUs 0" in result.stdout
     assert "'total': 6" in result.stdout
+
+
+def _original_connection(port: int) -> rpyc.Connection:
+    """A plain RPyC connection, as the original clients make."""
+    return rpyc.connect("127.0.0.1", port, config={"allow_public_attrs": True, "sync_request_timeout": None})
+
+
+def _make_slow_result_job():
+    """A job that returns at once a value that takes 3 s to unpickle (what the server must do for an
+    original client), after noting when it returned."""
+
+    def job(marker):
+        import time
+
+        class SlowToLoad:
+            def __reduce__(self):
+                return time.sleep, (3,)
+
+        with open(marker, "w") as f:
+            f.write(str(time.time()))
+        return SlowToLoad()
+
+    return job
+
+
+def test_an_original_clients_gpus_are_free_before_its_value_is_made(server, connect, tmp_path):
+    port = server("pytorch", "fake:1")
+    marker = tmp_path / "returned"
+    conn = _original_connection(port)
+    call = concurrent.futures.ThreadPoolExecutor(1).submit(
+        conn.root.run_code, dill.dumps(_make_slow_result_job(), recurse=True), str(marker), timeout=1)
+    wait_until(marker.exists, 20, "the job to return")
+    returned = float(marker.read_text())
+    status = connect(port)
+    wait_until(lambda: not status.root.gpu_status()["gpus"][0]["holders"], 10, "the GPU to be free")
+    assert time.time() - returned < 1.0, f"the GPU was held {time.time() - returned:.1f} s while the value loaded"
+    assert not call.done(), "the value loaded before the GPU was free: the test did not test the order"
+    assert call.result(20) is None  # time.sleep's value: the slow load did happen, after the release
+
+
+def test_an_original_clients_value_that_grows_when_loaded_is_refused(server, tmp_path):
+    def job(_):
+        class Huge:
+            def __reduce__(self):
+                return bytearray, (3 * 1024**3,)  # 3 GiB from a pickle of a few bytes
+
+        return Huge()
+
+    conn = _original_connection(server("pytorch", "fake:1"))
+    with pytest.raises(Exception, match="LimitError.*needs more than .* bytes of memory to load"):
+        conn.root.run_code(dill.dumps(job, recurse=True), None)
+    assert conn.root.run_code(dill.dumps(lambda x: x + 1, recurse=True), 1) == 2  # and it keeps serving

@@ -1,15 +1,22 @@
 """Bad input never hurts the server: arbitrary run_code arguments and payload bytes get a clear
-error or run, bursts of connections are served, and nothing is left behind."""
+error or run, bursts of connections are served, frames that announce or inflate to more than
+they are cost no memory, and nothing is left behind."""
 
 from __future__ import annotations
 
 import math
 import socket
 import threading
+import time
+import zlib
+from pathlib import Path
 
-from helpers import wait_idle
+import dill
+import rpyc
+from helpers import connection_processes, server_pid, server_process, wait_idle, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rpyc.core.channel import Channel
 
 import rpycdl
 from rpycdl import wire
@@ -102,3 +109,120 @@ def test_a_burst_of_connections_is_served_and_leaves_nothing(shared_port, conn):
         sock.close()
     assert results == [1] * 30
     wait_idle(conn)
+
+
+# -- frames that claim more than they carry -----------------------------------------------------
+
+MiB = 1 << 20
+RECVFROM = {"x86_64": 45, "aarch64": 207}  # what /proc/PID/syscall shows while a recv(2) blocks
+
+
+def _memory(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (VmRSS), or its peak (VmHWM), in bytes; 0 once it has exited."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith(f"{field}:")), 0)  # 0: a zombie
+
+
+def _receiving(pid: int) -> bool:
+    """Whether a process is blocked reading its socket: inside a frame, past its header (waiting for
+    the next frame, a connection process blocks in select instead)."""
+    import platform
+
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()[0] == str(RECVFROM[platform.machine()])
+    except (OSError, IndexError):
+        return False
+
+
+def _raw_client(port: int, server: int) -> tuple[socket.socket, int]:
+    """A raw socket connected to the server (no authentication on loopback), and the pid of the
+    connection process serving it."""
+    before = set(connection_processes(server))
+    sock = socket.create_connection(("127.0.0.1", port))
+    pid = wait_until(lambda: (set(connection_processes(server)) - before or {0}).pop(), what="its connection process")
+    return sock, pid
+
+
+def test_a_header_announcing_a_huge_frame_costs_no_memory_until_the_bytes_come(server, cluster):
+    port = server("pytorch", "fake:1")  # --max-payload 8GiB by default: 1 GiB is within the limit
+    pid = server_pid(cluster, port)
+    stalled = []
+    try:
+        for number in range(50):
+            sock, conn_pid = _raw_client(port, pid)
+            stalled.append(sock)
+            before = _memory(conn_pid)
+            sock.sendall(Channel.FRAME_HEADER.pack(1 << 30, False))
+            if number == 0:  # a trickle of the body, as a slow client would send it
+                for _ in range(10):
+                    sock.sendall(b"x" * 1000)
+                    time.sleep(0.01)
+            wait_until(lambda pid=conn_pid: _receiving(pid), what="the connection process to read the frame's body")
+            grown = _memory(conn_pid) - before
+            assert grown < 16 * MiB, f"connection {number}: {grown / MiB:.0f} MiB for a frame not sent"
+        with rpycdl.connect(host="127.0.0.1", port=port) as other:
+            assert other.root.run_code(lambda x: x, "still serving") == "still serving"
+    finally:
+        for sock in stalled:
+            sock.close()
+    wait_until(lambda: not connection_processes(pid), what="the stalled connections' processes to exit")
+
+
+def test_a_frame_that_stops_halfway_is_dropped_after_the_idle_timeout(server, cluster):
+    # A header, a few bytes of the body, then nothing: the connection process waits inside the frame,
+    # where the idle timeout between requests does not look; it must not wait for ever.
+    port = server("pytorch", "fake:1", "--idle-timeout", "1")
+    sock, conn_pid = _raw_client(port, server_pid(cluster, port))
+    sock.sendall(Channel.FRAME_HEADER.pack(1000, False) + b"x" * 10)
+    wait_until(lambda: _receiving(conn_pid), what="the connection process to read the frame's body")
+    sock.settimeout(10)
+    started = time.monotonic()
+    assert sock.recv(1) == b""  # dropped
+    assert time.monotonic() - started < 5
+    wait_until(lambda: not _memory(conn_pid), what="its connection process to exit")
+    sock.close()
+
+
+def _bomb(inflated: int) -> bytes:
+    """A zlib stream of `inflated` zero bytes (about a thousandth of that), made without holding them."""
+    deflater, zeros = zlib.compressobj(9), bytes(MiB)
+    return b"".join(deflater.compress(zeros) for _ in range(inflated // MiB)) + deflater.flush()
+
+
+def test_a_compressed_frame_inflating_over_the_limit_drops_the_connection_unread(server, cluster, connect):
+    port = server("pytorch", "fake:1", "--max-payload", "1MiB")
+    bomb = _bomb(512 * MiB)
+    assert len(bomb) < MiB  # well under the frame limit: only its inflated size is over
+    sock, conn_pid = _raw_client(port, server_pid(cluster, port))
+    before = _memory(conn_pid, "VmHWM")
+    sock.sendall(Channel.FRAME_HEADER.pack(len(bomb), True) + bomb + Channel.FLUSHER)
+    peak, ended = before, time.monotonic() + 10
+    while (now := _memory(conn_pid, "VmHWM")) and time.monotonic() < ended:  # sampled until it exits
+        peak = max(peak, now)
+        time.sleep(0.002)
+    assert peak - before < 32 * MiB, f"{(peak - before) / MiB:.0f} MiB to refuse a frame"
+    sock.settimeout(10)
+    assert sock.recv(1) == b""  # dropped
+    sock.close()
+    log = server_process(cluster, port).lines
+    wait_until(lambda: any("inflates" in line and "--max-payload" in line for line in log), what="the log line")
+    assert connect(port).root.run_code(lambda x: x, "still serving") == "still serving"
+
+
+def test_compressed_frames_of_original_clients_still_arrive(shared_port):
+    """Plain RPyC compresses every frame over 3000 bytes."""
+    conn = rpyc.connect("127.0.0.1", shared_port, config={"allow_public_attrs": True})
+    try:
+        text = "compressible " * 100_000
+
+        def fn(args):
+            return len(args[0]), args[0][:12], args[1]
+
+        blob = b"\0" * 50_000
+        assert conn.root.run_code(dill.dumps(fn, recurse=True), [text, blob], ngpus=1) == (len(text), "compressible",
+                                                                                           blob)
+    finally:
+        conn.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -247,3 +249,21 @@ def test_no_record_stays_pending_or_running_after_its_server_and_connections_die
     assert not running(info["program"])
     status = connect(new_port).root.gpu_status()
     assert status["gpus"][0]["holders"] == [] and status["queue"] == []
+
+
+def test_a_server_in_another_pid_namespace_is_refused_on_a_shared_lock_directory(cluster, server):
+    # Its pids would mean other processes to the servers already there, and theirs nothing to it.
+    server("pytorch", "fake:1")
+    argv = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "rpycdl", "serve",
+            "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none", "--lock-dir",
+            cluster.lock_dir]
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run this test: it needs a new PID namespace (unshare --pid, as root)")
+        pytest.skip("needs a new PID namespace (unshare --pid, as root)")
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the server started: {exc.stdout!r}") from None
+    assert result.returncode != 0, result.stdout
+    assert "used by servers in another PID namespace" in result.stderr and "--pid host" in result.stderr, result.stderr

@@ -205,3 +205,13 @@ def test_a_job_longer_than_rpycs_30_second_default_comes_back(conn):
         return seconds
 
     assert conn.root.run_code(job, 31) == 31
+
+
+def test_a_result_over_the_servers_payload_limit_is_refused_and_not_held(server, connect):
+    # A value is read into the connection process's memory (all of it, where it does not travel out
+    # of band): what it may hold there is bounded by --max-payload, as a call is.
+    conn = connect(server("pytorch", "fake:1", "--max-payload", "1MiB"))
+    with pytest.raises(rpycdl.LimitError, match=r"result is over this server's limit of 1048576 bytes"):
+        conn.root.run_code(lambda n: list(range(n)), 1_000_000)  # about 5 MB of pickle, in band
+    assert conn.root.run_code(lambda n: len(list(range(n))), 1_000_000) == 1_000_000
+    assert [job["state"] for job in conn.root.jobs()] == ["failed", "succeeded"]
