@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import logging
 import os
+import platform
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rpycdl import credentials, registry, site_cli
+from rpycdl import __version__, credentials, registry, site_cli
 from rpycdl.auth import Identity
 from rpycdl.client import Connection, connect, connect_to
 from rpycdl.defaults import (
@@ -31,6 +34,7 @@ from rpycdl.defaults import (
     ENV_TLS_KEY,
     GPU_UNIT,
     IDLE_TIMEOUT,
+    LOCK_DIR,
     MAX_CONNECTIONS,
     MAX_PAYLOAD,
     MAX_QUEUED,
@@ -40,23 +44,75 @@ from rpycdl.defaults import (
     REGISTRY_PORT,
     SERVER_PORT,
 )
-from rpycdl.errors import AuthFailedError, InvalidRequestError, LimitError, NoInventoryError, RpycdlError
-from rpycdl.locks import describe_need
+from rpycdl.errors import (
+    AuthFailedError,
+    InvalidRequestError,
+    JobTimeoutError,
+    LimitError,
+    NoInventoryError,
+    NotAllowedError,
+    QueueTimeoutError,
+    RpycdlError,
+)
+from rpycdl.gpus import format_size
 
 REPO = Path(__file__).resolve().parent.parent
+MiB = 1024**2
+
+
+EXIT_FAILED = 1
+"""The command failed: a job's failure or crash, an unreachable server, no registry, a refusal."""
+EXIT_USAGE = 2
+"""Bad arguments, or a request no server can ever serve (InvalidRequestError); argparse's own code."""
+EXIT_QUEUE_TIMEOUT = 75
+"""`rpycdl run`: the GPUs were not granted within --queue-timeout (sysexits' EX_TEMPFAIL: try again later)."""
+EXIT_JOB_TIMEOUT = 124
+"""`rpycdl run`: the command ran past --timeout and was stopped (what timeout(1) exits with)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C or SIGTERM (128 + SIGINT, as a shell says)."""
+
+RUN_EXIT_CODES = f"""exit codes:
+  N     the command's own exit code (128+N when signal N killed it)
+  {EXIT_FAILED}     the job failed or crashed or was cancelled, or no server could take it (no registry
+        answered, none registered or reachable, authentication refused)
+  {EXIT_USAGE}     usage error: bad arguments, or a request no server can serve (more GPUs than it has)
+  {EXIT_QUEUE_TIMEOUT}    queue timeout: the GPUs were not granted within --queue-timeout; try again later
+  {EXIT_JOB_TIMEOUT}   job timeout: the command ran past --timeout and was stopped (like timeout(1))
+  {EXIT_INTERRUPTED}   interrupted (Ctrl-C): the job was cancelled
+A command that itself exits with one of these codes looks the same: the last line on stderr tells.
+
+example: rpycdl run pytorch --gpu-memory 6GiB -- python train.py --lr 0.01"""
 
 
 def _parser() -> argparse.ArgumentParser:
+    verbose = argparse.ArgumentParser(add_help=False)  # -v after a subcommand too: rpycdl status -v
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log what rpycdl does (INFO)")
     parser = argparse.ArgumentParser(
-        prog="rpycdl", description="Run Python functions on shared GPU servers, first come, first served.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the servers do")
+        prog="rpycdl", description="Run Python functions on shared GPU servers, first come, first served.",
+        epilog="`rpycdl COMMAND --help` tells more; the README tells everything.")
+    parser.add_argument("-v", "--verbose", action="store_true", default=False, help="log what rpycdl does (INFO)")
+    parser.add_argument("--version", action="version",
+                        version=f"rpycdl {__version__} (Python {platform.python_version()})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    reg = commands.add_parser("registry", help="run the RPyC registry servers announce themselves to")
+    def command(name: str, text: str, description: str, **options: Any) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=description, parents=[verbose], **options)
+
+    reg = command("registry", "run the RPyC registry servers announce themselves to",
+                  "Run the site's RPyC UDP registry in the foreground, until Ctrl-C or SIGTERM. Servers "
+                  "announce themselves to it every 20 seconds; clients (rpycdl.connect, rpycdl status, rpycdl "
+                  "run) ask it which servers offer a service. One per site is enough.")
     reg.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     reg.add_argument("--port", type=int, default=REGISTRY_PORT, help="UDP port (default: %(default)s)")
 
-    serve = commands.add_parser("serve", help="run a GPU server for one framework service")
+    serve = command("serve", "run a GPU server for one framework service",
+                    "Run a GPU server for one framework service in the foreground, until Ctrl-C or SIGTERM. It "
+                    "announces itself to the registry, queues each job for its GPUs first come, first served "
+                    "with every server sharing the lock directory, and runs it in a process of its own that "
+                    "sees only its GPUs. If it cannot start (port in use, lock directory not writable, "
+                    "unusable credential files), it says what failed and what to do in one line and exits "
+                    f"with {EXIT_FAILED} ({EXIT_USAGE} for bad arguments).")
     serve.add_argument("--service", required=True,
                        help="service name: pytorch, tensorflow, jax, caffe, deeplearning, or your own")
     serve.add_argument("--host", default="127.0.0.1",
@@ -70,13 +126,13 @@ def _parser() -> argparse.ArgumentParser:
                             f"(default: ${ENV_GPUS}, else NVML)")
     serve.add_argument("--lock-dir", default=None,
                        help=f"lock directory shared by every server of the host (default: ${ENV_LOCK_DIR}, "
-                            "else /tmp/rpycdl-locks)")
+                            f"else {LOCK_DIR})")
     serve.add_argument("--framework-version", default=None, dest="version",
                        help="version to announce (default: read from the installed framework package)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow listening on a non-loopback address without authentication")
-    serve.add_argument("--max-payload", default=str(MAX_PAYLOAD), metavar="SIZE",
-                       help="largest call accepted, at least 1MiB, e.g. 8GiB (default: %(default)s bytes)")
+    serve.add_argument("--max-payload", default=format_size(MAX_PAYLOAD), metavar="SIZE",
+                       help="largest call accepted, at least 1 MiB (default: %(default)s)")
     serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
                        help="most requests waiting at once (default: %(default)s)")
     serve.add_argument("--max-queued-per-user", type=int, default=MAX_QUEUED_PER_USER, metavar="N",
@@ -88,9 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
                        help="granularity of shares of a GPU (gpus=0.25, gpu_memory='6GiB'): a size such as "
                             "1GiB or a fraction such as 1/8; shares are rounded up to it (default: %(default)s)")
-    serve.add_argument("--memory-allowance", default=str(MEMORY_ALLOWANCE), metavar="SIZE",
+    serve.add_argument("--memory-allowance", default=format_size(MEMORY_ALLOWANCE), metavar="SIZE",
                        help="GPU memory a job on a share may use beyond its grant (for the CUDA context) before "
-                            "the watchdog stops it (default: %(default)s bytes)")
+                            "the watchdog stops it (default: %(default)s)")
     serve.add_argument("--secret-file", default=None, metavar="PATH",
                        help=f"require clients to prove they know the shared secret in PATH (mode 600); "
                             f"default ${ENV_SECRET_FILE}, else no authentication")
@@ -100,9 +156,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-ca", default=None, metavar="FILE",
                        help="the team's CA certificate: clients must present a certificate it signed")
 
-    for name, text in (("status", "show each GPU, who holds it, and who waits"),
-                       ("jobs", "list a server's jobs"), ("cancel", "cancel a job")):
-        sub = commands.add_parser(name, help=text)
+    unreachable = f"Exits with {EXIT_FAILED} if a server could not be reached (the others are shown all the same)."
+    for name, text, description in (
+            ("status", "show each GPU, who holds it, and who waits",
+             "Show every GPU of every server the registry knows (or of one service, or of the server at --host): "
+             "its memory, who holds it or a share of it, and who waits for GPUs, in order. " + unreachable),
+            ("jobs", "list a server's jobs",
+             "List the recent jobs of every server the registry knows (or of one service, or of the server at "
+             "--host): state, GPUs or share, owner, client. " + unreachable),
+            ("cancel", "cancel a job",
+             "Cancel a pending or running job by its id, on whichever server knows it: your own job, or anyone's "
+             "with an admin certificate.")):
+        sub = command(name, text, description)
         if name == "cancel":
             sub.add_argument("job_id", help="the job's id (see `rpycdl jobs`)")
         sub.add_argument("service", nargs="?", default=None,
@@ -110,32 +175,39 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true", help="print JSON")
         _server_flags(sub)
 
-    run = commands.add_parser(
-        "run", help="run a command on a GPU server with GPUs of its own, output live (like srun)",
-        usage="rpycdl run SERVICE [options] -- COMMAND [ARG ...]",
-        description="Run COMMAND on a server of SERVICE once its GPUs are granted, with its output streamed "
-                    "here; exits with the command's exit code. The command runs in the server's working "
-                    "directory, as the server's user: paths are the server's.",
-        epilog="example: rpycdl run pytorch --gpu-memory 6GiB -- python train.py --lr 0.01")
+    run = command(
+        "run", "run a command on a GPU server with GPUs of its own, output live (like srun)",
+        "Run COMMAND on a server of SERVICE once its GPUs are granted, with its output streamed here;\n"
+        "exit with the command's exit code. The command runs in the server's working directory, as the\n"
+        "server's user: paths are the server's. Ctrl-C cancels it.",
+        usage="rpycdl run SERVICE [options] -- COMMAND [ARG ...]", epilog=RUN_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("service", help="service to run on (pytorch, tensorflow, ...; an alias such as pytorch-2.5)")
     size = run.add_mutually_exclusive_group()
     size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
     size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
     size.add_argument("--gpu-memory", default=None, metavar="SIZE", help="a share of one GPU by memory, such as 6GiB")
-    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the command after this long")
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help=f"stop the command after this long (exit code {EXIT_JOB_TIMEOUT})")
     run.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
-                     help="give up if the GPUs are not granted within this long")
+                     help=f"give up if the GPUs are not granted within this long (exit code {EXIT_QUEUE_TIMEOUT})")
     _server_flags(run)
 
-    demo = commands.add_parser("demo", help="start a local registry and server and run the example client")
+    demo = command("demo", "start a local registry and server and run the example client",
+                   "Start a registry and a PyTorch server on loopback (the real GPUs through NVML if there are "
+                   "any, else a simulated fake:2 inventory), run an example client against them with its output "
+                   "shown, then stop everything. Ctrl-C stops it all.")
     demo.add_argument("--gpus", default=None, metavar="SPEC",
                       help="inventory (default: NVML if it works, else a simulated fake:2)")
     demo.add_argument("--client", default=str(REPO / "clients" / "three_jobs.py"),
                       help="client script to run (default: %(default)s)")
 
-    selftest = commands.add_parser("selftest", help="check a machine with real GPUs end to end")
+    selftest = command("selftest", "check a machine with real GPUs end to end",
+                       "On a machine with NVIDIA GPUs and PyTorch: check the NVML inventory against nvidia-smi, "
+                       "that a job sees only its GPU, that jobs queue for busy GPUs, shares of a GPU and the "
+                       "memory watchdog, and print a report (scripts/gpu_selftest.sh runs it).")
     selftest.add_argument("--report", default=None, help="also write the report to this file")
-    site_cli.add_commands(commands)
+    site_cli.add_commands(command, [verbose])
     return parser
 
 
@@ -158,8 +230,13 @@ def _credential_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None, metavar="FILE",
                         help=f"the team's CA certificate (default: ${ENV_TLS_CA}, {where})")
 
+
+INTERRUPTED = {"run": "interrupted: the job is cancelled", "demo": "interrupted: the servers and the registry stopped"}
+"""What Ctrl-C prints, by subcommand (default: interrupted)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the rpycdl command; returns the exit code."""
+    """Run the rpycdl command; returns the exit code (see RUN_EXIT_CODES)."""
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args = _parser().parse_args(argv[:split])
@@ -169,11 +246,33 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"rpycdl {args.command}: {INTERRUPTED.get(args.command, 'interrupted')}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except RpycdlError as exc:
         print(f"rpycdl {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return exit_code(exc)
+    except (OSError, EOFError) as exc:  # the network or the machine, not a bug of ours: one line
+        if args.verbose:
+            logging.getLogger("rpycdl.cli").exception("rpycdl %s failed", args.command)
+        print(f"rpycdl {args.command}: {_os_error(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def exit_code(exc: RpycdlError) -> int:
+    """The exit code of a command that failed with `exc` (RUN_EXIT_CODES)."""
+    if isinstance(exc, JobTimeoutError):
+        return EXIT_JOB_TIMEOUT
+    if isinstance(exc, QueueTimeoutError):
+        return EXIT_QUEUE_TIMEOUT
+    return EXIT_USAGE if isinstance(exc, InvalidRequestError) else EXIT_FAILED
+
+
+def _os_error(exc: OSError | EOFError) -> str:
+    if isinstance(exc, EOFError):
+        return "the server closed the connection unexpectedly (see its log)"
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def _terminate(*_: Any) -> None:
@@ -181,7 +280,11 @@ def _terminate(*_: Any) -> None:
 
 
 def _registry(args: argparse.Namespace) -> int:
-    registry.serve_registry(args.host, args.port)
+    try:
+        registry.serve_registry(args.host, args.port)
+    except OSError as exc:
+        raise RpycdlError(_listen_failure(exc, "udp", args.host, args.port) or _os_error(exc)) from None
+    print("rpycdl registry: stopped", file=sys.stderr)
     return 0
 
 
@@ -203,8 +306,45 @@ def _serve(args: argparse.Namespace) -> int:
                           gpus=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_ca=args.tls_ca, limits=limits, shares=shares)
-    serve(config)
+    if args.registry != "none":
+        registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later
+    logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")
+    try:
+        serve(config)
+    except OSError as exc:  # the server's own refusals are RpycdlErrors already
+        raise RpycdlError(_start_failure(exc, args)) from None
+    print("rpycdl serve: stopped", file=sys.stderr)
     return 0
+
+
+def _listen_failure(exc: OSError, protocol: str, host: str, port: int) -> str | None:
+    """Why a server or registry could not listen on host:port, and what to do; None if that was not it."""
+    where = f"cannot listen on {protocol} {host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return f"{where}: {exc.strerror}: give an address or a host name of this machine with --host"
+    if exc.filename:
+        return None
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: the port is in use (another server or registry?): stop it, or choose another --port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine: give one of its addresses with --host"
+    if exc.errno == errno.EACCES and 0 < port < 1024:
+        return f"{where}: ports below 1024 need root: choose another --port"
+    return None
+
+
+def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
+    """Why `rpycdl serve` could not start, and what to do, in one line."""
+    listening = _listen_failure(exc, "tcp", args.host, args.port)
+    if listening:
+        return listening + " (0 picks a free one)" if "--port" in listening else listening
+    directory = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
+    failed = os.path.abspath(str(exc.filename)) if exc.filename else ""
+    if failed and os.path.commonpath([failed, directory]) in (failed, directory):  # in it, or on the way to it
+        return (f"cannot use the lock directory {directory}: {exc.strerror} ({exc.filename}). Every server of "
+                f"the host writes there: make it a directory every user may write (chmod 1777 {directory}), "
+                f"or choose another (--lock-dir, ${ENV_LOCK_DIR})")
+    return f"cannot start: {_os_error(exc)}"
 
 
 def _servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[], Connection]]]:
@@ -222,8 +362,9 @@ def _servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[
                 if address not in addresses:
                     addresses.append(address)
     if not addresses:
-        raise RpycdlError(f"the registry {registry.registry_address(settings.registry)} knows no "
-                          f"{'server of ' + args.service.upper() if args.service else 'server'}")
+        raise RpycdlError(f"the registry ({registry.describe(registry.registry_address(settings.registry))}) knows "
+                          f"no {'server of ' + args.service.upper() if args.service else 'server'}: start one "
+                          "(rpycdl serve --service NAME --registry HOST)")
     secret, tls_context = settings.secret(), settings.tls_context()  # read once for every server
     return [(address, functools.partial(connect_to, address, secret, tls_context)) for address in addresses]
 
@@ -244,10 +385,20 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r if not isinstance(r, Exception) else {"address": list(a), "error": str(r)}
                           for a, r in results], indent=2))
+    else:
+        for address, status in results:
+            print(format_status(address, status))
+    return _reached(args, results)
+
+
+def _reached(args: argparse.Namespace, results: list[tuple[tuple[str, int], Any]]) -> int:
+    """0 if every server answered; else say which did not, and EXIT_FAILED."""
+    failed = [f"{host}:{port}" for (host, port), result in results if isinstance(result, Exception)]
+    if not failed:
         return 0
-    for address, status in results:
-        print(format_status(address, status))
-    return 0
+    print(f"rpycdl {args.command}: {len(failed)} of {len(results)} server(s) could not be reached: "
+          f"{', '.join(failed)}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) -> str:
@@ -258,30 +409,37 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
     server = status["server"]
     kind = "simulated " + server["inventory"] if server["simulated"] else "NVML"
     lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}"]
-    lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<20}HELD BY")
+    lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<22}HELD BY")
     for gpu in status["gpus"]:
-        used = "?" if gpu["memory_used"] is None else f"{gpu['memory_used'] / 2**30:.1f}"
-        memory = f"{used}/{gpu['memory_total'] / 2**30:.1f} GiB"
+        used = "?" if gpu["memory_used"] is None else format_size(gpu["memory_used"])
+        memory = f"{used} / {format_size(gpu['memory_total'])}"
         holders = gpu["holders"]
         if not holders:
             who = "free"
         elif not holders[0]["memory"]:
             who = "whole: " + _holder(holders[0], now)
         else:
-            granted = sum(holder["memory"] for holder in holders) * 2**20 / 2**30
-            who = f"shared: {granted:.1f}/{gpu['memory_total'] / 2**30:.1f} GiB granted to {len(holders)} job(s)"
-        lines.append(f"  {gpu['index']:<4}{gpu['uuid']:<42}{gpu['name'][:23]:<24}{memory:<20}{who}")
+            granted = format_size(sum(holder["memory"] for holder in holders) * MiB)
+            who = f"shared: {granted} of {format_size(gpu['memory_total'])} granted to {len(holders)} job(s)"
+        lines.append(f"  {gpu['index']:<4}{gpu['uuid']:<42}{gpu['name'][:23]:<24}{memory:<22}{who}")
         if holders and holders[0]["memory"]:
-            lines.extend(f"      {holder['memory'] / 1024:.1f} GiB: {_holder(holder, now)}" for holder in holders)
+            lines.extend(f"      {format_size(holder['memory'] * MiB)}: {_holder(holder, now)}" for holder in holders)
     if status["queue"]:
         lines.append(f"  waiting ({len(status['queue'])}), first come first served:")
         for place, waiter in enumerate(status["queue"], 1):
-            wants = describe_need(waiter["count"], waiter["memory"])
+            wants = _need(waiter["count"], waiter["memory"])
             lines.append(f"    {place}. job {waiter['job_id']} of {waiter.get('user', 'unknown')} wants {wants}, "
                          f"from {waiter['client']} ({waiter['server']}), waiting {_ago(now - waiter['since'])}")
     else:
         lines.append("  nobody waiting")
     return "\n".join(lines) + "\n"
+
+
+def _need(count: int, memory: int) -> str:
+    """What a request asks for, in words: '2 GPU(s)', 'all GPUs', or '4 GiB of one GPU' (memory in MiB)."""
+    if memory:
+        return f"{format_size(memory * MiB)} of one GPU"
+    return "all GPUs" if count < 0 else f"{count} GPU(s)"
 
 
 def _holder(holder: dict[str, Any], now: float) -> str:
@@ -307,7 +465,7 @@ def _jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({f"{a[0]}:{a[1]}": (r if not isinstance(r, Exception) else str(r)) for a, r in results},
                          indent=2))
-        return 0
+        return _reached(args, results)
     for (host, port), jobs in results:
         print(f"{host}:{port}")
         if isinstance(jobs, Exception):
@@ -316,20 +474,28 @@ def _jobs(args: argparse.Namespace) -> int:
         for job in jobs:
             when = time.strftime("%H:%M:%S", time.localtime(job["submitted"]))
             user = Identity(job["user"], job["user_verified"]).label
-            print(f"  {job['job_id']}  {job['state']:<10} {describe_need(job['ngpus'], job['gpu_memory']):<18} "
+            print(f"  {job['job_id']}  {job['state']:<10} {_need(job['ngpus'], job['gpu_memory']):<18} "
                   f"{user:<24} from {job['client']:<22} "
                   f"submitted {when}  {job['error']}")
-    return 0
+    return _reached(args, results)
 
 
 def _cancel(args: argparse.Namespace) -> int:
+    unreachable = []
     for (host, port), open_connection in _servers(args):
-        with open_connection() as conn:
-            if any(job["job_id"] == args.job_id for job in conn.root.jobs()):
-                state = conn.root.cancel(args.job_id)
-                print(f"job {args.job_id} ({state}) on {host}:{port}: cancel requested as {conn.identity['label']}")
-                return 0
-    raise RpycdlError(f"no server knows job {args.job_id}")
+        try:
+            with open_connection() as conn:
+                if any(job["job_id"] == args.job_id for job in conn.root.jobs()):
+                    state = conn.root.cancel(args.job_id)
+                    print(f"job {args.job_id} ({state}) on {host}:{port}: cancel requested as "
+                          f"{conn.identity['label']}")
+                    return 0
+        except NotAllowedError:  # a PermissionError, but the server's answer
+            raise
+        except (OSError, EOFError, AuthFailedError, LimitError) as exc:  # perhaps another server knows it
+            unreachable.append(f"{host}:{port} ({exc})")
+    unasked = f"; could not ask {', '.join(unreachable)}" if unreachable else ""
+    raise RpycdlError(f"no server knows job {args.job_id}{unasked}")
 
 
 def run_command(argv: list[str]) -> int:
@@ -355,10 +521,19 @@ def _run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
 
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
-    with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
-                 tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
-        code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
-                                  timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state)
+    try:
+        conn = connect(**target, registry_address=args.registry, secret_file=args.secret_file,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+    except OSError as exc:  # --host: a server that is not there (discovery says so itself)
+        raise RpycdlError(f"cannot reach the server at {args.host}:{args.port}: {exc.strerror or exc}") from None
+    with conn:
+        try:
+            code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
+                                      timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state)
+        except (RpycdlError, OSError, EOFError):
+            raise
+        except Exception as exc:  # the job raised (not the command: its exit code comes back): it failed
+            raise RpycdlError(f"the job failed: {type(exc).__name__}: {exc}") from None
     return code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
 
 
@@ -382,7 +557,8 @@ def _demo(args: argparse.Namespace) -> int:
         _, port = cluster.add_server("pytorch", gpus)
         print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}; running {args.client}\n", flush=True)
         env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
-        code = subprocess.call([sys.executable, args.client], env=env)
+        # In a session of its own, so that Ctrl-C reaches the demo, which stops it without its traceback.
+        code = subprocess.call([sys.executable, args.client], env=env, start_new_session=True)
         print(f"\nrpycdl demo: client exited with {code}; stopping the server and the registry")
     return code
 

@@ -247,7 +247,8 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
         tls_cert, tls_key, tls_ca: this user's certificate and key, and the team's CA certificate.
 
     Raises:
-        DiscoveryError: no live server of the service answered.
+        DiscoveryError: no registry answered (or its host name does not resolve), it knows no
+            server of the service, or none of them answered.
         AuthFailedError: client and server could not authenticate each other.
         LimitError: the server refused the connection (--max-connections).
         InvalidRequestError: neither a service nor a host was given, or unusable credentials.
@@ -271,10 +272,12 @@ def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.
 def _discover(service: str, registry_address: str | None, secret: bytes | None,
               tls_context: ssl.SSLContext | None) -> Connection:
     """Connect to the best live server of `service` that passes authentication."""
-    addresses = registry.discover(service, registry_address)
+    addresses = registry.discover(service, registry_address)  # DiscoveryError if no registry answers
     if not addresses:
-        raise DiscoveryError(f"no server of service {service.upper()!r} is registered "
-                             f"(registry {registry.registry_address(registry_address)})")
+        where = registry.describe(registry.registry_address(registry_address))
+        raise DiscoveryError(f"the registry ({where}) knows no server of {service.upper()!r}: start one "
+                             "(rpycdl serve --service NAME --registry HOST), or check the name (rpycdl status "
+                             "lists every server the registry knows)")
     best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
     refused: list[tuple[tuple[str, int], AuthFailedError | LimitError]] = []
     for address in addresses:

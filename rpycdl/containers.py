@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import logging
 import os
 import posixpath
 import queue
@@ -143,18 +144,51 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
 
 
 def prepare_lock_dir(path: str) -> None:
-    """Create the shared lock directory, writable by every container user (mode 1777)."""
+    """Create the shared lock directory, writable by every container user (mode 1777); one that
+    exists without being writable by all is made so if it is ours, else refused with the fix."""
     if not os.path.isabs(path):
         raise InvalidRequestError(f"the lock directory must be an absolute path, not {path!r}")
     if not os.path.isdir(path):
         os.makedirs(path)
         os.chmod(path, 0o1777)
+    elif not os.stat(path).st_mode & 0o002:
+        if os.stat(path).st_uid != os.geteuid():
+            raise InvalidRequestError(f"the lock directory {path} is not writable by the servers' users: "
+                                      f"make it so (chmod 1777 {path}) or choose another (--lock-dir)")
+        os.chmod(path, 0o1777)
 
 
-def up(config: UpConfig, client: docker.DockerClient | None = None) -> list[Container]:
+def engine_socket() -> str:
+    """The host path of the Docker engine's socket: $DOCKER_HOST's if it is unix://PATH, else /var/run/docker.sock."""
+    host = os.environ.get("DOCKER_HOST", "")
+    return host.removeprefix("unix://") if host.startswith("unix://") else DOCKER_SOCKET
+
+
+def up(config: UpConfig, client: docker.DockerClient | None = None,
+       say: Callable[[str], None] | None = None) -> list[Container]:
     """Start the registry (if asked) and one server container per spec, on the host network.
-    If one cannot start, those already started are removed again."""
+
+    Starting twice is harmless: a container of the same name that runs already is left as it is
+    (and said), a stale one (created, exited) is replaced. If the engine refuses the ulimits
+    (rootless and sandboxed engines may not raise memlock), the servers run with the engine's
+    own, and `say` says so. If a container cannot start, every one this call created is removed
+    again, so that a retry meets no name conflict. Servers share the host's process namespace
+    (pid_mode host): see SERVER_PID_MODE.
+
+    Args:
+        config: what to start.
+        client: the engine (default: docker_client()).
+        say: where notes go, one line each (default: warnings of the rpycdl.containers logger).
+
+    Returns:
+        The containers this call started (not those left running).
+
+    Raises:
+        InvalidRequestError: a bad spec, option or credential file.
+        RpycdlError: an image is missing, or the engine refused to start a container (its own words).
+    """
     client = client or docker_client()
+    say = say or logging.getLogger("rpycdl.containers").warning
     servers = [parse_spec(spec) for spec in config.specs]
     if not servers:
         raise InvalidRequestError("name at least one server: SERVICE[:VERSION]")
@@ -163,44 +197,104 @@ def up(config: UpConfig, client: docker.DockerClient | None = None) -> list[Cont
     reg_host, reg_port = parse_address(config.registry)
     credentials, credential_args = _credentials(config)
     prepare_lock_dir(config.lock_dir)
-    common: dict[str, Any] = {"detach": True, "network_mode": "host", "restart_policy": {"Name": "unless-stopped"}}
+    common: dict[str, Any] = {"network_mode": "host", "restart_policy": {"Name": "unless-stopped"}}
     token = uuid.uuid4().hex[:12]
-    started: list[Container] = []
+    started: list[Container | None] = []
+    ulimits = list(config.ulimits)
     try:
         if config.start_registry:
             image = f"{config.image_prefix}-{servers[0][0]}:{servers[0][1] or 'latest'}"
-            started.append(client.containers.run(
-                image, ["registry", "--host", reg_host, "--port", str(reg_port)], entrypoint=["rpycdl"],
-                name=f"{config.image_prefix}-registry", labels={LABEL_ROLE: "registry", LABEL_UP: token}, **common))
+            started.append(_start(client, f"{config.image_prefix}-registry", image, say,
+                                  command=["registry", "--host", reg_host, "--port", str(reg_port)],
+                                  entrypoint=["rpycdl"], labels={LABEL_ROLE: "registry", LABEL_UP: token}, **common))
         for offset, (service, version) in enumerate(servers):
             port = config.port + offset if config.port else 0  # 0: each server takes any free port
             args = ["--host", config.host, "--port", str(port), "--registry", f"{reg_host}:{reg_port}",
                     "--lock-dir", config.lock_dir, *credential_args]
-            if config.insecure:
-                args.append("--insecure")
-            options: dict[str, Any] = {"mounts": list(credentials)}
-            if config.gpus == "all":
-                options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
-            else:
-                args += ["--gpus", config.gpus]
-            if service == "deeplearning" and os.path.exists(DOCKER_SOCKET):  # runs jobs in their own containers
-                options["mounts"].append(Mount(DOCKER_SOCKET, DOCKER_SOCKET, type="bind"))
-                options["group_add"] = [str(os.stat(DOCKER_SOCKET).st_gid)]
-            if config.user:
-                options["user"] = config.user
-            started.append(client.containers.run(
-                f"{config.image_prefix}-{service}:{version or 'latest'}", args,
-                name=_server_name(config.image_prefix, service, version),
-                labels={LABEL_ROLE: "server", LABEL_UP: token, "rpycdl.service": service},
-                volumes={config.lock_dir: {"bind": config.lock_dir, "mode": "rw"}},
-                shm_size=config.shm_size, ulimits=config.ulimits, **options, **common))
+            options = _server_options(config, service, args, credentials, token)
+            name = _server_name(config.image_prefix, service, version)
+            image = f"{config.image_prefix}-{service}:{version or 'latest'}"
+            try:
+                started.append(_start(client, name, image, say, ulimits=ulimits, **options, **common))
+            except docker.errors.APIError as exc:
+                if not ulimits or not _ULIMITS_REFUSED.search(str(exc.explanation or exc)):
+                    raise
+                say(f"the engine refused the ulimits memlock=-1, stack=64 MiB ({_engine_words(exc)}): the servers run "
+                    "with the engine's own instead (--no-ulimits skips asking)")
+                ulimits = []
+                started.append(_start(client, name, image, say, ulimits=ulimits, **options, **common))
     except BaseException as exc:  # remove what this call created, started or not
         for container in _listed(client, f"{LABEL_UP}={token}"):
             _remove(container)
         if isinstance(exc, docker.errors.APIError):
             raise RpycdlError(f"cannot start the containers: {exc.explanation or exc}") from None
         raise
-    return started
+    return [container for container in started if container is not None]
+
+
+SERVER_PID_MODE = "host"
+"""Server containers see every process of the host, as `--pid host`: every server sharing a lock directory
+must see the processes of every job on the host, of whichever server or container, to check that nothing
+of a crashed job still runs before its GPUs are granted again, and for the memory watchdog, which reads
+the host pids NVML reports."""
+
+_ULIMITS_REFUSED = re.compile(r"rlimit|ulimit", re.IGNORECASE)
+"""How an engine words its refusal of --ulimit: "error setting rlimit type 8: operation not permitted"."""
+
+
+def _server_options(config: UpConfig, service: str, args: list[str], credentials: list[Mount],
+                    token: str) -> dict[str, Any]:
+    """The docker SDK options of one server container, but its name and ulimits."""
+    options: dict[str, Any] = {
+        "command": list(args), "mounts": list(credentials), "pid_mode": SERVER_PID_MODE,
+        "labels": {LABEL_ROLE: "server", LABEL_UP: token, "rpycdl.service": service},
+        "volumes": {config.lock_dir: {"bind": config.lock_dir, "mode": "rw"}}, "shm_size": config.shm_size}
+    if config.gpus == "all":
+        options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
+    else:
+        options["command"] += ["--gpus", config.gpus]
+    if config.insecure:
+        options["command"].append("--insecure")
+    if service == "deeplearning":  # runs jobs in their own containers, through the host's engine
+        socket_path = engine_socket()
+        options["mounts"].append(Mount(DOCKER_SOCKET, socket_path, type="bind"))
+        if os.path.exists(socket_path):
+            options["group_add"] = [str(os.stat(socket_path).st_gid)]
+    if config.user:
+        options["user"] = config.user
+    return options
+
+
+def _start(client: docker.DockerClient, name: str, image: str, say: Callable[[str], None],
+           **options: Any) -> Container | None:
+    """Create and start the container `name`; None if one of that name runs already (left as it is).
+    A stale one of that name (created, exited) is replaced; one whose start fails is removed."""
+    with contextlib.suppress(docker.errors.NotFound):
+        existing = client.containers.get(name)
+        if existing.status == "running":
+            say(f"{name} runs already ({existing.short_id}): left as it is (to change its options, remove it "
+                f"first: docker rm -f {name})")
+            return None
+        say(f"replacing the stale {name} ({existing.status})")
+        _remove(existing)
+    try:
+        container = client.containers.create(image, name=name, detach=True, **options)
+    except docker.errors.ImageNotFound:
+        raise RpycdlError(f"no image {image} on this engine: build it first (scripts/build_images.sh)") from None
+    try:
+        container.start()
+    except BaseException:
+        _remove(container)  # never leave a Created container behind: a retry would meet its name
+        raise
+    return container
+
+
+def _engine_words(exc: docker.errors.APIError) -> str:
+    """The telling part of an engine's refusal of the ulimits, such as 'error setting rlimit type 8: operation
+    not permitted': the last part that names rlimit or ulimit, and the next."""
+    parts = str(exc.explanation or exc).splitlines()[0].split(": ")
+    last = max((i for i, part in enumerate(parts) if _ULIMITS_REFUSED.search(part)), default=0)
+    return ": ".join(parts[last:last + 2]).strip().rstrip(".")
 
 
 def _credentials(config: UpConfig) -> tuple[list[Mount], list[str]]:

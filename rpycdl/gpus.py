@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from rpycdl import procs
 from rpycdl.defaults import ENV_GPUS, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
+from rpycdl.lockdir import shared_dir, shared_file
 
 _T = TypeVar("_T")
 
@@ -44,6 +45,20 @@ def parse_size(text: str) -> int:
     if not match or match.group(2).upper() not in _SIZE_UNITS:
         raise InvalidRequestError(f"not a memory size: {text!r} (try 16GiB or 512MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def format_size(nbytes: int) -> str:
+    """A size in words, in the largest binary unit it fills: '0 B', '512 MiB', '1 GiB', '79.6 GiB'.
+
+    At most one decimal, and none when it is whole (so parse_size reads it back, to within 0.05 of the unit).
+    """
+    size, unit = float(nbytes), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(round(size, 1)) < 1024:
+            break
+        size, unit = size / 1024, bigger
+    text = f"{size:.1f}".removesuffix(".0")
+    return f"{text} {unit}"
 
 
 class Inventory:
@@ -200,8 +215,9 @@ def simulate_memory(size: int, device: int = 0) -> None:
         raise RuntimeError(f"simulate_memory works in jobs on simulated GPUs ({ENV_SIMULATED_GPUS} is not set "
                            f"or there is no GPU {device})")
     folder = Path(state) / uuids[device]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / str(os.getpid())).write_text(str(int(size)))
+    for directory in (folder.parent, folder):  # shared like the lock directory: every user's jobs write here
+        shared_dir(directory)
+    shared_file(folder / str(os.getpid()), str(int(size)).encode())
 
 
 def _text(value: str | bytes) -> str:

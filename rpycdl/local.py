@@ -66,9 +66,10 @@ class Process:
 
 
 def start(args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False) -> Process:
-    """Start `python -m rpycdl ARGS` and collect its output in the background."""
+    """Start `python -m rpycdl ARGS` in a session of its own (Ctrl-C at a terminal reaches the caller, which
+    stops it) and collect its output in the background."""
     argv = [sys.executable, "-m", "rpycdl", *args]
-    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     process = Process(argv, popen, echo=echo)
     threading.Thread(target=process.pump, daemon=True).start()

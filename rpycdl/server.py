@@ -199,6 +199,9 @@ class DLServer(ForkingServer):
         """One turn of the parent's loop (RPyC's start() repeats it while the server is active):
         fork the spares the limit leaves room for, note the ones that took a client, and refuse
         connections while there is no spare to take them."""
+        if self._stop.is_set():  # stopped before RPyC's start() had set the server active
+            self.active = False
+            return
         with self._forking:
             self._connections = {pid for pid in self._connections if _running(pid)}
             self._spares = {pid for pid in self._spares if _running(pid)}
@@ -238,9 +241,17 @@ class DLServer(ForkingServer):
         """Fork a connection process that waits for a client with a spare job process forked
         already, tells the parent when it has one, serves it, and exits."""
         parent = os.getpid()
-        pid = os.fork()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # Ctrl-C at the server is the server's
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            raise
         if pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             return pid
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a connection finishes its job past a stop
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         code = 1
         try:
             signal.signal(signal.SIGCHLD, self._prevhandler)

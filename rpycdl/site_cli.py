@@ -4,39 +4,57 @@ rpycdl.certs) and `up`/`down` (the service containers, rpycdl.containers). rpycd
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rpycdl.defaults import CA_DAYS, CONFIG_FILE, LOCK_DIR, REGISTRY_PORT, SERVER_CERT_DAYS, SERVER_PORT, USER_CERT_DAYS
 
+Command = Callable[..., argparse.ArgumentParser]
+"""rpycdl.cli's maker of a subcommand: command(name, help, description, **options) -> its parser."""
 
-def add_commands(commands: Any) -> None:
-    """Add certs, up and down to the `rpycdl` parser's subcommands."""
-    _certs_commands(commands)
-    _container_commands(commands)
+
+def add_commands(command: Command, parents: list[argparse.ArgumentParser]) -> None:
+    """Add certs, up and down to the `rpycdl` parser's subcommands.
+
+    Args:
+        command: makes a subcommand's parser (rpycdl.cli's).
+        parents: options every parser takes, sub-subcommands' too (-v).
+    """
+    _certs_commands(command, parents)
+    _container_commands(command)
 
 
 # -- rpycdl certs: a small team's certificate authority (rpycdl.certs) -----------------------
 
 
-def _certs_commands(commands: Any) -> None:
-    certs = commands.add_parser("certs", help="create a team's CA, server and user certificates for mutual TLS")
+def _certs_commands(command: Command, parents: list[argparse.ArgumentParser]) -> None:
+    certs = command("certs", "create a team's CA, server and user certificates for mutual TLS",
+                    "A small team's certificate authority for mutual TLS: create the CA once (ca), then a "
+                    "certificate for each server host (server) and for each user (user). Keep ca.key on this "
+                    "machine only: whoever holds it can issue admin certificates.")
     kinds = certs.add_subparsers(dest="kind", required=True, metavar="KIND")
 
-    def kind(name: str, text: str) -> argparse.ArgumentParser:
-        parser = kinds.add_parser(name, help=text)
+    def kind(name: str, text: str, description: str) -> argparse.ArgumentParser:
+        parser = kinds.add_parser(name, help=text, description=description, parents=parents)
         parser.add_argument("dir", metavar="DIR", help="the CA's directory")
         return parser
 
-    ca = kind("ca", "create the certificate authority in DIR (ca.crt, ca.key)")
+    ca = kind("ca", "create the certificate authority in DIR (ca.crt, ca.key)",
+              "Create the team's certificate authority in DIR: ca.crt (give it to every server and user) and "
+              "ca.key (mode 600; keep it here). Never overwrites.")
     ca.add_argument("--days", type=int, default=CA_DAYS, help="validity (default: %(default)s)")
-    server = kind("server", "issue DIR/server-NAME.crt and .key for a server host")
+    server = kind("server", "issue DIR/server-NAME.crt and .key for a server host",
+                  "Issue a server certificate, signed by the CA in DIR, for the host names and addresses clients "
+                  "dial: DIR/server-NAME.crt and its key, for rpycdl serve --tls-cert/--tls-key.")
     server.add_argument("--name", action="append", required=True, metavar="HOST",
                         help="a host name clients dial (repeat for more; the first names the files)")
     server.add_argument("--ip", action="append", default=[], metavar="ADDR",
                         help="an IP address clients dial, e.g. the one the registry hands out (repeat for more)")
     server.add_argument("--days", type=int, default=SERVER_CERT_DAYS, help="validity (default: %(default)s)")
-    user = kind("user", "issue DIR/user-NAME.crt and .key for a user")
+    user = kind("user", "issue DIR/user-NAME.crt and .key for a user",
+                "Issue a user certificate, signed by the CA in DIR: DIR/user-NAME.crt and its key, which name the "
+                "user's jobs; --admin lets its holder cancel anyone's job.")
     user.add_argument("user", metavar="NAME", help="the user's name, as jobs will show it")
     user.add_argument("--admin", action="store_true", help="may cancel anyone's job")
     user.add_argument("--days", type=int, default=USER_CERT_DAYS, help="validity (default: %(default)s)")
@@ -63,8 +81,20 @@ def _certs(args: argparse.Namespace) -> int:
 # -- rpycdl up / down: service containers through the docker SDK (rpycdl.containers) -------
 
 
-def _container_commands(commands: Any) -> None:
-    up = commands.add_parser("up", help="start the registry and server containers (see scripts/start_servers.sh)")
+PID_HOST = ("Every server container shares the host's process namespace (--pid host): every server sharing a "
+            "lock directory must see the processes of every job on the host, to check that nothing of a crashed "
+            "job still runs before its GPUs are granted again, and for the memory watchdog, which reads the host "
+            "pids NVML reports.")
+
+
+def _container_commands(command: Command) -> None:
+    up = command("up", "start the registry and server containers (see scripts/start_servers.sh)",
+                 "Start a registry container and one server container per SERVICE[:VERSION] on this host's Docker "
+                 "engine, from the images scripts/build_images.sh builds, on the host network, all sharing the "
+                 "lock directory. Starting again is harmless: a container that runs already is left as it is, a "
+                 "stale one (created, exited) is replaced. If the engine refuses the ulimits (rootless or "
+                 "sandboxed engines), the servers run with the engine's own, and a line says so. If a container "
+                 "cannot start, those this command created are removed again. " + PID_HOST)
     up.add_argument("specs", nargs="+", metavar="SERVICE[:VERSION]",
                     help="a server per spec, from image rpycdl-SERVICE:VERSION (default tag: latest)")
     up.add_argument("--registry", default=f"127.0.0.1:{REGISTRY_PORT}", metavar="HOST:PORT",
@@ -84,8 +114,12 @@ def _container_commands(commands: Any) -> None:
         up.add_argument(f"--tls-{name}", default=None, metavar="PATH", help=f"{what} (mounted read-only)")
     up.add_argument("--shm-size", default="8g", help="shared memory per server (default: %(default)s)")
     up.add_argument("--no-ulimits", action="store_true",
-                    help="keep the engine's ulimits instead of memlock=-1, stack=64 MiB")
-    down = commands.add_parser("down", help="stop and remove every rpycdl container (servers, registry, jobs)")
+                    help="keep the engine's ulimits instead of asking for memlock=-1, stack=64 MiB (an engine that "
+                         "refuses them gets its own anyway)")
+    down = command("down", "stop and remove every rpycdl container (servers, registry, jobs)",
+                   "Stop the server containers (SIGTERM, then SIGKILL after --timeout) and the registry that "
+                   "rpycdl up or scripts/start_servers.sh started, then remove them and any job container the "
+                   "generic server left. Containers are found by their rpycdl.role label.")
     down.add_argument("--timeout", type=int, default=10, help="seconds to wait for a clean stop (default: %(default)s)")
 
 
@@ -98,7 +132,7 @@ def _up(args: argparse.Namespace) -> int:
                       shm_size=args.shm_size)
     if args.no_ulimits:
         config.ulimits = []
-    for container in up(config):
+    for container in up(config, say=lambda line: print(f"rpycdl up: {line}", file=sys.stderr)):
         print(f"started {container.name} ({container.short_id})")
     return 0
 

@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# shellcheck source=common.sh
+. scripts/common.sh
 if ! "$PYTHON" -c 'import rpycdl' 2>/dev/null; then
-    "$PYTHON" -m pip install -q --disable-pip-version-check -e .
+    install_editable "$PYTHON" .
 fi
 exec "$PYTHON" -m rpycdl selftest "$@"

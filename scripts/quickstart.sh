@@ -5,5 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e .
+# shellcheck source=common.sh
+. scripts/common.sh
+install_editable .venv/bin/python .
 exec .venv/bin/rpycdl demo "$@"

@@ -7,10 +7,17 @@ usage() {
 Usage: scripts/start_servers.sh [OPTIONS] SERVICE[:VERSION] ...
 
 Start a registry container and one server container per SERVICE[:VERSION], from the images
-rpycdl-SERVICE:VERSION (tag latest without VERSION) that scripts/build_images.sh builds.
-Every container uses the host network: a server registers from the address it listens on,
-so that is the address the registry hands to clients. All servers share the host's GPUs
-through one lock directory, bind-mounted at the same path in each container.
+rpycdl-SERVICE:VERSION (tag latest without VERSION) that scripts/build_images.sh builds (never
+pulled). Every container uses the host network: a server registers from the address it listens
+on, so that is the address the registry hands to clients. All servers share the host's GPUs
+through one lock directory, bind-mounted at the same path in each container, and the host's
+process namespace (--pid host): every server sharing a lock directory must see the processes of
+every job on the host, to check that nothing of a crashed job still runs before its GPUs are
+granted again, and for the memory watchdog, which reads the host pids NVML reports.
+
+Starting again is harmless: a container that runs already is left as it is, a stale one of the
+same name (created, exited) is replaced. If a container cannot start, the engine's error is
+printed and every container this run started is removed again (exit code 1).
 
   scripts/start_servers.sh pytorch:2.4 pytorch:2.5 tensorflow deeplearning
   scripts/start_servers.sh --gpus fake:4 pytorch        # simulated GPUs, no GPU access
@@ -35,13 +42,15 @@ Options:
   --user UID[:GID]      user the servers run as (default: the image's, uid 1000); every
                         server sharing a lock directory must run as the same user
   --shm-size SIZE       shared memory per server, for data loaders (default: 8g)
-  --no-ulimits          keep the engine's ulimits instead of memlock=-1, stack=64 MiB (for
-                        engines that may not raise them, such as rootless or sandboxed ones)
-  --dry-run             print the docker commands, run nothing
+  --no-ulimits          keep the engine's ulimits instead of asking for memlock=-1, stack=64 MiB;
+                        an engine that refuses them (rootless or sandboxed ones: "error setting
+                        rlimit") gets its own anyway, and a line says so
+  --dry-run             print the docker commands a Docker host would run, run nothing
   -h, --help            this help
 
-The deeplearning server also gets the Docker socket, to run jobs in their own containers
-(whoever can use it is root on this host: give it only to a trusted network).
+The deeplearning server also gets the Docker engine's socket ($DOCKER_HOST if it is unix://PATH,
+else /var/run/docker.sock), to run jobs in their own containers (whoever can use it is root on
+this host: give it only to a trusted network).
 Stop everything with scripts/stop_servers.sh; check with `rpycdl status --registry HOST:PORT`.
 USAGE
 }
@@ -102,33 +111,103 @@ fi
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 
+ENGINE_SOCKET=/var/run/docker.sock
+[[ ${DOCKER_HOST:-} != unix://* ]] || ENGINE_SOCKET=${DOCKER_HOST#unix://}
+ERRORS=$(mktemp)
+trap 'rm -f "$ERRORS"' EXIT
+STARTED=()  # containers this run started: removed again if a later one cannot start
+
+# keep NAME: true if container NAME runs already (left as it is); a stale one (created, exited) is removed.
+keep() {
+    local state
+    [ "$DRY_RUN" = 0 ] || return 1
+    state=$(docker container inspect --format '{{.State.Status}}' "$1" 2>/dev/null) || return 1
+    if [ "$state" = running ]; then
+        echo "$1 runs already: left as it is (to change its options, remove it first: docker rm -f $1)" >&2
+        return 0
+    fi
+    echo "replacing the stale $1 ($state)" >&2
+    docker rm --force "$1" >/dev/null
+    return 1
+}
+
+# launch NAME DOCKER_RUN_ARGUMENTS...: docker run --name NAME ...; if it fails, the engine's words are in
+# $ERRORS and the container it created is removed (a retry would meet its name), and launch fails.
+launch() {
+    local name=$1
+    shift
+    if run docker run --name "$name" "$@" 2>"$ERRORS"; then
+        cat "$ERRORS" >&2  # the engine's warnings, if any
+        [ "$DRY_RUN" = 1 ] || STARTED+=("$name")
+        return 0
+    fi
+    docker rm --force "$name" >/dev/null 2>&1 || true
+    return 1
+}
+
+# engine_words FILE: the telling part of an engine's refusal of the ulimits in FILE, such as
+# "error setting rlimit type 8: operation not permitted": the last part that names rlimit or ulimit, and the next.
+engine_words() {
+    awk -F': ' 'tolower($0) ~ /rlimit|ulimit/ {
+        for (i = NF; i > 0; i--) if (tolower($i) ~ /rlimit|ulimit/) break
+        words = $i; if (i < NF) words = words ": " $(i + 1)
+        sub(/[.]$/, "", words); print words; exit
+    }' "$1"
+}
+
+# fail: print the engine's words, remove every container this run started, exit 1.
+fail() {
+    cat "$ERRORS" >&2
+    if grep -q "No such image" "$ERRORS"; then
+        echo "build the image first: scripts/build_images.sh SERVICE[:VERSION]" >&2
+    fi
+    if [ ${#STARTED[@]} -gt 0 ]; then
+        echo "removing the containers this run started: ${STARTED[*]}" >&2
+        docker rm --force "${STARTED[@]}" >/dev/null
+    fi
+    exit 1
+}
+
 if [ ! -d "$LOCK_DIR" ]; then
     run mkdir -p "$LOCK_DIR"
     run chmod 1777 "$LOCK_DIR"
 fi
 
-common=(--detach --network host --restart unless-stopped)
+common=(--detach --pull never --network host --restart unless-stopped)
 for spec in "${SPECS[@]}"; do parse_spec "$spec"; done  # all of them before starting anything
 first=${SPECS[0]}
-if [ "$START_REGISTRY" = 1 ]; then
-    run docker run "${common[@]}" --name rpycdl-registry --label rpycdl.role=registry \
-        --entrypoint rpycdl "rpycdl-${first%%:*}:$( [[ $first == *:* ]] && echo "${first#*:}" || echo latest)" \
-        registry --host "${REGISTRY%:*}" --port "${REGISTRY##*:}"
+if [ "$START_REGISTRY" = 1 ] && ! keep rpycdl-registry; then
+    launch rpycdl-registry "${common[@]}" --label rpycdl.role=registry --entrypoint rpycdl \
+        "rpycdl-${first%%:*}:$( [[ $first == *:* ]] && echo "${first#*:}" || echo latest)" \
+        registry --host "${REGISTRY%:*}" --port "${REGISTRY##*:}" || fail
 fi
 
 port=$PORT
 for spec in "${SPECS[@]}"; do
     parse_spec "$spec"
-    options=(--name "rpycdl-$service${version:+-$version}" --label rpycdl.role=server --label "rpycdl.service=$service"
-             -v "$LOCK_DIR:$LOCK_DIR" "${credential_options[@]}" --shm-size "$SHM_SIZE" "${ULIMITS[@]}")
+    name="rpycdl-$service${version:+-$version}"
+    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR" "${credential_args[@]}")
+    port=$((port + 1))
+    ! keep "$name" || continue
+    options=(--label rpycdl.role=server --label "rpycdl.service=$service" --pid host
+             -v "$LOCK_DIR:$LOCK_DIR" "${credential_options[@]}" --shm-size "$SHM_SIZE")
     [ -z "$RUN_AS" ] || options+=(--user "$RUN_AS")
     [ "$GPUS" != all ] || options+=(--gpus all)
-    if [ "$service" = deeplearning ] && [ -S /var/run/docker.sock ]; then
-        options+=(-v /var/run/docker.sock:/var/run/docker.sock --group-add "$(stat -c %g /var/run/docker.sock)")
+    if [ "$service" = deeplearning ]; then  # runs jobs in their own containers, through the host's engine
+        options+=(-v "$ENGINE_SOCKET:/var/run/docker.sock")
+        [ ! -S "$ENGINE_SOCKET" ] || options+=(--group-add "$(stat -c %g "$ENGINE_SOCKET")")
     fi
-    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR" "${credential_args[@]}")
     [ "$GPUS" = all ] || args+=(--gpus "$GPUS")
     [ "$INSECURE" = 0 ] || args+=(--insecure)
-    run docker run "${common[@]}" "${options[@]}" "rpycdl-$service:${version:-latest}" "${args[@]}"
-    port=$((port + 1))
+    image=("rpycdl-$service:${version:-latest}" "${args[@]}")
+    if ! launch "$name" "${common[@]}" "${options[@]}" "${ULIMITS[@]}" "${image[@]}"; then
+        if [ ${#ULIMITS[@]} -eq 0 ] || ! grep -qiE 'rlimit|ulimit' "$ERRORS"; then
+            fail
+        fi
+        refused=$(engine_words "$ERRORS")
+        echo "the engine refused the ulimits memlock=-1, stack=64 MiB ($refused):" \
+             "the servers run with the engine's own instead (--no-ulimits skips asking)" >&2
+        ULIMITS=()
+        launch "$name" "${common[@]}" "${options[@]}" "${image[@]}" || fail
+    fi
 done

@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+# shellcheck source=common.sh
+. scripts/common.sh
+install_editable "$VENV/bin/python" '.[test]'
 "$VENV/bin/ruff" check rpycdl servers clients scripts tests bench
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

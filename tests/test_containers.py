@@ -1,8 +1,9 @@
-"""Framework containers against a real Docker engine: images, versions, shared locks, job containers.
+"""Framework containers against a real Docker engine: images, versions, shared locks, starting and stopping
+them (rpycdl up/down, scripts/start_servers.sh), job containers.
 
 The images come from .ci/docker.sh (a debootstrapped base without any framework, so the
 versions are announced from the build argument). Without an engine or the images these
-tests skip, except in CI (CI set), where they fail.
+tests skip, except in CI (CI set), where they fail. The start script's dry runs need no engine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +29,7 @@ import pytest
 
 import rpycdl
 from rpycdl import registry
-from rpycdl.containers import ContainerError
+from rpycdl.containers import ContainerError, UpConfig, down, up
 
 pytestmark = pytest.mark.docker
 
@@ -74,6 +76,20 @@ def _free_udp_port() -> int:
         return sock.getsockname()[1]
 
 
+def _free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _registered(alias: str, address: str) -> tuple[tuple[str, int], ...]:
+    """The servers registered as `alias`; none while the registry (a container starting) does not answer yet."""
+    try:
+        return registry.discover(alias, address, timeout=0.5)
+    except rpycdl.DiscoveryError:
+        return ()
+
+
 def _wait(condition: Callable[[], Any], what: str, timeout: float = READY) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -88,18 +104,16 @@ def _wait(condition: Callable[[], Any], what: str, timeout: float = READY) -> An
 def containers_up(engine: Any, shared_locks: str) -> Iterator[Callable[..., str]]:
     """up(*specs): `rpycdl.containers.up` with a registry container on a free port, fake:4, the
     shared lock directory; waits until every server registered; returns the registry address."""
-    from rpycdl.containers import UpConfig, up
-
     started: list[Any] = []
 
     def start(*specs: str, **options: Any) -> str:
         address = f"127.0.0.1:{_free_udp_port()}"
         config = UpConfig(specs=list(specs), registry=address, port=0, gpus="fake:4", lock_dir=shared_locks,
-                          shm_size="256m", ulimits=[], **options)  # this sandbox may not raise memlock
+                          shm_size="256m", ulimits=[], **options)  # no refused start: the fallback has its test
         started.extend(up(config, engine))
         for spec in specs:
             alias = spec.replace(":", "-").upper()
-            _wait(lambda alias=alias: registry.discover(alias, address), f"{alias} to register")
+            _wait(lambda alias=alias: _registered(alias, address), f"{alias} to register")
         return address
 
     yield start
@@ -171,8 +185,6 @@ def test_servers_in_two_containers_never_double_book(containers_up: Callable[...
 
 
 def test_down_removes_every_rpycdl_container(engine: Any, containers_up: Callable[..., str]) -> None:
-    from rpycdl.containers import down
-
     containers_up("jax")
     removed = down(engine, timeout=5)
     assert "rpycdl-registry" in removed and "rpycdl-jax" in removed
@@ -181,8 +193,6 @@ def test_down_removes_every_rpycdl_container(engine: Any, containers_up: Callabl
 
 def test_server_containers_require_the_credentials_they_are_given(containers_up: Callable[..., str], team: Any,
                                                                   tmp_path: Path) -> None:
-    from rpycdl.containers import UpConfig, up
-
     own = tmp_path / "credentials"  # copies the containers' user (uid 1000) may read, mode 600
     own.mkdir()
     files = {}
@@ -227,14 +237,217 @@ def test_start_script_dry_run_prints_the_docker_commands() -> None:
                           "--lock-dir", "/tmp/x-locks", "pytorch:2.5", "deeplearning"],
                          capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
-    assert any("rpycdl registry" in line or "registry --host" in line for line in lines)
+    registry_line = next(line for line in lines if "--name rpycdl-registry" in line)
+    assert "registry --host" in registry_line and "--pid host" not in registry_line
     server = next(line for line in lines if "rpycdl-pytorch:2.5" in line and "--name rpycdl-pytorch-2.5" in line)
     for option in ("--network host", "-v /tmp/x-locks:/tmp/x-locks", "--shm-size", "--ulimit memlock=-1",
-                   "--gpus fake:4", "--lock-dir /tmp/x-locks"):
+                   "--gpus fake:4", "--lock-dir /tmp/x-locks", "--pid host", "--pull never"):
         assert option in server, option
     assert "--gpus all" not in out  # simulated: no GPU access asked of the engine
     generic = next(line for line in lines if "rpycdl-deeplearning:latest" in line)
-    assert "/var/run/docker.sock" in generic
+    assert ":/var/run/docker.sock" in generic and "--pid host" in generic
+
+
+def test_start_script_dry_run_prints_a_docker_hosts_commands_with_or_without_an_engine_here(tmp_path: Path) -> None:
+    """The dry run prints what a Docker host would run, whether this machine has an engine or not; the
+    deeplearning server gets the engine's socket ($DOCKER_HOST's when it is unix://), and the socket's group
+    only where the socket exists."""
+    absent = tmp_path / "absent.sock"
+    present = tmp_path / "present.sock"
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(present))
+        for path in (absent, present):
+            out = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--no-registry",
+                                  "--gpus", "fake:1", "deeplearning"], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "DOCKER_HOST": f"unix://{path}"}).stdout
+            generic = next(line for line in out.splitlines() if "rpycdl-deeplearning:latest" in line)
+            assert f"-v {path}:/var/run/docker.sock" in generic, generic
+            assert ("--group-add" in generic) == (path == present), generic
+            if path == present:
+                assert f"--group-add {present.stat().st_gid} " in generic
+
+
+# -- starting them again, on engines that refuse the ulimits ---------------------------------------
+
+ENGINE_REFUSAL = ("failed to create shim task: OCI runtime create failed: runc create failed: unable to start "
+                  "container process: error during container init: error setting rlimits for ready process: "
+                  "error setting rlimit type 8: operation not permitted: unknown")
+"""What runc says when the engine may not raise memlock (rootless and sandboxed engines)."""
+
+
+class RefusingAPI(docker.APIClient):
+    """An engine that refuses to start a container (created, not started, as a real refusal leaves it) when
+    `refuse(its inspect data)` gives a reason, in that reason's words."""
+
+    def __init__(self, refuse: Callable[[dict[str, Any]], str | None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.refuse = refuse
+
+    def start(self, container: Any, *args: Any, **kwargs: Any) -> Any:
+        why = self.refuse(self.inspect_container(container))
+        if why:
+            raise docker.errors.APIError("500 Server Error: Internal Server Error", explanation=why)
+        return super().start(container, *args, **kwargs)
+
+
+class RefusingEngine(docker.DockerClient):
+    """A docker SDK client of the real engine, through RefusingAPI."""
+
+    def __init__(self, refuse: Callable[[dict[str, Any]], str | None]) -> None:
+        self.api = RefusingAPI(refuse, **docker.utils.kwargs_from_env())
+
+
+def _refuses_ulimits(attrs: dict[str, Any]) -> str | None:
+    return ENGINE_REFUSAL if attrs["HostConfig"].get("Ulimits") else None
+
+
+def _rpycdl_containers(engine: Any) -> dict[str, tuple[str, str]]:
+    """{name: (id, status)} of every container rpycdl started on the engine."""
+    return {c.name: (c.id, c.status) for c in engine.containers.list(all=True, filters={"label": "rpycdl.role"})}
+
+
+@pytest.fixture
+def cleaned(engine: Any) -> Iterator[Any]:
+    """The engine; every rpycdl container is removed after the test."""
+    yield engine
+    down(engine, timeout=2)
+
+
+def test_up_runs_the_servers_with_the_engines_ulimits_when_it_refuses_them(cleaned: Any, shared_locks: str) -> None:
+    notes: list[str] = []
+    address = f"127.0.0.1:{_free_udp_port()}"
+    config = UpConfig(specs=["jax", "pytorch:2.5"], registry=address, port=0, gpus="fake:2", lock_dir=shared_locks,
+                      shm_size="64m")  # the default ulimits
+    started = up(config, RefusingEngine(_refuses_ulimits), say=notes.append)
+    assert [c.name for c in started] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5"]
+    (note,) = notes  # said once, for every server
+    assert "refused the ulimits" in note and "(error setting rlimit type 8: operation not permitted)" in note
+    assert "--no-ulimits" in note
+    assert set(_rpycdl_containers(cleaned)) == {c.name for c in started}  # no Created one left behind
+    for container in started[1:]:
+        container.reload()
+        assert container.status == "running" and not container.attrs["HostConfig"]["Ulimits"]
+        assert container.attrs["HostConfig"]["PidMode"] == "host"
+    for alias in ("JAX", "PYTORCH-2.5"):
+        _wait(lambda alias=alias: _registered(alias, address), f"{alias} to register")
+
+
+def test_up_twice_leaves_the_same_containers_and_replaces_stale_ones(cleaned: Any, shared_locks: str) -> None:
+    address = f"127.0.0.1:{_free_udp_port()}"
+    config = UpConfig(specs=["jax"], registry=address, port=0, gpus="fake:2", lock_dir=shared_locks,
+                      shm_size="64m", ulimits=[])
+    up(config, cleaned)
+    before = _rpycdl_containers(cleaned)
+    notes: list[str] = []
+    assert up(config, cleaned, say=notes.append) == []
+    assert _rpycdl_containers(cleaned) == before
+    assert [note.split(" (")[0] for note in notes] == ["rpycdl-registry runs already", "rpycdl-jax runs already"]
+
+    cleaned.containers.get("rpycdl-jax").stop(timeout=2)  # exited
+    cleaned.containers.create(BASE, ["true"], name="rpycdl-tensorflow", labels={"rpycdl.role": "server"})  # created
+    started = up(UpConfig(**{**config.__dict__, "specs": ["jax", "tensorflow"]}), cleaned, say=notes.append)
+    assert [c.name for c in started] == ["rpycdl-jax", "rpycdl-tensorflow"]
+    after = _rpycdl_containers(cleaned)
+    assert after["rpycdl-registry"] == before["rpycdl-registry"] and after["rpycdl-jax"][0] != before["rpycdl-jax"][0]
+    assert all(status == "running" for _, status in after.values()), after
+
+    # a server shares the host's pids: it sees the processes of every job of the host, this one too
+    _wait(lambda: _registered("JAX", address), "JAX to register")
+    with rpycdl.connect("jax", registry_address=address) as conn:
+        assert conn.root.run_code(lambda pid: __import__("os").path.exists(f"/proc/{pid}"), os.getpid())
+
+
+def test_up_removes_what_it_created_when_a_start_fails(cleaned: Any, shared_locks: str) -> None:
+    config = UpConfig(specs=["jax", "pytorch:2.5"], registry=f"127.0.0.1:{_free_udp_port()}", port=0, gpus="fake:2",
+                      lock_dir=shared_locks, shm_size="64m", ulimits=[])
+    refusing = RefusingEngine(lambda attrs: "no room" if attrs["Name"] == "/rpycdl-pytorch-2.5" else None)
+    with pytest.raises(rpycdl.RpycdlError, match="cannot start the containers: no room"):
+        up(config, refusing)
+    assert _rpycdl_containers(cleaned) == {}  # nothing started or created is left: a retry meets no name
+    assert [c.name for c in up(config, cleaned)] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5"]
+    with pytest.raises(rpycdl.RpycdlError, match="no image rpycdl-nosuch:latest on this engine: build it"):
+        up(UpConfig(**{**config.__dict__, "specs": ["nosuch"], "start_registry": False}), cleaned)
+
+
+def test_rpycdl_up_twice_and_down(cleaned: Any, shared_locks: str) -> None:
+    args = ["up", "--registry", f"127.0.0.1:{_free_udp_port()}", "--port", "0", "--gpus", "fake:2",
+            "--lock-dir", shared_locks, "--shm-size", "64m", "jax"]
+    first = _rpycdl(*args)
+    assert first.returncode == 0 and "started rpycdl-jax" in first.stdout, first.stderr
+    assert all(line.startswith("rpycdl up: ") for line in first.stderr.splitlines()), first.stderr  # a fallback
+    again = _rpycdl(*args)
+    assert again.returncode == 0 and again.stdout == "", again.stdout
+    assert "rpycdl up: rpycdl-jax runs already" in again.stderr
+    removed = _rpycdl("down", "--timeout", "2")
+    assert removed.returncode == 0 and "removed rpycdl-jax" in removed.stdout
+    assert _rpycdl_containers(cleaned) == {}
+
+
+def _rpycdl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rpycdl", *args], capture_output=True, text=True, timeout=120)
+
+
+REFUSING_DOCKER = """#!/bin/bash
+# docker, but `docker run` of a container named $REFUSE_NAME, or with --ulimit, fails as an engine that
+# refuses it does: the container is created, and not started.
+name=""; ulimit=0; args=()
+for arg in "${@:2}"; do
+    [ "$prev" = --name ] && name=$arg
+    [ "$arg" = --ulimit ] && ulimit=1
+    [ "$arg" = --detach ] || args+=("$arg")
+    prev=$arg
+done
+if [ "$1" = run ] && { [ "$ulimit" = 1 ] || [ "$name" = "${REFUSE_NAME:-}" ]; }; then
+    REAL create "${args[@]}" >/dev/null || exit
+    [ "$name" = "${REFUSE_NAME:-}" ] && why="no room" || why="ENGINE_REFUSAL"
+    echo "docker: Error response from daemon: $why." >&2
+    exit 125
+fi
+exec REAL "$@"
+"""
+
+
+def test_start_script_falls_back_starts_again_harmlessly_and_cleans_up(cleaned: Any, shared_locks: str,
+                                                                       tmp_path: Path) -> None:
+    real = shutil.which("docker")
+    if real is None:
+        _unavailable("no docker command")
+    wrapper = tmp_path / "bin" / "docker"
+    wrapper.parent.mkdir()
+    wrapper.write_text(REFUSING_DOCKER.replace("REAL", real).replace("ENGINE_REFUSAL", ENGINE_REFUSAL))
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"}
+    script = ["bash", str(REPO / "scripts/start_servers.sh"), "--registry", f"127.0.0.1:{_free_udp_port()}",
+              "--port", str(_free_tcp_port()), "--gpus", "fake:2", "--lock-dir", shared_locks, "--shm-size", "64m"]
+
+    def start(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, *args], capture_output=True, text=True, timeout=120, env={**env, **extra})
+
+    first = start("--no-registry", "jax")
+    assert first.returncode == 0, first.stderr
+    (line,) = first.stderr.splitlines()
+    assert "refused the ulimits" in line and "(error setting rlimit type 8: operation not permitted)" in line
+    assert "--no-ulimits" in line
+    jax = cleaned.containers.get("rpycdl-jax")
+    assert jax.status == "running" and not jax.attrs["HostConfig"]["Ulimits"]
+    assert jax.attrs["HostConfig"]["PidMode"] == "host"
+
+    again = start("--no-registry", "jax")
+    assert again.returncode == 0 and "rpycdl-jax runs already" in again.stderr, again.stderr
+    assert cleaned.containers.get("rpycdl-jax").id == jax.id
+
+    jax.stop(timeout=2)
+    stale = start("--no-registry", "jax")
+    assert stale.returncode == 0 and "replacing the stale rpycdl-jax (exited)" in stale.stderr, stale.stderr
+    replaced = cleaned.containers.get("rpycdl-jax")
+    assert replaced.id != jax.id and replaced.status == "running"
+
+    replaced.remove(force=True)
+    failed = start("jax", REFUSE_NAME="rpycdl-jax")  # the registry starts, then the server cannot
+    assert failed.returncode == 1 and "no room" in failed.stderr, failed.stderr
+    assert "removing the containers this run started: rpycdl-registry" in failed.stderr
+    assert _rpycdl_containers(cleaned) == {}  # nothing left: a retry meets no name
+    assert start("jax").returncode == 0 and set(_rpycdl_containers(cleaned)) == {"rpycdl-registry", "rpycdl-jax"}
 
 
 # -- jobs in their own container (the generic server, here on the host) --------------------
@@ -378,3 +591,13 @@ def _ignore(call: Callable[[], Any]) -> None:
         call()
     except BaseException:  # noqa: BLE001 - the connection is killed on purpose
         pass
+
+
+def test_up_makes_an_existing_lock_directory_of_ours_writable_by_every_server(tmp_path: Path) -> None:
+    # servers in containers run as uid 1000: a lock directory of mode 0700 would crash-loop them
+    from rpycdl.containers import prepare_lock_dir
+
+    directory = tmp_path / "locks"
+    directory.mkdir(mode=0o700)
+    prepare_lock_dir(str(directory))
+    assert directory.stat().st_mode & 0o7777 == 0o1777

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, Device, make_nvml
 
 from rpycdl import InvalidRequestError, NoInventoryError
-from rpycdl.gpus import FakeInventory, GiB, NvmlInventory, load_inventory, parse_size
+from rpycdl.gpus import FakeInventory, GiB, NvmlInventory, format_size, load_inventory, parse_size
+from rpycdl.local import LocalCluster
 
 # -- the simulated inventory -----------------------------------------------------------------
 
@@ -66,6 +73,14 @@ def test_parse_size():
     for bad in ("lots", "16XB", "-1GiB", "", "GiB"):
         with pytest.raises(InvalidRequestError, match="not a memory size"):
             parse_size(bad)
+
+
+def test_format_size_says_sizes_in_words_that_parse_size_reads_back():
+    cases = {0: "0 B", 1023: "1023 B", 1024: "1 KiB", 512 * 2**20: "512 MiB", GiB: "1 GiB", int(1.5 * GiB): "1.5 GiB",
+             8 * GiB: "8 GiB", int(79.6 * GiB): "79.6 GiB", 1024 * GiB: "1 TiB", GiB - 1: "1 GiB"}
+    assert {size: format_size(size) for size in cases} == cases
+    for size in (512 * 2**20, 8 * GiB, int(1.5 * GiB)):
+        assert parse_size(format_size(size)) == size
 
 
 def test_load_inventory_by_spec_and_from_the_environment(monkeypatch):
@@ -227,3 +242,51 @@ def test_nvml_per_process_memory_and_the_watchdog_on_it():
     finally:
         os.killpg(job.pid, 9)
         job.wait()
+
+
+
+# -- simulated GPUs shared by every user of a lock directory ---------------------------------------
+
+
+@pytest.fixture
+def shared_cluster():
+    """A registry, and servers started with a usual umask (files 0644, directories 0755), sharing a lock
+    directory every user may reach (tmp_path is not: pytest makes its base mode 700)."""
+    old = os.umask(0o022)
+    lock_dir = tempfile.mkdtemp(prefix="rpycdl-test-locks-")
+    os.chmod(lock_dir, 0o777)
+    try:
+        with LocalCluster(lock_dir) as cluster:
+            yield cluster
+    finally:
+        os.umask(old)
+        shutil.rmtree(lock_dir, ignore_errors=True)
+
+
+def test_simulated_gpus_follow_the_lock_directorys_sharing_rules(shared_cluster, connect):
+    def allocate(nbytes):  # a job on simulated GPUs "allocates" some of its GPU; returns its pid
+        import os
+
+        from rpycdl.gpus import simulate_memory
+
+        simulate_memory(nbytes)
+        return os.getpid()
+
+    _, port = shared_cluster.add_server("pytorch", "fake:1")
+    pid = connect(port).root.run_code(allocate, 2**20)
+    uuid = connect(port).root.gpu_status()["gpus"][0]["uuid"]
+    state = Path(shared_cluster.lock_dir) / "simulated-gpus"
+    for path, mode in ((state, 0o777), (state / uuid, 0o777), (state / uuid / str(pid), 0o666)):
+        assert stat.S_IMODE(path.stat().st_mode) == mode, (path, oct(path.stat().st_mode))
+
+    if os.geteuid() != 0:
+        return  # another user's job is played below by root becoming nobody
+    # A job of another user's server (uid 65534) writes beside ours, and replaces a file of ours
+    # whose pid it happens to reuse (played here by writing under our job's pid).
+    code = ("import os, sys; from rpycdl.gpus import simulate_memory; os.setgid(65534); os.setuid(65534); "
+            "simulate_memory(3 * 2**20); os.getpid = lambda: int(sys.argv[1]); simulate_memory(5 * 2**20)")
+    env = {**os.environ, "RPYCDL_SIMULATED_GPUS": str(state), "RPYCDL_GPU_UUIDS": uuid}
+    other = subprocess.run([sys.executable, "-c", code, str(pid)], env=env, capture_output=True, text=True, timeout=30)
+    assert other.returncode == 0, other.stderr
+    assert (state / uuid / str(pid)).read_text() == str(5 * 2**20)
+    assert [p.stat().st_uid for p in (state / uuid).iterdir()] == [65534, 65534]

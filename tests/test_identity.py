@@ -44,7 +44,7 @@ def test_only_the_owner_or_an_admin_cancels_a_job(tls_server, team, tmp_path, ca
         bob.root.cancel(first.job_id)
     flags = ["--host", "127.0.0.1", "--port", str(tls_server.port)]
     bob_flags = [f"--{key.replace('_', '-')}={value}" for key, value in team.user("bob").items()]
-    assert cli.main(["cancel", first.job_id, *flags, *bob_flags]) == 2
+    assert cli.main(["cancel", first.job_id, *flags, *bob_flags]) == 1
     assert "only its owner or an admin can cancel it" in capsys.readouterr().err
 
     assert cli.main(["status", *flags, *bob_flags]) == 0

@@ -103,8 +103,8 @@ def test_shares_run_together_on_one_gpu_and_status_shows_each(two_gpus, connect,
     assert sorted(holder["job_id"] for holder in shared["holders"]) == sorted(job.job_id for job in jobs)
     assert [holder["memory"] for holder in shared["holders"]] == [4096] * 3
     text = cli.format_status(("127.0.0.1", two_gpus), status)
-    assert "shared: 12.0/16.0 GiB granted to 3 job(s)" in text
-    assert all(f"4.0 GiB: job {job.job_id}" in text for job in jobs), text
+    assert "shared: 12 GiB of 16 GiB granted to 3 job(s)" in text
+    assert all(f"4 GiB: job {job.job_id}" in text for job in jobs), text
 
     # The other GPU stayed idle, so a whole-GPU job runs at once.
     assert connect(two_gpus).root.run_code(lambda x: x, "whole", ngpus=1, queue_timeout=2) == "whole"
@@ -123,7 +123,7 @@ def test_a_whole_gpu_request_waits_for_the_shares_and_status_says_what_it_wants(
     assert "wants 1 GPU(s)" in cli.format_status(("127.0.0.1", port), status)
     later = Background(connect(port), lambda x: x, "later share", gpus=0.25)
     later.wait_state("pending")  # it would fit, but the whole-GPU request came first
-    assert "wants 4096 MiB of one GPU" in cli.format_status(("127.0.0.1", port), connect(port).root.gpu_status())
+    assert "wants 4 GiB of one GPU" in cli.format_status(("127.0.0.1", port), connect(port).root.gpu_status())
     open_gate(gate)
     assert share.result() == "share" and whole.result() == "whole" and later.result() == "later share"
 

@@ -154,6 +154,23 @@ def test_a_stopped_server_leaves_no_spare_behind_not_even_a_zombie(server, clust
     assert not left, f"left to init by the stopped server: {left}"
 
 
+def test_a_server_stopped_as_it_starts_stops(lock_dir):
+    # SIGTERM between the ready line and RPyC's start(), which sets the server active: the stop must
+    # hold, not leave a server forking spares on a closed listener for ever.
+    from rpycdl import local
+
+    for _ in range(10):
+        process = local.start(["serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0",
+                               "--registry", "none", "--lock-dir", lock_dir])
+        try:
+            process.wait_for(r"on 127\.0\.0\.1:\d+ as")
+            process.popen.send_signal(signal.SIGTERM)
+            process.popen.wait(10)
+        finally:
+            if process.popen.poll() is None:
+                process.popen.kill()
+
+
 def test_a_killed_server_frees_its_port_while_a_job_it_took_still_runs(server, cluster, connect, tmp_path):
     port = server()
     pid = server_pid(cluster, port)
