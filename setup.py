@@ -2,6 +2,19 @@
 
 from setuptools import find_packages, setup
 
+CLIENT = [
+    "rpyc>=6.0,<6.1",  # rpycdl overrides private methods of rpyc 6.0: tests/unit/test_rpyc_internals.py
+    "dill>=0.3.8",
+    "tomli>=1.1; python_version < '3.11'",
+]
+"""`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""
+
+SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535"]
+"""`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML) and the demo."""
+
+SITE = ["docker>=7.0", "cryptography>=41"]
+"""`rpycdl[site]`: `rpycdl up`/`down`, job containers of the generic server, `rpycdl certs`."""
+
 setup(
     name="rpycdl",
     version="0.1.0",
@@ -11,17 +24,12 @@ setup(
     packages=find_packages(include=["rpycdl", "rpycdl.*"]),
     package_data={"rpycdl": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=[
-        "rpyc>=6.0,<7",
-        "dill>=0.3.8",
-        "fasteners>=0.19",
-        "nvidia-ml-py>=12.535",
-        "docker>=7.0",
-        "cryptography>=41",
-        "tomli>=1.1; python_version < '3.11'",
-    ],
+    install_requires=CLIENT,
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22"],
+        "server": SERVER,
+        "site": SITE,
+        "all": SERVER + SITE,
+        "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

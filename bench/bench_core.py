@@ -23,7 +23,7 @@ from collections.abc import Callable
 import rpyc
 
 import rpycdl
-from rpycdl.local import LocalCluster
+from rpycdl.site.local import LocalCluster
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -88,8 +88,24 @@ def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
         server.wait()
 
 
-def trivial(x: int) -> int:
-    return x + 1
+def _jobs() -> tuple[Callable[[int], int], Callable[[float], tuple[float, float]]]:
+    """The jobs the round trip and the hand-off run, defined here so that dill sends them by value
+    (a module-level function of an importable module travels by name: bench_ab imports this one)."""
+
+    def trivial(x: int) -> int:
+        return x + 1
+
+    def hold(seconds: float) -> tuple[float, float]:
+        import time as t
+
+        start = t.time()
+        t.sleep(seconds)
+        return start, t.time()
+
+    return trivial, hold
+
+
+trivial, _hold = _jobs()
 
 
 def rpycdl_round_trip(port: int, n: int) -> tuple[list[float], float]:
@@ -105,14 +121,6 @@ def open_connection_round_trip(port: int, n: int) -> tuple[list[float], float]:
     """Run a trivial function with ngpus=1 on a connection kept open; the times, and CPU seconds per call."""
     with rpycdl.connect(host="127.0.0.1", port=port) as conn:
         return timed_cpu(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
-
-
-def _hold(seconds: float) -> tuple[float, float]:
-    import time as t
-
-    start = t.time()
-    t.sleep(seconds)
-    return start, t.time()
 
 
 def hand_off(port: int, n: int) -> list[float]:

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from rpycdl.transport import MADV_POPULATE_WRITE
+from rpycdl.wire.bulk import MADV_POPULATE_WRITE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 import rpycdl
-from rpycdl import procs
-from rpycdl.local import LocalCluster
+from rpycdl.scheduler import procs
+from rpycdl.site.local import LocalCluster
 
 MB = 1e6
 

@@ -29,7 +29,7 @@ def train(config: dict) -> dict:
 
     granted = int(os.environ["RPYCDL_GPU_MEMORY"])
     if os.environ.get("RPYCDL_SIMULATED_GPUS"):
-        from rpycdl.gpus import simulate_memory
+        from rpycdl import simulate_memory
 
         simulate_memory(granted * 3 // 4)
         weights = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 
 class RpycdlError(Exception):
     """Base class of every error rpycdl raises itself."""
@@ -53,6 +55,23 @@ class NotAllowedError(RpycdlError, PermissionError):
     """The authenticated user may not do this (e.g. cancel another user's job without being an admin)."""
 
 
+class MissingExtraError(RpycdlError):
+    """What this install of rpycdl lacks for a command: the message names the extra to install."""
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Refuse, naming the extra to install (`pip install 'rpycdl[server]'`), what needs modules this
+    install lacks; a client-only install (plain `pip install rpycdl`) has no server or site modules.
+
+    Raises:
+        MissingExtraError: one of `modules` cannot be imported.
+    """
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    if missing:
+        raise MissingExtraError(f"this needs rpycdl's {extra} extra ({', '.join(missing)} is not installed): "
+                                f"pip install 'rpycdl[{extra}]'")
+
+
 class DiscoveryError(RpycdlError):
     """No live server of the requested service could be found."""
 
@@ -73,3 +92,15 @@ class RemoteError(RpycdlError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
         return RemoteError, (self.type_name, self.message, self.remote_traceback)
+
+
+class ContainerError(RpycdlError):
+    """A job container exited with a non-zero code; the message ends with its last log lines."""
+
+    def __init__(self, message: str, exit_code: int = -1, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, str]]:
+        return type(self), (str(self), self.exit_code, self.log_tail)

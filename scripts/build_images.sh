@@ -70,7 +70,7 @@ fi
 if [ "$SKIP_WHEELHOUSE" = 0 ]; then
     run mkdir -p "$WHEELHOUSE"
     run find "$WHEELHOUSE" -name 'rpycdl-*.whl' -delete  # always the working tree's rpycdl
-    run "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -w "$WHEELHOUSE" .
+    run "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -w "$WHEELHOUSE" ".[all]"
 fi
 
 for spec in "${SPECS[@]}"; do

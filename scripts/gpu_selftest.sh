@@ -12,6 +12,6 @@ PYTHON=${PYTHON:-python3}
 # shellcheck source=common.sh
 . scripts/common.sh
 if ! "$PYTHON" -c 'import rpycdl' 2>/dev/null; then
-    install_editable "$PYTHON" .
+    install_editable "$PYTHON" ".[server]"
 fi
 exec "$PYTHON" -m rpycdl selftest "$@"

@@ -7,5 +7,5 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck source=common.sh
 . scripts/common.sh
-install_editable .venv/bin/python .
+install_editable .venv/bin/python ".[server]"
 exec .venv/bin/rpycdl demo "$@"

@@ -595,7 +595,7 @@ def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
 
 @dataclass
 class Server:
-    process: Any  # rpycdl.local.Process
+    process: Any  # rpycdl.site.local.Process
     port: int
     server_id: str
     started: float
@@ -978,7 +978,8 @@ class EndCheck:
                 found.holders.append(f"server on port {server.port} did not answer")
                 continue
             for gpu in status["gpus"]:
-                found.holders += [f"{gpu['uuid']}: job {h['job_id']} ({h['memory']} MiB)" for h in gpu["holders"]]
+                found.holders += [f"{gpu['uuid']}: job {h['job_id']} ({h['share_bytes'] / GIB:g} GiB)"
+                                  for h in gpu["holders"]]
             found.queue += [f"job {w['job_id']}" for w in status["queue"]]
         found.holders = sorted(set(found.holders))
         found.queue = sorted(set(found.queue))
@@ -1159,7 +1160,7 @@ class Chaos:
     """Servers, observer, clients and killer of one run; close() kills whatever it started."""
 
     def __init__(self, cluster: Any, run_dir: Path, settings: ChaosSettings) -> None:
-        from rpycdl.caps import MEMORY_VAR  # the variable a job on a share finds its size in
+        from rpycdl.gpu.caps import MEMORY_VAR  # the variable a job on a share finds its size in
 
         self.settings = settings
         self.run_dir = run_dir
@@ -1304,7 +1305,7 @@ def guard_main(token: str, pid: int) -> None:
 
 
 def run_chaos(cluster: Any, run_dir: Path, settings: ChaosSettings | None = None) -> ChaosResult:
-    """One chaos run on `cluster` (a rpycdl.local.LocalCluster; its lock directory is the run's).
+    """One chaos run on `cluster` (a rpycdl.site.local.LocalCluster; its lock directory is the run's).
 
     - Servers: `settings.servers` of them on the cluster's lock directory; their ports in a file
       that clients read again whenever they connect.

@@ -9,7 +9,7 @@ from helpers import Team
 
 import rpycdl
 from rpycdl import cli
-from rpycdl.local import LocalCluster
+from rpycdl.site.local import LocalCluster
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""A stand-in for pynvml that plays an NVIDIA driver, for rpycdl.gpus.NvmlInventory(nvml=...).
+"""A stand-in for pynvml that plays an NVIDIA driver, for rpycdl.gpu.inventory.NvmlInventory(nvml=...).
 
 make_nvml() builds a module with the pynvml functions rpycdl uses. It behaves like the driver in
 the ways that matter to a caller: every query needs nvmlInit() first (reference counted, undone by

@@ -186,7 +186,7 @@ def comm(pid: int) -> str:
 
 
 def server_process(cluster: Any, port: int) -> Any:
-    """The cluster's server on `port` (a rpycdl.local.Process: its popen, its output lines)."""
+    """The cluster's server on `port` (a rpycdl.site.local.Process: its popen, its output lines)."""
     for process in cluster.processes:
         if any(f"127.0.0.1:{port} as" in line for line in process.lines):
             return process

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rpycdl
-from rpycdl.local import start
+from rpycdl.site.local import start
 
 
 def _secret(path: Path, text: str = "correct horse battery staple") -> str:

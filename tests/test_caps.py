@@ -1,4 +1,4 @@
-"""In-process caps for fractional grants (rpycdl.caps): the variables, and the import hooks that
+"""In-process caps for fractional grants (rpycdl.gpu.caps): the variables, and the import hooks that
 hold PyTorch and TensorFlow to the grant, played against fake frameworks in fresh processes."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rpycdl import caps
 from rpycdl.errors import InvalidRequestError
+from rpycdl.gpu import caps
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -120,7 +120,7 @@ def set_memory_growth(device, enable):
 
 PRELUDE = '''
 import json, os, sys
-from rpycdl import caps
+from rpycdl.gpu import caps
 grant = json.loads(os.environ.pop("TEST_GRANT"))
 if grant:
     os.environ.update(caps.cap_environment(*grant))

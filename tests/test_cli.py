@@ -22,6 +22,7 @@ from helpers import Background, children, gate_job, open_gate, spare_processes, 
 
 import rpycdl
 from rpycdl import cli
+from rpycdl.cli.common import EXIT_JOB_TIMEOUT, EXIT_QUEUE_TIMEOUT
 
 SUBCOMMANDS = ["registry", "serve", "status", "jobs", "cancel", "run", "demo", "selftest", "certs"]
 ME = f"{getpass.getuser()} (unverified)"
@@ -108,7 +109,7 @@ def test_status_json(cluster, queue):
     assert [gpu["index"] for gpu in status["gpus"]] == [0, 1]
     assert [gpu["holders"][0]["job_id"] for gpu in status["gpus"]] == [a.job_id, a.job_id]
     assert [gpu["holders"][0]["client"] for gpu in status["gpus"]] == [clients[0], clients[0]]
-    assert [(w["job_id"], w["count"], w["client"]) for w in status["queue"]] == [
+    assert [(w["job_id"], w["ngpus"], w["client"]) for w in status["queue"]] == [
         (b.job_id, 1, clients[1]), (c.job_id, 2, clients[2])]
 
 
@@ -260,7 +261,7 @@ def test_version():
 
 
 def test_verbose_is_taken_after_the_subcommand_too(tmp_path, lock_dir):
-    parser = cli._parser()
+    parser = cli.parser()
     for argv in (["-v", "status"], ["status", "-v"], ["status", "--verbose", "pytorch"], ["run", "pytorch", "-v"],
                  ["certs", "ca", str(tmp_path), "-v"], ["up", "jax", "-v"], ["serve", "--service", "x", "-v"]):
         assert parser.parse_args(argv).verbose is True, argv
@@ -297,7 +298,7 @@ def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) ->
 
 
 def test_every_subcommand_and_sub_subcommand_has_a_description():
-    found = _subcommands(cli._parser())
+    found = _subcommands(cli.parser())
     assert {" ".join(path) for path, _, _ in found} >= {*SUBCOMMANDS, "up", "down", "certs ca", "certs server",
                                                         "certs user"}
     for path, line, parser in found:
@@ -436,7 +437,7 @@ def test_run_exit_codes_tell_what_happened(server, connect, tmp_path):
     port = server("pytorch", "fake:1")
     at = ["--host", "127.0.0.1", "--port", str(port)]
     timed_out = rpycdl_cli("run", "pytorch", *at, "--timeout", "0.5", "--", "sleep", "30")
-    assert timed_out.returncode == cli.EXIT_JOB_TIMEOUT == 124, timed_out.stderr
+    assert timed_out.returncode == EXIT_JOB_TIMEOUT == 124, timed_out.stderr
     crashed = rpycdl_cli("run", "pytorch", *at, "--", "sh", "-c", "kill -9 $PPID; sleep 5")  # kills the job process
     assert crashed.returncode == 1 and "signal 9" in crashed.stderr, crashed.stderr
     usage = rpycdl_cli("run", "pytorch", *at, "--ngpus", "3", "--", "true")
@@ -446,7 +447,7 @@ def test_run_exit_codes_tell_what_happened(server, connect, tmp_path):
     holder = Background(connect(port), gate_job(gate), None, ngpus=1)
     holder.wait_state("running")
     queued = rpycdl_cli("run", "pytorch", *at, "--queue-timeout", "0.3", "--", "true")
-    assert queued.returncode == cli.EXIT_QUEUE_TIMEOUT == 75, queued.stderr
+    assert queued.returncode == EXIT_QUEUE_TIMEOUT == 75, queued.stderr
     open_gate(gate)
     holder.result()
     described = " ".join(rpycdl_cli("run", "--help").stdout.split())

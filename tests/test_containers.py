@@ -29,7 +29,8 @@ import pytest
 
 import rpycdl
 from rpycdl import registry
-from rpycdl.containers import ContainerError, UpConfig, down, up
+from rpycdl.errors import ContainerError
+from rpycdl.site.up import UpConfig, down, up
 
 pytestmark = pytest.mark.docker
 
@@ -102,13 +103,13 @@ def _wait(condition: Callable[[], Any], what: str, timeout: float = READY) -> An
 
 @pytest.fixture
 def containers_up(engine: Any, shared_locks: str) -> Iterator[Callable[..., str]]:
-    """up(*specs): `rpycdl.containers.up` with a registry container on a free port, fake:4, the
+    """up(*specs): `rpycdl.site.up.up` with a registry container on a free port, fake:4, the
     shared lock directory; waits until every server registered; returns the registry address."""
     started: list[Any] = []
 
     def start(*specs: str, **options: Any) -> str:
         address = f"127.0.0.1:{_free_udp_port()}"
-        config = UpConfig(specs=list(specs), registry=address, port=0, gpus="fake:4", lock_dir=shared_locks,
+        config = UpConfig(specs=list(specs), registry=address, port=0, inventory="fake:4", lock_dir=shared_locks,
                           shm_size="256m", ulimits=[], **options)  # no refused start: the fallback has its test
         started.extend(up(config, engine))
         for spec in specs:
@@ -316,7 +317,7 @@ def cleaned(engine: Any) -> Iterator[Any]:
 def test_up_runs_the_servers_with_the_engines_ulimits_when_it_refuses_them(cleaned: Any, shared_locks: str) -> None:
     notes: list[str] = []
     address = f"127.0.0.1:{_free_udp_port()}"
-    config = UpConfig(specs=["jax", "pytorch:2.5"], registry=address, port=0, gpus="fake:2", lock_dir=shared_locks,
+    config = UpConfig(specs=["jax", "pytorch:2.5"], registry=address, port=0, inventory="fake:2", lock_dir=shared_locks,
                       shm_size="64m")  # the default ulimits
     started = up(config, RefusingEngine(_refuses_ulimits), say=notes.append)
     assert [c.name for c in started] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5"]
@@ -334,7 +335,7 @@ def test_up_runs_the_servers_with_the_engines_ulimits_when_it_refuses_them(clean
 
 def test_up_twice_leaves_the_same_containers_and_replaces_stale_ones(cleaned: Any, shared_locks: str) -> None:
     address = f"127.0.0.1:{_free_udp_port()}"
-    config = UpConfig(specs=["jax"], registry=address, port=0, gpus="fake:2", lock_dir=shared_locks,
+    config = UpConfig(specs=["jax"], registry=address, port=0, inventory="fake:2", lock_dir=shared_locks,
                       shm_size="64m", ulimits=[])
     up(config, cleaned)
     before = _rpycdl_containers(cleaned)
@@ -358,8 +359,8 @@ def test_up_twice_leaves_the_same_containers_and_replaces_stale_ones(cleaned: An
 
 
 def test_up_removes_what_it_created_when_a_start_fails(cleaned: Any, shared_locks: str) -> None:
-    config = UpConfig(specs=["jax", "pytorch:2.5"], registry=f"127.0.0.1:{_free_udp_port()}", port=0, gpus="fake:2",
-                      lock_dir=shared_locks, shm_size="64m", ulimits=[])
+    config = UpConfig(specs=["jax", "pytorch:2.5"], registry=f"127.0.0.1:{_free_udp_port()}", port=0,
+                      inventory="fake:2", lock_dir=shared_locks, shm_size="64m", ulimits=[])
     refusing = RefusingEngine(lambda attrs: "no room" if attrs["Name"] == "/rpycdl-pytorch-2.5" else None)
     with pytest.raises(rpycdl.RpycdlError, match="cannot start the containers: no room"):
         up(config, refusing)
@@ -576,7 +577,8 @@ def test_orphans_of_a_killed_server_are_removed_when_a_server_starts_again(
     _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
     job = next(j for j in connect(port).root.jobs() if j["state"] == "running")
     process.popen.kill()  # the whole server dies: its parent, the job's watcher, the connection process
-    watchers = subprocess.run(["pgrep", "-f", "rpycdl.containers"], capture_output=True, text=True).stdout.split()
+    watchers = subprocess.run(["pgrep", "-f", "rpycdl.server.container_watcher"], capture_output=True,
+                              text=True).stdout.split()
     for pid in watchers:
         os.kill(int(pid), signal.SIGKILL)
     os.kill(job["owner_pid"], signal.SIGKILL)
@@ -595,7 +597,7 @@ def _ignore(call: Callable[[], Any]) -> None:
 
 def test_up_makes_an_existing_lock_directory_of_ours_writable_by_every_server(tmp_path: Path) -> None:
     # servers in containers run as uid 1000: a lock directory of mode 0700 would crash-loop them
-    from rpycdl.containers import prepare_lock_dir
+    from rpycdl.site.up import prepare_lock_dir
 
     directory = tmp_path / "locks"
     directory.mkdir(mode=0o700)

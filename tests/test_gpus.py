@@ -14,8 +14,9 @@ import pytest
 from fake_nvml import NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND, Device, make_nvml
 
 from rpycdl import InvalidRequestError, NoInventoryError
-from rpycdl.gpus import FakeInventory, GiB, NvmlInventory, format_size, load_inventory, parse_size
-from rpycdl.local import LocalCluster
+from rpycdl.gpu.inventory import FakeInventory, NvmlInventory, load_inventory
+from rpycdl.site.local import LocalCluster
+from rpycdl.units import GiB, format_size, parse_size
 
 # -- the simulated inventory -----------------------------------------------------------------
 
@@ -218,7 +219,7 @@ def test_the_fake_driver_refuses_what_a_real_one_refuses():
 def test_nvml_per_process_memory_and_the_watchdog_on_it():
     import subprocess
 
-    from rpycdl.watchdog import MemoryWatch
+    from rpycdl.gpu.watchdog import MemoryWatch
 
     nvml = make_nvml(_devices())
     inventory = NvmlInventory(nvml=nvml)
@@ -267,7 +268,7 @@ def test_simulated_gpus_follow_the_lock_directorys_sharing_rules(shared_cluster,
     def allocate(nbytes):  # a job on simulated GPUs "allocates" some of its GPU; returns its pid
         import os
 
-        from rpycdl.gpus import simulate_memory
+        from rpycdl import simulate_memory
 
         simulate_memory(nbytes)
         return os.getpid()
@@ -283,7 +284,7 @@ def test_simulated_gpus_follow_the_lock_directorys_sharing_rules(shared_cluster,
         return  # another user's job is played below by root becoming nobody
     # A job of another user's server (uid 65534) writes beside ours, and replaces a file of ours
     # whose pid it happens to reuse (played here by writing under our job's pid).
-    code = ("import os, sys; from rpycdl.gpus import simulate_memory; os.setgid(65534); os.setuid(65534); "
+    code = ("import os, sys; from rpycdl import simulate_memory; os.setgid(65534); os.setuid(65534); "
             "simulate_memory(3 * 2**20); os.getpid = lambda: int(sys.argv[1]); simulate_memory(5 * 2**20)")
     env = {**os.environ, "RPYCDL_SIMULATED_GPUS": str(state), "RPYCDL_GPU_UUIDS": uuid}
     other = subprocess.run([sys.executable, "-c", code, str(pid)], env=env, capture_output=True, text=True, timeout=30)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rpyc.core.channel import Channel
 
 import rpycdl
-from rpycdl import wire
+from rpycdl.wire import codec
 
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-10, 10), st.floats(allow_nan=True, allow_infinity=True),
                 st.text(max_size=5))
@@ -83,10 +83,10 @@ def test_any_share_arguments_run_or_get_invalid_request(conn, gpus, gpu_memory):
 @SETTINGS
 @given(junk=st.binary(max_size=200))
 def test_any_payload_bytes_get_a_clear_error(conn, junk):
-    for payload in (junk, wire.MAGIC + bytes(wire.PYTHON) + junk):
+    for payload in (junk, codec.MAGIC + bytes(codec.PYTHON) + junk):
         outcome = conn._conn.root.run(payload, 1)
         try:
-            wire.decode_outcome(outcome)
+            codec.decode_outcome(outcome)
         except (rpycdl.InvalidRequestError, rpycdl.VersionMismatchError):
             pass
     assert conn.root.run_code(lambda x: x, 1) == 1

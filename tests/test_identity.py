@@ -11,7 +11,8 @@ import pytest
 from helpers import Background, gate_job, open_gate
 
 import rpycdl
-from rpycdl import cli, credentials
+from rpycdl import cli
+from rpycdl.client import credentials
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -42,3 +43,56 @@ def test_a_script_next_to_the_clone_imports_the_installed_rpycdl(tmp_path):
     assert ran.returncode == 0, ran.stderr
     where, connect = ran.stdout.split()
     assert Path(where).resolve() == REPO / "rpycdl" / "__init__.py" and connect == "connect", ran.stdout
+
+
+CLIENT_DEPENDENCIES = ("rpyc", "plumbum", "dill")
+"""What `pip install rpycdl` brings: the client's dependencies and theirs (packages and their metadata)."""
+
+CLIENT = """
+import sys
+import rpycdl
+
+with rpycdl.connect(host="127.0.0.1", port=int(sys.argv[1])) as conn:
+    print(conn.root.run_code(lambda x: x * 2, 21))
+for module in ("docker", "cryptography", "pynvml", "fasteners"):
+    try:
+        __import__(module)
+    except ImportError:
+        print("no", module)
+"""
+
+
+def test_a_client_only_install_runs_jobs_without_the_server_and_site_packages(tmp_path, server):
+    """`pip install rpycdl` is the client: it needs neither docker, cryptography, NVML nor fasteners, which
+    `rpycdl[server]` and `rpycdl[site]` add; a command that needs them says which extra to install."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    deps = tmp_path / "client-dependencies"  # only the client's dependencies, taken from this environment
+    deps.mkdir()
+    ours = Path(sysconfig.get_paths()["purelib"])
+    for entry in ours.iterdir():
+        name = entry.name.split("-")[0].lower()
+        if name in CLIENT_DEPENDENCIES and (entry.is_dir() or entry.suffix == ".py"):
+            (deps / entry.name).symlink_to(entry)
+    (purelib / "client-dependencies.pth").write_text(f"{deps}\n")
+    # --ignore-installed: pip would otherwise uninstall this environment's rpycdl first
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--ignore-installed",
+                              "--prefix", str(venv), str(REPO)], capture_output=True, text=True, timeout=300)
+    if install.returncode and "satisfies the requirement setuptools" in install.stderr:
+        pytest.skip(f"no package index to build the install from: {install.stderr.strip().splitlines()[-1]}")
+    assert install.returncode == 0, install.stderr
+    requires = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(*m.requires('rpycdl'), "
+                               "sep='\\n')"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    plain = sorted(re.split(r"[<>=;\s]", r)[0] for r in requires if "extra ==" not in r)
+    assert plain == ["dill", "rpyc", "tomli"], requires  # tomli only before Python 3.11
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran = subprocess.run([str(python), "-c", CLIENT, str(server("pytorch", "fake:1"))], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split("\n")[:5] == ["42", "no docker", "no cryptography", "no pynvml", "no fasteners"]
+    serve = subprocess.run([str(python), "-m", "rpycdl", "serve", "--service", "pytorch", "--gpus", "fake:1"],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert serve.returncode == 1 and "pip install 'rpycdl[server]'" in serve.stderr, serve.stderr

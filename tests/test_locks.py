@@ -18,12 +18,19 @@ from pathlib import Path
 import pytest
 
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
-from rpycdl.jobs import JobRecord, JobStore
-from rpycdl.locks import GPULockManager
+from rpycdl.scheduler.jobs import JobRecord, JobStore
+from rpycdl.scheduler.locks import GPULockManager, Need
+from rpycdl.units import MiB
 
 CTX = multiprocessing.get_context("fork")
 NOBODY = 65534
 UUIDS = [f"GPU-00000000-0000-4000-8000-{i:012d}" for i in range(4)]
+SIZES = {uuid: 16 * 1024 * MiB for uuid in UUIDS}  # four 16 GiB GPUs
+
+
+def _need(ngpus: int, share_mib: int = 0, sizes: dict[str, int] = SIZES) -> Need:
+    """`ngpus` whole GPUs of UUIDS, or `share_mib` MiB of one of them."""
+    return Need(ngpus, tuple(UUIDS), share_mib * MiB, sizes)
 
 
 # -- helpers run in the child processes ------------------------------------------------
@@ -38,7 +45,7 @@ def _hammer(lock_dir: str, owners: str, rounds: int, seed: int, out) -> None:
     try:
         for _ in range(rounds):
             count = rng.choice([1, 2, len(UUIDS)])
-            grant = locks.acquire(count, UUIDS, {"pid": os.getpid()})
+            grant = locks.acquire(_need(count), {"pid": os.getpid()})
             markers = []
             for uuid in grant.uuids:
                 fd = os.open(os.path.join(owners, uuid), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -60,7 +67,7 @@ def _waiter(lock_dir: str, count: int, hold: float, name: str, out, sleep_poll: 
     """Wait for `count` GPUs, report the grant and when it came, hold them, release."""
     locks = GPULockManager(lock_dir, sleep_poll=sleep_poll)
     try:
-        grant = locks.acquire(count, UUIDS, {"name": name, "pid": os.getpid()}, queue_timeout=queue_timeout)
+        grant = locks.acquire(_need(count), {"name": name, "pid": os.getpid()}, queue_timeout=queue_timeout)
     except QueueTimeoutError as exc:
         out.put((name, "queue_timeout", str(exc), time.time()))
         return
@@ -74,7 +81,7 @@ def _waiter(lock_dir: str, count: int, hold: float, name: str, out, sleep_poll: 
 def _holder(lock_dir: str, count: int, held, release, die: bool) -> None:
     """Take `count` GPUs, say so, and on `release` either release them or die holding them."""
     locks = GPULockManager(lock_dir)
-    grant = locks.acquire(count, UUIDS, {"name": "holder", "pid": os.getpid()})
+    grant = locks.acquire(_need(count), {"name": "holder", "pid": os.getpid()})
     held.set()
     release.wait(60)
     if die:
@@ -308,11 +315,8 @@ def test_processes_of_two_users_share_one_lock_directory(procs):
 
 # -- shares of a GPU --------------------------------------------------------------------------
 
-SIZES = {uuid: 16384 for uuid in UUIDS}  # MiB: four 16 GiB GPUs
-
-
 def _share(locks: GPULockManager, memory: int, name: str, **kwargs):
-    return locks.acquire(1, UUIDS, {"name": name, "pid": os.getpid()}, memory=memory, sizes=SIZES, **kwargs)
+    return locks.acquire(_need(1, memory), {"name": name, "pid": os.getpid()}, **kwargs)
 
 
 def _share_holder(lock_dir: str, memory: int, held, release, die: bool) -> None:
@@ -327,7 +331,7 @@ def _share_holder(lock_dir: str, memory: int, held, release, die: bool) -> None:
 
 def _share_waiter(lock_dir: str, memory: int, name: str, out) -> None:
     locks = GPULockManager(lock_dir)
-    grant = _share(locks, memory, name) if memory else locks.acquire(len(UUIDS), UUIDS, {"name": name})
+    grant = _share(locks, memory, name) if memory else locks.acquire(_need(len(UUIDS)), {"name": name})
     out.put((name, list(grant.uuids), grant.sequence))
     locks.release(grant)
 
@@ -335,7 +339,7 @@ def _share_waiter(lock_dir: str, memory: int, name: str, out) -> None:
 def test_shares_pack_onto_a_shared_gpu_before_taking_an_idle_one(lock_dir):
     locks = GPULockManager(lock_dir)
     first = _share(locks, 4096, "a")
-    assert first.uuids == (UUIDS[0],) and first.memory == 4096
+    assert first.uuids == (UUIDS[0],) and first.share_bytes == 4096 * MiB
     # The second and third shares fit beside the first: GPUs 1 to 3 stay idle for whole-GPU jobs.
     second, third = _share(locks, 8192, "b"), _share(locks, 4096, "c")
     assert second.uuids == third.uuids == (UUIDS[0],)
@@ -344,7 +348,7 @@ def test_shares_pack_onto_a_shared_gpu_before_taking_an_idle_one(lock_dir):
     assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False)), f"overlapping shares {spans}"
     fourth = _share(locks, 1024, "d")  # GPU 0 is full
     assert fourth.uuids == (UUIDS[1],)
-    whole = locks.acquire(2, UUIDS, {"name": "whole"})
+    whole = locks.acquire(_need(2), {"name": "whole"})
     assert whole.uuids == (UUIDS[2], UUIDS[3])
     # Best fit: with 3 GiB free on GPU 0 and 15 GiB on GPU 1, a 2 GiB share goes to GPU 0.
     locks.release(third)
@@ -353,19 +357,19 @@ def test_shares_pack_onto_a_shared_gpu_before_taking_an_idle_one(lock_dir):
     assert other.uuids == (UUIDS[1],)
     assert _share(locks, 2048, "f").uuids == (UUIDS[0],)
     held = locks.snapshot()["held"]
-    assert [h["memory"] for h in held[UUIDS[0]]] == [4096, 8192, 2048]
+    assert [h["share_bytes"] // MiB for h in held[UUIDS[0]]] == [4096, 8192, 2048]
     assert [h["name"] for h in held[UUIDS[0]]] == ["a", "b", "f"]
-    assert [h["memory"] for h in held[UUIDS[2]]] == [0]
+    assert [h["share_bytes"] // MiB for h in held[UUIDS[2]]] == [0]
 
 
 def test_fractional_requests_are_checked(lock_dir):
     locks = GPULockManager(lock_dir)
-    with pytest.raises(InvalidRequestError, match="largest GPU has 16384 MiB"):
+    with pytest.raises(InvalidRequestError, match="the largest GPU has 16 GiB"):
         _share(locks, 16385, "too big")
     with pytest.raises(InvalidRequestError, match="one GPU"):
-        locks.acquire(2, UUIDS, {}, memory=1024, sizes=SIZES)
+        locks.acquire(_need(2, 1024), {})
     with pytest.raises(InvalidRequestError, match="size known"):
-        locks.acquire(1, UUIDS, {}, memory=1024)
+        locks.acquire(_need(1, 1024, {}), {})
     assert locks.snapshot() == {"held": {}, "queue": []}
 
 
@@ -376,10 +380,10 @@ def test_a_whole_gpu_never_goes_to_a_job_while_shares_hold_it(lock_dir, procs):
     assert sorted(held.get(timeout=10) for _ in UUIDS) == UUIDS
     locks = GPULockManager(lock_dir)
     with pytest.raises(QueueTimeoutError):
-        locks.acquire(1, UUIDS, {"name": "whole"}, queue_timeout=0.5)
+        locks.acquire(_need(1), {"name": "whole"}, queue_timeout=0.5)
     release.set()
     _wait_until(lambda: not locks.snapshot()["held"], 5, "the shares to be released")
-    whole = locks.acquire(4, UUIDS, {"name": "whole"})
+    whole = locks.acquire(_need(4), {"name": "whole"})
     out = CTX.Queue()
     procs.append(_start(_share_waiter, lock_dir, 1024, "share", out))
     time.sleep(0.7)
@@ -412,7 +416,7 @@ def test_a_dead_share_holder_frees_its_share(lock_dir, procs):
     procs.append(holder)
     assert held.get(timeout=10) == UUIDS[0]
     locks = GPULockManager(lock_dir)
-    assert [h["memory"] for h in locks.snapshot()["held"][UUIDS[0]]] == [16384]
+    assert [h["share_bytes"] // MiB for h in locks.snapshot()["held"][UUIDS[0]]] == [16384]
     release.set()  # it dies holding the share: only the kernel frees it
     holder.join(5)
     assert locks.snapshot() == {"held": {}, "queue": []}

@@ -21,7 +21,7 @@ import pytest
 from helpers import Background, connection_processes, server_pid, wait_until
 
 import rpycdl
-from rpycdl import lockdir
+from rpycdl.scheduler import lockdir
 
 GRACE = 1.0  # promise 3: free again within a second
 

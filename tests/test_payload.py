@@ -15,7 +15,7 @@ import pytest
 from helpers import Background, connection_processes, gate_job, open_gate, server_pid, wait_idle, wait_until
 
 import rpycdl
-from rpycdl import wire
+from rpycdl.wire import codec
 
 MiB = 1 << 20
 
@@ -181,25 +181,25 @@ def test_the_server_refuses_buffers_over_the_limit_without_asking_for_them(serve
     """What a client that does not check sends: the server refuses by name and never calls `send`,
     so no byte of the buffers is read (or memory allocated for them) and the connection goes on."""
     conn = connect(server("pytorch", "fake:1", "--max-payload", "4MiB"))
-    payload, buffers = wire.encode_call(lambda v: len(v), os.urandom(8 * MiB))
+    payload, buffers = codec.encode_call(lambda v: len(v), os.urandom(8 * MiB))
     asked = []
-    outcome = conn._conn.root.run_buffers(payload, wire.layout(buffers), lambda: asked.append("send"),
+    outcome = conn._conn.root.run_buffers(payload, codec.layout(buffers), lambda: asked.append("send"),
                                           lambda layout: asked.append("receive"))
     with pytest.raises(rpycdl.LimitError, match=r"over this server's limit .*--max-payload"):
-        wire.decode_outcome(outcome)
+        codec.decode_outcome(outcome)
     assert asked == []
     assert conn.root.run_code(lambda v: len(v), os.urandom(2 * MiB)) == 2 * MiB
 
 
 @pytest.mark.parametrize("layout", [((MiB, True), (MiB, True)), ((0, True),), [(MiB, True)], ((MiB, 1),),
-                                    ((MiB, True),) * (wire.MAX_BUFFERS + 1)])
+                                    ((MiB, True),) * (codec.MAX_BUFFERS + 1)])
 def test_a_layout_that_does_not_match_or_make_sense_is_refused_before_any_transfer(conn, layout):
-    payload, buffers = wire.encode_call(lambda v: len(v), os.urandom(MiB))
+    payload, buffers = codec.encode_call(lambda v: len(v), os.urandom(MiB))
     asked = []
     outcome = conn._conn.root.run_buffers(payload, layout, lambda: asked.append("send"),
                                           lambda layout: asked.append("receive"))
     with pytest.raises(rpycdl.InvalidRequestError, match="layout|out-of-band buffers"):
-        wire.decode_outcome(outcome)
+        codec.decode_outcome(outcome)
     assert asked == []
     assert conn.root.run_code(lambda v: v, "still serving") == "still serving"
 
@@ -211,26 +211,26 @@ DYING_CLIENT = textwrap.dedent('''
     import sys
 
     import rpycdl
-    from rpycdl import transport
+    from rpycdl.wire import bulk, stream
 
     port, way, directory, size = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 
 
     def send_half_then_die(sock, buffers):
         with buffers[0].raw() as view:
-            transport._send(sock, view[:size // 2])
+            stream.send_view(sock, view[:size // 2])
         print("half sent", flush=True)
         os._exit(3)
 
 
     def receive_half_then_die(sock, layout):
-        transport._receive(sock, memoryview(bytearray(size // 2)))
+        stream.receive_view(sock, memoryview(bytearray(size // 2)))
         print("half received", flush=True)
         os._exit(3)
 
 
     def receive_half_then_interrupt(sock, layout):
-        transport._receive(sock, memoryview(bytearray(size // 2)))
+        stream.receive_view(sock, memoryview(bytearray(size // 2)))
         print("half received", flush=True)
         raise KeyboardInterrupt  # Ctrl-C in the middle of a result
 
@@ -243,14 +243,14 @@ DYING_CLIENT = textwrap.dedent('''
         return b"\\x01" * args["size"]
 
 
-    transport.send_buffers, transport.receive_buffers = send_half_then_die, receive_half_then_die
+    bulk.send_buffers, bulk.receive_buffers = send_half_then_die, receive_half_then_die
     conn = rpycdl.connect(host="127.0.0.1", port=port)
     if way == "argument":
         conn.root.run_code(lambda blob: len(blob), os.urandom(size))
     elif way == "result":
         conn.root.run_code(job, {"dir": directory, "size": size})
     else:  # interrupted
-        transport.receive_buffers = receive_half_then_interrupt
+        bulk.receive_buffers = receive_half_then_interrupt
         try:
             conn.root.run_code(job, {"dir": directory, "size": size})
         except KeyboardInterrupt:

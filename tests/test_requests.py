@@ -11,7 +11,7 @@ import pytest
 from helpers import Background, gate_job, idle, open_gate, quick_error, wait_idle
 
 import rpycdl
-from rpycdl import wire
+from rpycdl.wire import codec
 
 BAD_NGPUS = [
     (0, ["ngpus", "at least 1", "-1"]),
@@ -158,21 +158,21 @@ def test_ngpus_minus_one_gets_every_gpu(server, connect):
 
 def _raw(conn: rpycdl.Connection, payload, ngpus=1):
     """Send a payload straight to the server's exposed run, as a hand-made client would, and decode it."""
-    return wire.decode_outcome(conn._conn.root.run(payload, ngpus, None, None, None, 30))
+    return codec.decode_outcome(conn._conn.root.run(payload, ngpus, None, None, None, 30))
 
 
 def test_corrupt_and_truncated_payloads_give_invalid_request(busy):
     conn, _, _ = busy
-    header = wire.MAGIC + bytes(wire.PYTHON)
-    good = wire.encode_payload(lambda x: x, 1)
+    header = codec.MAGIC + bytes(codec.PYTHON)
+    good = codec.encode_payload(lambda x: x, 1)
     payloads = {
         "truncated": good[: len(good) // 2],
         "cut before the end": good[:-1],
         "header only": header,
         "corrupt body": header + b"\x80\x04\x95garbage that is not a pickle",
         "random body": header + os.urandom(64).replace(b".", b"-"),
-        "no magic": b"hello, server" + good[len(wire.MAGIC):],
-        "magic only": wire.MAGIC,
+        "no magic": b"hello, server" + good[len(codec.MAGIC):],
+        "magic only": codec.MAGIC,
         "empty": b"",
         "a string": "RPYCDL1 but a str",
         "an int": 12345,
@@ -192,7 +192,7 @@ def test_corrupt_and_truncated_payloads_give_invalid_request(busy):
 
 def test_payload_of_the_wrong_shape_gives_invalid_request(server, connect):
     conn = connect(server("pytorch", "fake:1"))
-    header = wire.MAGIC + bytes(wire.PYTHON)
+    header = codec.MAGIC + bytes(codec.PYTHON)
     for body in (dill.dumps(42), dill.dumps((1, 2)), dill.dumps((b"\x80\x04garbage", None, True))):
         error, _ = quick_error(lambda b=body: _raw(conn, header + b))
         assert isinstance(error, rpycdl.InvalidRequestError), f"{body!r}: {error!r}"
@@ -212,7 +212,7 @@ def test_payload_from_another_python_gives_version_mismatch_before_unpickling(bu
     marker = tmp_path / "unpickled"
     body = dill.dumps((_MakesDirectoryWhenUnpickled(str(marker)), None, False))
     mine = f"{sys.version_info.major}.{sys.version_info.minor}"
-    for payload in (wire.MAGIC + bytes((3, 7)) + body, wire.MAGIC + bytes((3, 7)) + b"garbage"):
+    for payload in (codec.MAGIC + bytes((3, 7)) + body, codec.MAGIC + bytes((3, 7)) + b"garbage"):
         error, seconds = quick_error(lambda p=payload: _raw(conn, p))
         assert isinstance(error, rpycdl.VersionMismatchError), repr(error)
         assert "3.7" in str(error) and mine in str(error), str(error)
@@ -222,7 +222,7 @@ def test_payload_from_another_python_gives_version_mismatch_before_unpickling(bu
     open_gate(gate)
     holder.join()
     with pytest.raises(rpycdl.InvalidRequestError, match="not a callable"):
-        _raw(conn, wire.MAGIC + bytes(wire.PYTHON) + body)
+        _raw(conn, codec.MAGIC + bytes(codec.PYTHON) + body)
     assert marker.is_dir()
 
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import Background, gate_job, open_gate, quick_error, wait_until
 
 import rpycdl
-from rpycdl import cli
+from rpycdl.cli.status import format_status
 from rpycdl.errors import GPUMemoryExceededError, InvalidRequestError
 
 GiB = 1024**3
@@ -28,7 +28,7 @@ def _jobs():
         """Use `size` bytes of the simulated GPU, then hold them for `hold` seconds."""
         import time
 
-        from rpycdl.gpus import simulate_memory
+        from rpycdl.gpu.inventory import simulate_memory
 
         simulate_memory(args["size"])
         time.sleep(args["hold"])
@@ -53,7 +53,7 @@ def two_gpus(server) -> int:
     ({"gpus": "half"}, "positive number"),
     ({"gpus": float("nan")}, "positive number"),
     ({"gpus": 3}, "this server has 2"),
-    ({"gpu_memory": "17GiB"}, "largest GPU here has 16384 MiB"),
+    ({"gpu_memory": "17GiB"}, "largest GPU here has 16 GiB"),
     ({"gpu_memory": "lots"}, "not a memory size"),
     ({"gpu_memory": 0}, "must be positive"),
     ({"gpu_memory": 2.5}, "a size like '6GiB'"),
@@ -96,13 +96,13 @@ def test_shares_run_together_on_one_gpu_and_status_shows_each(two_gpus, connect,
     jobs = [Background(connect(two_gpus), gate_job(gate), n, gpus=0.25) for n in range(3)]
     running = [job.wait_state("running") for job in jobs]
     assert {tuple(info["uuids"]) for info in running} == {tuple(running[0]["uuids"])}, "shares were not packed"
-    assert [info["gpu_memory"] for info in running] == [4096] * 3
+    assert [info["share_bytes"] for info in running] == [4 * GiB] * 3
 
     status = connect(two_gpus).root.gpu_status()
     shared = next(gpu for gpu in status["gpus"] if gpu["uuid"] == running[0]["uuids"][0])
     assert sorted(holder["job_id"] for holder in shared["holders"]) == sorted(job.job_id for job in jobs)
-    assert [holder["memory"] for holder in shared["holders"]] == [4096] * 3
-    text = cli.format_status(("127.0.0.1", two_gpus), status)
+    assert [holder["share_bytes"] for holder in shared["holders"]] == [4 * GiB] * 3
+    text = format_status(("127.0.0.1", two_gpus), status)
     assert "shared: 12 GiB of 16 GiB granted to 3 job(s)" in text
     assert all(f"4 GiB: job {job.job_id}" in text for job in jobs), text
 
@@ -120,10 +120,10 @@ def test_a_whole_gpu_request_waits_for_the_shares_and_status_says_what_it_wants(
     whole = Background(connect(port), lambda x: x, "whole", ngpus=1)
     whole.wait_state("pending")
     status = connect(port).root.gpu_status()
-    assert "wants 1 GPU(s)" in cli.format_status(("127.0.0.1", port), status)
+    assert "wants 1 GPU(s)" in format_status(("127.0.0.1", port), status)
     later = Background(connect(port), lambda x: x, "later share", gpus=0.25)
     later.wait_state("pending")  # it would fit, but the whole-GPU request came first
-    assert "wants 4 GiB of one GPU" in cli.format_status(("127.0.0.1", port), connect(port).root.gpu_status())
+    assert "wants 4 GiB of one GPU" in format_status(("127.0.0.1", port), connect(port).root.gpu_status())
     open_gate(gate)
     assert share.result() == "share" and whole.result() == "whole" and later.result() == "later share"
 
@@ -148,7 +148,7 @@ def test_the_watchdog_counts_the_processes_a_job_starts(two_gpus, connect):
         import subprocess
         import sys
 
-        child = f"import time; from rpycdl.gpus import simulate_memory; simulate_memory({size}); time.sleep(30)"
+        child = f"import time; from rpycdl import simulate_memory; simulate_memory({size}); time.sleep(30)"
         subprocess.run([sys.executable, "-c", child], check=False)
 
     with pytest.raises(GPUMemoryExceededError):
@@ -160,7 +160,7 @@ def test_whole_gpu_jobs_are_not_watched(two_gpus, connect):
 
 
 def test_simulate_memory_outside_a_simulated_job_says_why(monkeypatch):
-    from rpycdl.gpus import simulate_memory
+    from rpycdl.gpu.inventory import simulate_memory
 
     monkeypatch.delenv("RPYCDL_SIMULATED_GPUS", raising=False)
     with pytest.raises(RuntimeError, match="jobs on simulated GPUs"):

@@ -27,8 +27,9 @@ from helpers import (
 )
 
 import rpycdl
-from rpycdl import registry, wire
+from rpycdl import registry
 from rpycdl.defaults import SPARE_CONNECTIONS
+from rpycdl.wire import codec
 
 
 def _ready_jobs(pid: int) -> set[int]:
@@ -96,7 +97,7 @@ def test_a_payload_with_out_of_band_buffers_gets_a_job_process_forked_with_it(se
     pid = server_pid(cluster, port)
     ready = _ready_jobs(pid)
     conn = connect(port)
-    blob = os.urandom(wire.OUT_OF_BAND_MIN + 1)
+    blob = os.urandom(codec.OUT_OF_BAND_MIN + 1)
     job, size = conn.root.run_code(_job_pid, blob)
     assert size == len(blob)
     assert job not in ready
@@ -157,7 +158,7 @@ def test_a_stopped_server_leaves_no_spare_behind_not_even_a_zombie(server, clust
 def test_a_server_stopped_as_it_starts_stops(lock_dir):
     # SIGTERM between the ready line and RPyC's start(), which sets the server active: the stop must
     # hold, not leave a server forking spares on a closed listener for ever.
-    from rpycdl import local
+    from rpycdl.site import local
 
     for _ in range(10):
         process = local.start(["serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0",

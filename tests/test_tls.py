@@ -12,8 +12,9 @@ import pytest
 from helpers import connection_processes, server_pid, wait_until
 
 import rpycdl
-from rpycdl import certs, cli
-from rpycdl.local import start
+from rpycdl import cli
+from rpycdl.security import certs
+from rpycdl.site.local import start
 
 
 @pytest.fixture

@@ -1,0 +1,115 @@
+"""What the `rpycdl` subcommands share: exit codes, the flags of the commands that talk to servers,
+and finding those servers (registry or --host) with the command's credentials."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from rpycdl import registry
+from rpycdl.client import Connection, connect_to, credentials
+from rpycdl.defaults import (
+    CONFIG_FILE,
+    ENV_CONFIG,
+    ENV_REGISTRY,
+    ENV_SECRET_FILE,
+    ENV_TLS_CA,
+    ENV_TLS_CERT,
+    ENV_TLS_KEY,
+    SERVER_PORT,
+)
+from rpycdl.errors import (
+    AuthFailedError,
+    InvalidRequestError,
+    JobTimeoutError,
+    LimitError,
+    QueueTimeoutError,
+    RpycdlError,
+)
+
+Command = Callable[..., argparse.ArgumentParser]
+"""Makes a subcommand's parser: command(name, help, description, **options) -> its parser."""
+
+EXIT_FAILED = 1
+"""The command failed: a job's failure or crash, an unreachable server, no registry, a refusal."""
+EXIT_USAGE = 2
+"""Bad arguments, or a request no server can ever serve (InvalidRequestError); argparse's own code."""
+EXIT_QUEUE_TIMEOUT = 75
+"""`rpycdl run`: the GPUs were not granted within --queue-timeout (sysexits' EX_TEMPFAIL: try again later)."""
+EXIT_JOB_TIMEOUT = 124
+"""`rpycdl run`: the command ran past --timeout and was stopped (what timeout(1) exits with)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C or SIGTERM (128 + SIGINT, as a shell says)."""
+
+def server_flags(parser: argparse.ArgumentParser) -> None:
+    """How a command that talks to servers finds them (registry or --host) and what it proves."""
+    parser.add_argument("--host", default=None, help="use this server directly instead of asking the registry")
+    parser.add_argument("--port", type=int, default=SERVER_PORT, help="with --host (default: %(default)s)")
+    parser.add_argument("--registry", default=None, metavar="HOST[:PORT]",
+                        help=f"registry to ask (default: ${ENV_REGISTRY}, else UDP broadcast)")
+    credential_flags(parser)
+
+
+def credential_flags(parser: argparse.ArgumentParser) -> None:
+    """The credentials a command proves itself with, as rpycdl.connect takes them."""
+    where = f"else the credentials file (${ENV_CONFIG}, else {CONFIG_FILE})"
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help=f"the servers' shared secret (default: ${ENV_SECRET_FILE}, {where})")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help=f"your certificate (default: ${ENV_TLS_CERT}, {where})")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help=f"its key (default: ${ENV_TLS_KEY}, {where})")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help=f"the team's CA certificate (default: ${ENV_TLS_CA}, {where})")
+
+
+def servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[], Connection]]]:
+    """The servers a status/jobs/cancel command talks to, each with a way to connect to it
+    with the command's credentials (flags, else environment, else the credentials file)."""
+    settings = credentials.resolve(secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                   tls_ca=args.tls_ca, registry=args.registry)
+    if args.host:
+        addresses = [(args.host, args.port)]
+    else:
+        names = [args.service.upper()] if args.service else registry.list_services(settings.registry)
+        addresses = []
+        for name in names:
+            for address in registry.discover(name, settings.registry):
+                if address not in addresses:
+                    addresses.append(address)
+    if not addresses:
+        raise RpycdlError(f"the registry ({registry.describe(registry.registry_address(settings.registry))}) knows "
+                          f"no {'server of ' + args.service.upper() if args.service else 'server'}: start one "
+                          "(rpycdl serve --service NAME --registry HOST)")
+    secret, tls_context = settings.secret(), settings.tls_context()  # read once for every server
+    return [(address, functools.partial(connect_to, address, secret, tls_context)) for address in addresses]
+
+
+def each_server(args: argparse.Namespace, call: str) -> list[tuple[tuple[str, int], Any]]:
+    """Ask every server the command names for `call` (conn.root's): its answer, or why it could not."""
+    results = []
+    for address, open_connection in servers(args):
+        try:
+            with open_connection() as conn:
+                results.append((address, getattr(conn.root, call)()))
+        except (OSError, EOFError, AuthFailedError, LimitError) as exc:  # one server's trouble is not the others'
+            results.append((address, exc))
+    return results
+
+
+def exit_code(exc: RpycdlError) -> int:
+    """The exit code of a command that failed with `exc` (RUN_EXIT_CODES)."""
+    if isinstance(exc, JobTimeoutError):
+        return EXIT_JOB_TIMEOUT
+    if isinstance(exc, QueueTimeoutError):
+        return EXIT_QUEUE_TIMEOUT
+    return EXIT_USAGE if isinstance(exc, InvalidRequestError) else EXIT_FAILED
+
+
+def os_error(exc: OSError | EOFError) -> str:
+    """An OSError or EOFError in words, for the one line a failed command prints."""
+    if isinstance(exc, EOFError):
+        return "the server closed the connection unexpectedly (see its log)"
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"

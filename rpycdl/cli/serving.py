@@ -1,0 +1,225 @@
+"""The `rpycdl` subcommands that run something here: `registry`, `serve`, `demo` and `selftest`;
+a start failure is one line saying what to do."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rpycdl import registry
+from rpycdl.cli.common import EXIT_FAILED, EXIT_USAGE, Command, os_error
+from rpycdl.defaults import (
+    ENV_GPUS,
+    ENV_LOCK_DIR,
+    ENV_REGISTRY,
+    ENV_SECRET_FILE,
+    GPU_UNIT,
+    IDLE_TIMEOUT,
+    LOCK_DIR,
+    MAX_CONNECTIONS,
+    MAX_PAYLOAD,
+    MAX_QUEUED,
+    MAX_QUEUED_PER_USER,
+    MEMORY_ALLOWANCE,
+    MIN_MAX_PAYLOAD,
+    REGISTRY_PORT,
+    SERVER_PORT,
+)
+from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError, require_extra
+from rpycdl.units import format_size
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def add_commands(command: Command) -> None:
+    """Add registry, serve, demo and selftest to the `rpycdl` parser."""
+    reg = command("registry", "run the RPyC registry servers announce themselves to",
+                  "Run the site's RPyC UDP registry in the foreground, until Ctrl-C or SIGTERM. Servers "
+                  "announce themselves to it every 20 seconds; clients (rpycdl.connect, rpycdl status, rpycdl "
+                  "run) ask it which servers offer a service. One per site is enough.")
+    reg.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    reg.add_argument("--port", type=int, default=REGISTRY_PORT, help="UDP port (default: %(default)s)")
+
+    _add_serve(command)
+    demo = command("demo", "start a local registry and server and run the example client",
+                   "Start a registry and a PyTorch server on loopback (the real GPUs through NVML if there are "
+                   "any, else a simulated fake:2 inventory), run an example client against them with its output "
+                   "shown, then stop everything. Ctrl-C stops it all.")
+    demo.add_argument("--gpus", default=None, metavar="SPEC",
+                      help="inventory (default: NVML if it works, else a simulated fake:2)")
+    demo.add_argument("--client", default=str(REPO / "clients" / "three_jobs.py"),
+                      help="client script to run (default: %(default)s)")
+
+    selftest = command("selftest", "check a machine with real GPUs end to end",
+                       "On a machine with NVIDIA GPUs and PyTorch: check the NVML inventory against nvidia-smi, "
+                       "that a job sees only its GPU, that jobs queue for busy GPUs, shares of a GPU and the "
+                       "memory watchdog, and print a report (scripts/gpu_selftest.sh runs it).")
+    selftest.add_argument("--report", default=None, help="also write the report to this file")
+
+
+def _add_serve(command: Command) -> None:
+    """The serve subcommand and its options."""
+    serve = command("serve", "run a GPU server for one framework service",
+                    "Run a GPU server for one framework service in the foreground, until Ctrl-C or SIGTERM. It "
+                    "announces itself to the registry, queues each job for its GPUs first come, first served "
+                    "with every server sharing the lock directory, and runs it in a process of its own that "
+                    "sees only its GPUs. If it cannot start (port in use, lock directory not writable, "
+                    "unusable credential files), it says what failed and what to do in one line and exits "
+                    f"with {EXIT_FAILED} ({EXIT_USAGE} for bad arguments).")
+    serve.add_argument("--service", required=True,
+                       help="service name: pytorch, tensorflow, jax, caffe, deeplearning, or your own")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: %(default)s; others need --insecure)")
+    serve.add_argument("--port", type=int, default=SERVER_PORT, help="TCP port, 0 for any (default: %(default)s)")
+    serve.add_argument("--registry", default=None, metavar="HOST[:PORT]",
+                       help=f"registry to announce to; 'none' to stay unlisted (default: ${ENV_REGISTRY}, "
+                            "else UDP broadcast)")
+    serve.add_argument("--gpus", default=None, metavar="SPEC",
+                       help=f"GPU inventory: nvml, fake:N or fake:NxSIZE such as fake:2x16GiB "
+                            f"(default: ${ENV_GPUS}, else NVML)")
+    serve.add_argument("--lock-dir", default=None,
+                       help=f"lock directory shared by every server of the host (default: ${ENV_LOCK_DIR}, "
+                            f"else {LOCK_DIR})")
+    serve.add_argument("--framework-version", default=None, dest="version",
+                       help="version to announce (default: read from the installed framework package)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow listening on a non-loopback address without authentication")
+    serve.add_argument("--max-payload", default=format_size(MAX_PAYLOAD), metavar="SIZE",
+                       help="largest call accepted, at least 1 MiB (default: %(default)s)")
+    serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
+                       help="most requests waiting at once (default: %(default)s)")
+    serve.add_argument("--max-queued-per-user", type=int, default=MAX_QUEUED_PER_USER, metavar="N",
+                       help="most requests of one user waiting at once (default: %(default)s)")
+    serve.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                       help="most client connections served at once (default: %(default)s)")
+    serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
+                       help="close connections idle this long (default: %(default)s)")
+    serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
+                       help="granularity of shares of a GPU (gpus=0.25, gpu_memory='6GiB'): a size such as "
+                            "1GiB or a fraction such as 1/8; shares are rounded up to it (default: %(default)s)")
+    serve.add_argument("--memory-allowance", default=format_size(MEMORY_ALLOWANCE), metavar="SIZE",
+                       help="GPU memory a job on a share may use beyond its grant (for the CUDA context) before "
+                            "the watchdog stops it (default: %(default)s)")
+    serve.add_argument("--secret-file", default=None, metavar="PATH",
+                       help=f"require clients to prove they know the shared secret in PATH (mode 600); "
+                            f"default ${ENV_SECRET_FILE}, else no authentication")
+    serve.add_argument("--tls-cert", default=None, metavar="FILE",
+                       help="this server's certificate (rpycdl certs server): require mutual TLS")
+    serve.add_argument("--tls-key", default=None, metavar="FILE", help="its key (mode 600)")
+    serve.add_argument("--tls-ca", default=None, metavar="FILE",
+                       help="the team's CA certificate: clients must present a certificate it signed")
+
+
+def _registry(args: argparse.Namespace) -> int:
+    try:
+        registry.serve_registry(args.host, args.port)
+    except OSError as exc:
+        raise RpycdlError(_listen_failure(exc, "udp", args.host, args.port) or os_error(exc)) from None
+    print("rpycdl registry: stopped", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    require_extra("server", "fasteners", "pynvml")
+    from rpycdl.gpu.inventory import parse_size
+    from rpycdl.scheduler.shares import ShareRules
+    from rpycdl.server.app import (
+        ServerConfig,
+        serve,  # the server's imports are not the client's
+    )
+    from rpycdl.server.context import Limits
+
+    max_payload = parse_size(args.max_payload)
+    if max_payload < MIN_MAX_PAYLOAD or min(args.max_queued, args.max_queued_per_user, args.max_connections) < 1 \
+            or not args.idle_timeout > 0:
+        raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued, --max-queued-per-user and "
+                                  "--max-connections at least 1, --idle-timeout positive")
+    limits = Limits(max_payload=max_payload, max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
+                    max_connections=args.max_connections, idle_timeout=args.idle_timeout)
+    shares = ShareRules(unit=args.gpu_unit, allowance=parse_size(args.memory_allowance))
+    config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
+                          inventory=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
+                          secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          tls_ca=args.tls_ca, limits=limits, shares=shares)
+    if args.registry != "none":
+        registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later
+    logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")
+    try:
+        serve(config)
+    except OSError as exc:  # the server's own refusals are RpycdlErrors already
+        raise RpycdlError(_start_failure(exc, args)) from None
+    print("rpycdl serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _listen_failure(exc: OSError, protocol: str, host: str, port: int) -> str | None:
+    """Why a server or registry could not listen on host:port, and what to do; None if that was not it."""
+    where = f"cannot listen on {protocol} {host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return f"{where}: {exc.strerror}: give an address or a host name of this machine with --host"
+    if exc.filename:
+        return None
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: the port is in use (another server or registry?): stop it, or choose another --port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine: give one of its addresses with --host"
+    if exc.errno == errno.EACCES and 0 < port < 1024:
+        return f"{where}: ports below 1024 need root: choose another --port"
+    return None
+
+
+def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
+    """Why `rpycdl serve` could not start, and what to do, in one line."""
+    listening = _listen_failure(exc, "tcp", args.host, args.port)
+    if listening:
+        return listening + " (0 picks a free one)" if "--port" in listening else listening
+    directory = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
+    failed = os.path.abspath(str(exc.filename)) if exc.filename else ""
+    if failed and os.path.commonpath([failed, directory]) in (failed, directory):  # in it, or on the way to it
+        return (f"cannot use the lock directory {directory}: {exc.strerror} ({exc.filename}). Every server of "
+                f"the host writes there: make it a directory every user may write (chmod 1777 {directory}), "
+                f"or choose another (--lock-dir, ${ENV_LOCK_DIR})")
+    return f"cannot start: {os_error(exc)}"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    require_extra("server", "fasteners", "pynvml")
+    from rpycdl.gpu.inventory import load_inventory
+    from rpycdl.site.local import LocalCluster
+
+    gpus = args.gpus
+    if gpus is None:
+        try:
+            inventory = load_inventory("nvml")
+            print(f"rpycdl demo: NVML found {len(inventory.gpus())} real GPU(s)")
+            gpus = "nvml"
+        except NoInventoryError as exc:
+            print(f"rpycdl demo: no real GPU here ({str(exc).split(' (')[0]}); using a SIMULATED inventory, fake:2")
+            gpus = "fake:2"
+    if not Path(args.client).is_file():
+        raise RpycdlError(f"no client script at {args.client}: run the demo from a checkout, or pass --client")
+    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as lock_dir, LocalCluster(lock_dir) as cluster:
+        print(f"rpycdl demo: registry on udp {cluster.registry_address}")
+        _, port = cluster.add_server("pytorch", gpus)
+        print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}; running {args.client}\n", flush=True)
+        env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
+        # In a session of its own, so that Ctrl-C reaches the demo, which stops it without its traceback.
+        code = subprocess.call([sys.executable, args.client], env=env, start_new_session=True)
+        print(f"\nrpycdl demo: client exited with {code}; stopping the server and the registry")
+    return code
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from rpycdl.site.selftest import run_selftest
+
+    return run_selftest(args.report)
+
+
+COMMANDS = {"registry": _registry, "serve": _serve, "demo": _demo, "selftest": _selftest}

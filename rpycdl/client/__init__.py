@@ -1,0 +1,7 @@
+"""The client: `rpycdl.connect(...)` finds a server and returns a Connection, whose `root.run_code`
+runs a function on the server's GPUs."""
+
+from rpycdl.client.connection import Connection, RemoteRoot
+from rpycdl.client.discovery import connect, connect_to
+
+__all__ = ["Connection", "RemoteRoot", "connect", "connect_to"]

@@ -1,0 +1,101 @@
+"""A client's connection to one server: the socket, the authentication the server asks for, and
+RPyC on top, with the server's first reply checked for a refusal or a greeting."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from typing import Any
+
+import rpyc
+from rpyc.core import netref
+from rpyc.core.channel import Channel
+
+from rpycdl.errors import AuthFailedError
+from rpycdl.security import auth, tls
+from rpycdl.wire.stream import BulkSocketStream
+
+
+class ClientSocketStream(BulkSocketStream):
+    """The client's stream: the first bytes it reads may be the server's banner line instead of
+    RPyC (a refusal, or a greeting asking for credentials this client does not have)."""
+
+    __slots__ = ("_first",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._first = True
+
+    def read(self, count: int, keep: int | None = None) -> bytes:
+        if not self._first:
+            return super().read(count, keep)
+        self._first = False
+        data = super().read(count, keep)
+        if auth.is_banner(data):
+            modes = auth.read_banner(self.sock, data)  # raises LimitError on a refusal
+            self.close()
+            raise AuthFailedError(f"the server requires authentication ({'+'.join(sorted(modes))}): give this "
+                                  "client a shared secret or a TLS certificate (see `rpycdl.connect` or README)")
+        return data
+
+
+def _authenticate(sock: socket.socket, host: str, secret: bytes | None,
+                  tls_context: ssl.SSLContext | None) -> socket.socket:
+    """Read the server's greeting and take every step it asks for; returns the socket to use."""
+    modes = auth.read_banner(sock)
+    missing = [mode for mode, have in (("tls", tls_context), ("secret", secret)) if mode in modes and not have]
+    if missing or not modes <= {"tls", "secret"}:
+        raise AuthFailedError(f"the server asks for {'+'.join(sorted(modes))} authentication and this client has "
+                              f"no {' or '.join(missing) or 'such'} credentials")
+    try:
+        if "tls" in modes:
+            sock = tls.connect(sock, tls_context, host)  # type: ignore[arg-type]
+        if "secret" in modes:
+            auth.client_handshake(sock, secret)  # type: ignore[arg-type]
+    except ssl.SSLError as exc:  # TLS refused our certificate during the secret handshake
+        raise tls.explain(exc, host) from None
+    return sock
+
+
+class _Connection(rpyc.Connection):
+    """RPyC's client connection, without RPyC's request for a description of the server's root
+    class (HANDLE_INSPECT): the root's proxy gets a class without methods, since rpycdl's client
+    calls the root only by name (CALLATTR, or GETATTR for other attributes). One request fewer
+    per connection."""
+
+    def _netref_factory(self, id_pack: tuple[str, int, int]) -> Any:
+        if self._remote_root is None and id_pack[2] != 0:  # the root object, the first the server names
+            return netref.class_factory(id_pack, [])(self, id_pack)
+        return super()._netref_factory(id_pack)
+
+
+class _ClientService(rpyc.VoidService):
+    _protocol = _Connection
+
+
+def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None,
+            tls_context: ssl.SSLContext | None = None) -> rpyc.Connection:
+    """rpyc.connect(host, port, config=config) over the bulk transport, after the authentication
+    the server asks for (rpycdl.auth), when this client has credentials. The first request
+    (the root object) is made here, so a refusal is raised here.
+
+    Raises:
+        AuthFailedError: the server and this client could not authenticate each other.
+        LimitError: the server refused the connection (--max-connections).
+    """
+    sock = BulkSocketStream._connect(host, port, nodelay=True)
+    try:
+        if secret is not None or tls_context is not None:
+            sock = _authenticate(sock, host, secret, tls_context)
+        conn = rpyc.connect_channel(Channel(ClientSocketStream(sock), compress=False), service=_ClientService,
+                                    config=config)
+        try:
+            conn.root  # noqa: B018 - the first request: the server may still refuse our certificate
+        except EOFError as exc:
+            if isinstance(exc.__cause__, ssl.SSLError):
+                raise tls.explain(exc.__cause__, host) from None
+            raise
+    except BaseException:
+        sock.close()
+        raise
+    return conn

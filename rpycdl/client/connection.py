@@ -1,0 +1,232 @@
+"""A connection to one server: `conn.root.run_code` with plain callables, large buffers beside the
+call, remote errors re-raised; status, jobs, cancel."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+import rpyc
+from rpyc.core import consts
+
+from rpycdl.defaults import MIN_MAX_PAYLOAD
+from rpycdl.errors import LimitError
+from rpycdl.security import auth
+from rpycdl.wire import bulk, codec, stream
+
+CLIENT_CONFIG = {
+    "allow_public_attrs": False,
+    "allow_pickle": False,
+    "sync_request_timeout": None,  # a job takes as long as it takes; run_code(timeout=) bounds it
+}
+
+StateCallback = Callable[[str, dict[str, Any]], None]
+
+
+class RemoteRoot:
+    """`conn.root` of an rpycdl connection: run_code with plain callables, status, jobs, cancel.
+
+    Any other attribute is looked up on the server's RPyC root."""
+
+    def __init__(self, conn: rpyc.Connection) -> None:
+        self._conn = conn
+        self._max_payload: int | None = None
+        self._buffers_beside = True  # False once the server turned out to predate run_buffers
+
+    def _check_size(self, size: int) -> None:
+        """Refuse here, with the limit's name, a call of `size` bytes the server would refuse."""
+        if size <= MIN_MAX_PAYLOAD:  # every server takes this much: no round trip
+            return
+        if self._max_payload is None:
+            try:
+                self._max_payload = int(json.loads(call(self._conn, "limits"))["max_payload"])
+            except AttributeError:  # a server from before limits: it checks nothing either
+                self._max_payload = sys.maxsize
+        if size > self._max_payload:
+            raise LimitError(f"the call is {size} bytes, over the server's limit of {self._max_payload} "
+                             "(--max-payload)")
+
+    def run_code(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
+                 gpus: float | None = None, gpu_memory: str | int | None = None,
+                 timeout: float | None = None, queue_timeout: float | None = None,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                 on_state: StateCallback | None = None) -> Any:
+        """Run `fn(args)` on the server with `ngpus` GPUs of its own, or a share of one GPU, and
+        return its value.
+
+        Args:
+            fn: a callable (serialised here with dill), or dill bytes of one.
+            args: the single argument passed to fn.
+            ngpus: whole GPUs to lock, or -1 for all of the server's (default 1).
+            gpus: instead of ngpus, a share of one GPU (0.25: a quarter of its memory), or a whole
+                number of GPUs.
+            gpu_memory: instead of ngpus, a share of one GPU by memory ("6GiB", or bytes). A share
+                is rounded up to the server's unit; the job is held to it (rpycdl.gpu.caps and the
+                server's watchdog, which raises GPUMemoryExceededError).
+            timeout: seconds the job may run; past it, JobTimeoutError.
+            queue_timeout: seconds to wait for the GPUs; past it, QueueTimeoutError.
+            stdout, stderr: where the job's output goes, live (default: this process's).
+            on_state: called as on_state(state, info) when the job waits ("pending", with
+                info["ahead"]) and when it starts ("running", with info["gpus"]).
+
+        Raises:
+            The job's own exception (same type where it can be rebuilt here, else RemoteError),
+            with the remote traceback in `remote_traceback`; or an RpycdlError subclass.
+            KeyboardInterrupt cancels the job: the connection is closed.
+
+        Large bytes, bytearrays and NumPy arrays, in `args` or in the value, travel beside the call
+        rather than in it (rpycdl.wire.codec, rpycdl.wire.bulk), unless the server predates that.
+        """
+        payload, buffers = codec.encode_call(fn, args)
+        layout = codec.layout(buffers)
+        self._check_size(len(payload) + codec.layout_bytes(layout))
+        share = () if gpus is None and gpu_memory is None else (gpus, gpu_memory)  # servers before shares
+        state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        options = (1 if ngpus is None and not share else ngpus, _sink(stdout or sys.stdout),
+                   _sink(stderr or sys.stderr), timeout, queue_timeout, state_cb)
+        received: list[Any] = []
+        try:
+            outcome = self._run_buffers(payload, layout, buffers, received, (*options, gpus, gpu_memory))
+            if outcome is None:  # a server from before run_buffers: everything in band
+                if buffers:
+                    payload = codec.encode_payload(fn, args)
+                outcome = call(self._conn, "run", payload, *options, *share)
+        except KeyboardInterrupt:
+            stream.close_now(self._conn)  # the server sees the client go and cancels the job
+            raise
+        return codec.decode_outcome(outcome, received)
+
+    def _run_buffers(self, payload: bytes, layout: codec.Layout, buffers: list[Any], received: list[Any],
+                     options: tuple[Any, ...]) -> bytes | None:
+        """The call through run_buffers, its buffers and its result's beside it (the result's into
+        `received`); None if the server predates run_buffers (asked once per connection)."""
+        if not self._buffers_beside:
+            return None
+        sock = bulk.bulk_socket(self._conn)
+        try:
+            return call(self._conn, "run_buffers", payload, layout,
+                        (lambda: self._send(sock, buffers)) if buffers else None,
+                        lambda result: received.extend(self._receive(sock, result)), *options)
+        except AttributeError as exc:
+            if "run_buffers" not in str(exc):
+                raise
+            self._buffers_beside = False
+            return None
+
+    def _send(self, sock: Any, buffers: list[Any]) -> None:
+        """The call's out-of-band buffers, written raw on the connection (bulk.pull)."""
+        with stream.closed_on_failure(self._conn):
+            bulk.send_buffers(sock, buffers)
+
+    def _receive(self, sock: Any, layout: Any) -> list[Any]:
+        """A result's out-of-band buffers, read raw from the connection (bulk.push)."""
+        with stream.closed_on_failure(self._conn):
+            return bulk.receive_buffers(sock, codec.check_layout(layout))
+
+    def run_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
+                      workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
+                      timeout: float | None = None, queue_timeout: float | None = None,
+                      stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                      on_state: StateCallback | None = None) -> int:
+        """Run `command` in a container of `image` with `ngpus` GPUs (the generic `deeplearning`
+        server only) and stream its output; returns its exit code, 0.
+
+        Args:
+            image: an image the server's Docker engine has.
+            command: the argument list (never a shell string).
+            env, workdir: the container's environment and working directory.
+            mounts: [{"source": host dir, "target": container dir, "read_only": bool}], sources
+                under the server's $RPYCDL_MOUNT_ROOTS.
+            timeout, queue_timeout, stdout, stderr, on_state: as for run_code.
+
+        Raises:
+            rpycdl.containers.ContainerError: a non-zero exit, with the last log lines.
+        """
+        out = stdout if stdout is not None else sys.stdout
+        err = stderr if stderr is not None else sys.stderr
+        state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        try:
+            outcome = call(self._conn, "run_container", image, command, ngpus, env, workdir, mounts, _sink(out),
+                            _sink(err), timeout, queue_timeout, state_cb)
+        except KeyboardInterrupt:
+            stream.close_now(self._conn)
+            raise
+        return codec.decode_outcome(outcome)
+
+    def gpu_status(self) -> dict[str, Any]:
+        """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
+        return json.loads(call(self._conn, "gpu_status"))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """This server's job records, oldest first."""
+        return json.loads(call(self._conn, "jobs"))
+
+    def cancel(self, job_id: str) -> str:
+        """Cancel a pending or running job; returns its state when the request was made.
+
+        Raises:
+            NotAllowedError: the job is another user's, and this user is no admin.
+            InvalidRequestError: the server has no such job.
+        """
+        return codec.decode_outcome(call(self._conn, "cancel", job_id))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn.root, name)
+
+
+class Connection:
+    """A connection to one rpycdl server. Use as a context manager, or call close().
+
+    Attributes:
+        address: the server's (host, port).
+        identity: who the server takes this client for: {"user", "verified", "admin", "label"}.
+    """
+
+    def __init__(self, conn: rpyc.Connection, address: tuple[str, int]) -> None:
+        self._conn = conn
+        self.address = address
+        self.root = RemoteRoot(conn)
+        user = getpass.getuser()
+        user = user if auth.is_user_name(user) else "unknown"
+        # Not waited for: the server handles it before any request sent after it.
+        self._identity: rpyc.AsyncResult | dict[str, Any] = conn.async_request(
+            consts.HANDLE_CALLATTR, conn.root, "identify", (user,), ())
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        if not isinstance(self._identity, dict):
+            self._identity = json.loads(self._identity.value)
+        return self._identity
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def close(self) -> None:
+        """Close the connection without waiting for the server to acknowledge it."""
+        stream.close_now(self._conn)
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<rpycdl.Connection {self.address[0]}:{self.address[1]}>"
+
+
+def call(conn: rpyc.Connection, name: str, *args: Any) -> Any:
+    """`conn.root.<name>(*args)` in one request (RPyC's CALLATTR) instead of two (GETATTR, CALL)."""
+    return conn.sync_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
+
+
+def _sink(out: IO[str]) -> Callable[[str], None]:
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    return write

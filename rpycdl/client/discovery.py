@@ -1,0 +1,92 @@
+"""`rpycdl.connect(...)`: credentials, discovery through the registry, and choosing the server most
+likely to run a job soonest; or a server named directly."""
+
+from __future__ import annotations
+
+import ssl
+
+import rpyc
+
+from rpycdl import registry
+from rpycdl.client import channel, credentials
+from rpycdl.client.connection import CLIENT_CONFIG, Connection, call
+from rpycdl.defaults import SERVER_PORT
+from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError, LimitError
+
+
+def connect(service: str | None = None, *, host: str | None = None, port: int | None = None,
+            registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
+            tls_key: str | None = None, tls_ca: str | None = None) -> Connection:
+    """Connect to a server of `service` found through the registry, or to host:port directly.
+
+    Among the live servers of the service, the one with the most free GPUs and the shortest
+    queue is chosen. Each credential and the registry come from the argument, else its
+    environment variable ($RPYCDL_SECRET_FILE, $RPYCDL_TLS_CERT, $RPYCDL_TLS_KEY, $RPYCDL_TLS_CA,
+    $RPYCDL_REGISTRY), else the credentials file (rpycdl.credentials). With credentials, a client
+    talks only to servers that prove themselves (the team's CA signed their certificate for the
+    address dialled, or they know the secret); without, only to servers without authentication.
+
+    Args:
+        service: a service name or alias: "pytorch", "PYTORCH-2.5", "deeplearning", ...
+        host, port: connect directly instead (port defaults to 18861).
+        registry_address: "HOST[:PORT]" of the registry; default: UDP broadcast.
+        secret_file: file holding the team's shared secret.
+        tls_cert, tls_key, tls_ca: this user's certificate and key, and the team's CA certificate.
+
+    Raises:
+        DiscoveryError: no registry answered (or its host name does not resolve), it knows no
+            server of the service, or none of them answered.
+        AuthFailedError: client and server could not authenticate each other.
+        LimitError: the server refused the connection (--max-connections).
+        InvalidRequestError: neither a service nor a host was given, or unusable credentials.
+    """
+    settings = credentials.resolve(secret_file=secret_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+                                   registry=registry_address)
+    secret, tls_context = settings.secret(), settings.tls_context()
+    if host is not None:
+        return connect_to((host, port or SERVER_PORT), secret, tls_context)
+    if not service:
+        raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
+    return _discover(service, settings.registry, secret, tls_context)
+
+
+def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.SSLContext | None) -> Connection:
+    """Connect to the server at `address` with credentials already loaded (connect() loads them;
+    a command talking to many servers loads them once)."""
+    return Connection(channel.connect(*address, CLIENT_CONFIG, secret, tls_context), address)
+
+
+def _discover(service: str, registry_address: str | None, secret: bytes | None,
+              tls_context: ssl.SSLContext | None) -> Connection:
+    """Connect to the best live server of `service` that passes authentication."""
+    addresses = registry.discover(service, registry_address)  # DiscoveryError if no registry answers
+    if not addresses:
+        where = registry.describe(registry.registry_address(registry_address))
+        raise DiscoveryError(f"the registry ({where}) knows no server of {service.upper()!r}: start one "
+                             "(rpycdl serve --service NAME --registry HOST), or check the name (rpycdl status "
+                             "lists every server the registry knows)")
+    best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
+    refused: list[tuple[tuple[str, int], AuthFailedError | LimitError]] = []
+    for address in addresses:
+        try:
+            conn = channel.connect(*address, CLIENT_CONFIG, secret, tls_context)
+            free, waiting, _ = call(conn, "load")
+        except (AuthFailedError, LimitError) as exc:  # a server that cannot prove itself gets nothing
+            refused.append((address, exc))
+            continue
+        except (OSError, EOFError):
+            continue
+        score = (-free, waiting)
+        if best is None or score < best[0]:
+            if best is not None:
+                best[1].close()
+            best = (score, conn, address)
+        else:
+            conn.close()
+    if best is None and refused:
+        error = LimitError if all(isinstance(exc, LimitError) for _, exc in refused) else AuthFailedError
+        raise error(f"no server of {service.upper()!r} let us in: "
+                    + "; ".join(f"{host}:{port}: {exc}" for (host, port), exc in refused))
+    if best is None:
+        raise DiscoveryError(f"every server of {service.upper()!r} is down: {list(addresses)}")
+    return Connection(best[1], best[2])

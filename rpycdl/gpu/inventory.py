@@ -1,0 +1,221 @@
+"""GPU inventory: real GPUs through NVML (pynvml), or a simulated inventory for machines without one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+from rpycdl.defaults import ENV_GPUS, ENV_SIMULATED_GPUS
+from rpycdl.errors import InvalidRequestError, NoInventoryError
+from rpycdl.scheduler import procs
+from rpycdl.scheduler.lockdir import shared_dir, shared_file
+from rpycdl.units import GiB, parse_size
+
+_T = TypeVar("_T")
+
+FAKE_DEFAULT_MEMORY = 16 * GiB
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU as the server sees it. `index` counts in PCI bus order, as CUDA does with
+    CUDA_DEVICE_ORDER=PCI_BUS_ID; `uuid` is the same in every container of the host."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    pci_bus_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Inventory:
+    """The GPUs of one server, and what they are doing now."""
+
+    spec = "none"
+    simulated = False
+
+    def gpus(self) -> list[GPU]:
+        raise NotImplementedError
+
+    def memory_used(self) -> dict[str, int | None]:
+        """Bytes in use per GPU UUID right now; None where the query failed."""
+        raise NotImplementedError
+
+    def process_memory(self, uuid: str) -> dict[int, int] | None:
+        """Bytes each process uses on the GPU right now, by pid; None where the query failed."""
+        raise NotImplementedError
+
+
+class FakeInventory(Inventory):
+    """A simulated inventory: `fake:4` or `fake:2x16GiB`.
+
+    UUIDs are fixed by index, so every server given the same spec on one host (one lock
+    directory) shares the same simulated GPUs, like containers sharing real ones. Jobs on
+    simulated GPUs "allocate" memory with simulate_memory(), which records it under
+    `state_dir` (the server sets it to <lock dir>/simulated-gpus): the per-process figures
+    a driver would report."""
+
+    simulated = True
+    state_dir: Path | None = None
+
+    def __init__(self, spec: str) -> None:
+        match = re.fullmatch(r"fake:(\d+)(?:x(.+))?", spec.strip())
+        if not match:
+            raise InvalidRequestError(f"bad simulated inventory {spec!r}: use fake:N or fake:NxSIZE (fake:2x16GiB)")
+        count = int(match.group(1))
+        if not 1 <= count <= 64:
+            raise InvalidRequestError(f"bad simulated inventory {spec!r}: between 1 and 64 GPUs")
+        memory = parse_size(match.group(2)) if match.group(2) else FAKE_DEFAULT_MEMORY
+        if memory < 1:
+            raise InvalidRequestError(f"bad simulated inventory {spec!r}: a GPU needs some memory")
+        self.spec = spec.strip()
+        self._gpus = [
+            GPU(i, f"GPU-00000000-0000-4000-8000-{i:012d}", "Simulated GPU", memory, f"00000000:{i + 1:02X}:00.0")
+            for i in range(count)
+        ]
+
+    def gpus(self) -> list[GPU]:
+        return list(self._gpus)
+
+    def memory_used(self) -> dict[str, int | None]:
+        return {gpu.uuid: sum(self.process_memory(gpu.uuid).values()) for gpu in self._gpus}
+
+    def process_memory(self, uuid: str) -> dict[int, int]:
+        used = {}
+        folder = self.state_dir / uuid if self.state_dir else None
+        for entry in folder.iterdir() if folder and folder.is_dir() else ():
+            with contextlib.suppress(ValueError, OSError):
+                pid, size = int(entry.name), int(entry.read_text() or 0)
+                if procs.alive(pid):
+                    used[pid] = size
+        return used
+
+
+class NvmlInventory(Inventory):
+    """Real GPUs through NVML. `nvml` is the pynvml module, or a stand-in that plays a driver.
+
+    NVML is initialised and shut down around each query, so a forking server parent keeps no
+    NVML state (and never touches CUDA)."""
+
+    spec = "nvml"
+
+    def __init__(self, nvml: ModuleType | None = None) -> None:
+        if nvml is None:
+            try:
+                import pynvml as nvml  # nvidia-ml-py
+            except ImportError as exc:  # a client-only install
+                raise NoInventoryError(f"pynvml is not installed ({exc}): pip install 'rpycdl[server]'") from exc
+        self._nvml = nvml
+        self._gpus = self._query()
+
+    def _query(self) -> list[GPU]:
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:
+            raise NoInventoryError(
+                f"NVML could not start ({exc}). On a machine without NVIDIA GPUs, choose a "
+                f"simulated inventory: --gpus fake:2 (or {ENV_GPUS}=fake:2)"
+            ) from exc
+        gpus: list[GPU] = []
+        what = "the GPU count"
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                what = f"GPU {index}"
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                gpus.append(GPU(index, _text(nvml.nvmlDeviceGetUUID(handle)), _text(nvml.nvmlDeviceGetName(handle)),
+                                int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                                _text(nvml.nvmlDeviceGetPciInfo(handle).busId)))
+            return gpus
+        except Exception as exc:  # a GPU that fails to answer is not served: say which one, and why
+            raise NoInventoryError(f"NVML could not query {what} ({exc}); check it with nvidia-smi, "
+                                   "or choose a simulated inventory: --gpus fake:2") from exc
+        finally:
+            nvml.nvmlShutdown()
+
+    def gpus(self) -> list[GPU]:
+        return list(self._gpus)
+
+    def memory_used(self) -> dict[str, int | None]:
+        def query(nvml: ModuleType) -> dict[str, int | None]:
+            used: dict[str, int | None] = {}
+            for gpu in self._gpus:
+                try:  # one broken GPU yields an unknown entry, not a failed listing
+                    handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode())
+                    used[gpu.uuid] = int(nvml.nvmlDeviceGetMemoryInfo(handle).used)
+                except Exception:
+                    used[gpu.uuid] = None
+            return used
+
+        return self._ask(query, {gpu.uuid: None for gpu in self._gpus})
+
+    def process_memory(self, uuid: str) -> dict[int, int] | None:
+        def query(nvml: ModuleType) -> dict[int, int]:
+            handle = nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+            return {int(p.pid): int(p.usedGpuMemory or 0) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+
+        return self._ask(query, None)
+
+    def _ask(self, query: Callable[[ModuleType], _T], failed: _T) -> _T:
+        """query(nvml) between nvmlInit and nvmlShutdown; `failed` if NVML cannot start or the query raises."""
+        try:
+            self._nvml.nvmlInit()
+        except Exception:
+            return failed
+        try:
+            return query(self._nvml)
+        except Exception:
+            return failed
+        finally:
+            self._nvml.nvmlShutdown()
+
+
+def simulate_memory(size: int, device: int = 0) -> None:
+    """In a job on simulated GPUs: say this process now uses `size` bytes of its `device`-th GPU,
+    as if it had allocated them (what the server's watchdog and `rpycdl status` then see).
+
+    Raises:
+        RuntimeError: not in a job on simulated GPUs.
+    """
+    state, uuids = os.environ.get(ENV_SIMULATED_GPUS), os.environ.get("RPYCDL_GPU_UUIDS", "").split(",")
+    if not state or not 0 <= device < len(uuids) or not uuids[device]:
+        raise RuntimeError(f"simulate_memory works in jobs on simulated GPUs ({ENV_SIMULATED_GPUS} is not set "
+                           f"or there is no GPU {device})")
+    folder = Path(state) / uuids[device]
+    for directory in (folder.parent, folder):  # shared like the lock directory: every user's jobs write here
+        shared_dir(directory)
+    shared_file(folder / str(os.getpid()), str(int(size)).encode())
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def load_inventory(spec: str | None = None) -> Inventory:
+    """Load the inventory named by `spec`, else by $RPYCDL_GPUS, else NVML.
+
+    Args:
+        spec: `fake:N`, `fake:NxSIZE`, `nvml`, or None/`auto` for the environment or NVML.
+
+    Raises:
+        NoInventoryError: NVML could not start and no simulated inventory was asked for;
+            the message says how to ask for one. No GPU count is ever assumed.
+    """
+    spec = (spec or os.environ.get(ENV_GPUS) or "auto").strip()
+    if spec.startswith("fake:"):
+        return FakeInventory(spec)
+    if spec in ("auto", "nvml"):
+        inventory = NvmlInventory()
+        if not inventory.gpus():
+            raise NoInventoryError(f"NVML found no GPUs. To simulate some, use --gpus fake:2 (or {ENV_GPUS}=fake:2)")
+        return inventory
+    raise InvalidRequestError(f"unknown GPU inventory {spec!r}: use nvml, fake:N or fake:NxSIZE")

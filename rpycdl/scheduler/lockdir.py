@@ -1,0 +1,160 @@
+"""The lock directory's files, for rpycdl.locks: created writable by every user, JSON records
+replaced atomically, this process's descriptors of the lock files, probes of the fcntl locks
+other processes hold (F_GETLK, which takes nothing), and the waiters' wake-up FIFOs."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+from rpycdl.errors import RpycdlError
+from rpycdl.scheduler.planning import Range
+
+_FDS: dict[str, int] = {}  # a descriptor of each lock file (and queue.lock), open for the process's life
+_FLOCK = "hhqqi4x"  # struct flock on Linux: type, whence, start, len, pid
+
+SHARED_DIR_MODE = 0o777
+"""Servers of every user (host processes, containers of other uids) write in the lock directory.
+No sticky bit: records are replaced by rename, which a sticky directory forbids across users."""
+SHARED_FILE_MODE = 0o666
+
+
+def shared_dir(path: Path) -> None:
+    """Create a directory of the lock directory, writable by every user if we own it."""
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_uid == os.geteuid():
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, SHARED_DIR_MODE)
+
+
+def shared_file(path: Path, data: bytes | None = None) -> None:
+    """Create `path` writable by every user: empty if absent (data None), else replaced atomically."""
+    if data is None and path.exists():
+        return  # never reopen a lock file: closing a second descriptor would drop our fcntl lock
+    target = path if data is None else path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if data is None else os.O_TRUNC), SHARED_FILE_MODE)
+    try:
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, SHARED_FILE_MODE)
+        if data is not None:
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+    if data is not None:
+        os.replace(target, path)
+
+
+def open_once(path: str) -> int:
+    """This process's descriptor of a lock file (created if absent), opened once and never closed:
+    closing any descriptor of a file drops the fcntl locks the process holds in it."""
+    fd = _FDS.get(path)
+    if fd is None:
+        shared_file(Path(path))
+        fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    return fd
+
+
+def claim_pid_namespace(root: Path) -> None:
+    """Mark the lock directory `root` as used by this process's PID namespace, for as long as this
+    process lives (a shared lock on pid-namespaces/<namespace>); refuse if a live process of
+    another namespace holds such a mark. Every server sharing a lock directory must see the
+    processes of every job (to find what a crashed job left, and to check pids the records name).
+
+    Raises:
+        RpycdlError: a server in another PID namespace uses the lock directory.
+    """
+    mine = os.stat("/proc/self/ns/pid").st_ino
+    directory = root / "pid-namespaces"
+    shared_dir(directory)
+    fcntl.lockf(open_once(str(directory / str(mine))), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    for name in names(directory, "", ""):
+        if name != str(mine) and not name.startswith(".") and others(open_once(str(directory / name)), 0, 0, []):
+            raise RpycdlError(
+                f"the lock directory {root} is used by servers in another PID namespace (pid:[{name}], this is "
+                f"pid:[{mine}]); servers sharing a lock directory must see each other's processes: run server "
+                "containers with --pid host (rpycdl up and scripts/start_servers.sh do)")
+
+
+def names(directory: Path, prefix: str, suffix: str) -> list[str]:
+    """Names in `directory` with that prefix and suffix (no glob: its pattern would be compiled
+    again in every new connection process)."""
+    return [name for name in os.listdir(directory) if name.startswith(prefix) and name.endswith(suffix)]
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Replace the record at `path` with `data`, atomically (readers see the old or the new)."""
+    shared_file(path, json.dumps(data).encode())
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The record at `path`, or None if it is gone or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def others(fd: int, start: int, end: int, found: list[Range]) -> list[Range]:
+    """Append to `found` the ranges in [start, end) of the file that other processes lock, clipped
+    (end 0: to infinity; a whole-file lock is then reported as (0, 0)); returns `found`.
+
+    F_GETLK reports one conflicting lock at a time, in no particular order, so the search
+    splits around each one it finds."""
+    query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, end - start if end else 0, 0)
+    kind, _, lock_start, lock_len, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    if kind == fcntl.F_UNLCK:
+        return found
+    first = max(start, lock_start)
+    if not end:
+        found.append((first, lock_len))
+        return found
+    last = end if lock_len == 0 else min(end, lock_start + lock_len)
+    found.append((first, last - first))
+    if start < first:
+        others(fd, start, first, found)
+    if last < end:
+        others(fd, last, end, found)
+    return found
+
+
+def fifo_has_reader(fifo: Path) -> bool:
+    """Whether a waiter still has its wake-up FIFO open (it is alive)."""
+    try:
+        if not stat.S_ISFIFO(os.stat(fifo).st_mode):
+            return False
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: nobody has it open for reading; ENOENT: gone
+        return False
+    os.close(fd)
+    return True
+
+
+def poke(fifo: Path) -> None:
+    """Wake the waiter reading `fifo`, if there is one, without blocking."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.write(fd, b"!")
+    except OSError as exc:  # a full pipe already holds a wake-up; a broken one lost its waiter
+        if exc.errno not in (errno.EAGAIN, errno.EPIPE):
+            raise
+    finally:
+        os.close(fd)
+
+
+def drain(fd: int) -> bytes:
+    """Read a non-blocking pipe or FIFO empty (a waiter's wake-ups count as one); returns what it held."""
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 4096):
+            data += chunk
+    return data

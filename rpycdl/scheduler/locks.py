@@ -1,0 +1,356 @@
+"""The GPU lock manager: first-come-first-served grants of whole GPUs, or of a share of one GPU's
+memory, across every process sharing a lock directory.
+
+Everything lives in one lock directory shared by every server of a host (and mounted into
+every container):
+
+    gpus/<uuid>.lock             the GPU's lock file (fcntl locks: rpycdl.scheduler.holders)
+    held/<uuid>.<ticket>.json    who holds (part of) it: the job, its processes, its share, since
+    queue/<ticket>.json          a waiting request: what it asks for and who it is
+    queue/<ticket>.fifo          its wake-up pipe; a request that has died has no reader on it
+    queue.lock                   serialises taking tickets, granting and probing (a blocking fcntl
+                                 lock: a process waiting for it is woken the moment it is free)
+    counters                     the last ticket and the last grant sequence number, one line each
+
+Arrival order is the ticket order. A request is granted when the GPUs it may use are free
+after every earlier request has been served or has reserved what it waits for (so a later
+request never overtakes an earlier one that competes for the same GPUs, while servers with
+disjoint GPUs do not block each other). An earlier competing request that could be granted
+now goes first, the later one waiting for its wake-up, so competing requests are granted
+(numbered by Grant.sequence) in arrival order. A release, a grant and a cancelled wait write
+a byte to every waiter's FIFO, so the next request is granted at once, not at the next poll.
+
+A share goes to the fullest GPU that has room for it (best fit among GPUs that already hold
+shares) and only breaks into an idle GPU when none has room, so whole GPUs stay available for
+whole-GPU requests.
+
+Locks are freed by the kernel when their holder dies, without any wake-up: waiters re-check at
+least every WAIT_FALLBACK_POLL seconds, and every LINGER_POLL while they wait for the processes
+of a crashed job to die (a grant's record keeps its GPUs taken until then: holders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import select
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rpycdl.defaults import KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
+from rpycdl.errors import InvalidRequestError, QueueTimeoutError
+from rpycdl.scheduler import lockdir, planning, procs
+from rpycdl.scheduler.holders import Grant, Holders, job_left
+from rpycdl.units import MiB, format_size
+
+_ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path (never rewritten)
+
+HELD_ONLY = ("leader", "owner", "server_process")
+"""Keys of a request's info that only its grant's record needs (to find the job after a crash);
+its queue entry, which every waiter and status reads, goes without them."""
+
+TICKET, GRANT = 0, 1  # lines of the counters file
+_COUNTER_WIDTH = 20
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a request waits for: `ngpus` whole GPUs of `candidates`, or `share_bytes` of one of them.
+
+    Attributes:
+        ngpus: how many GPUs, 1 to len(candidates); 1 for a share.
+        candidates: UUIDs of the GPUs the request may use (its server's inventory).
+        share_bytes: bytes of one GPU for a share, a whole number of MiB (the lock files count
+            MiB); 0 for whole GPUs.
+        sizes: each candidate's memory in bytes; needed for a share.
+    """
+
+    ngpus: int
+    candidates: tuple[str, ...]
+    share_bytes: int = 0
+    sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise InvalidRequestError if it can never be granted."""
+        if not 1 <= self.ngpus <= len(self.candidates):
+            raise InvalidRequestError(f"cannot lock {self.ngpus} GPUs of {len(self.candidates)}")
+        if self.share_bytes:
+            if self.ngpus != 1 or any(self.sizes.get(uuid, 0) < MiB for uuid in self.candidates):
+                raise InvalidRequestError("a share is of one GPU, with every candidate's size known")
+            largest = max(self.sizes[uuid] for uuid in self.candidates)
+            if self.share_bytes % MiB or not 0 < self.share_bytes <= largest:
+                raise InvalidRequestError(f"cannot lock {self.share_bytes} bytes of a GPU: shares are whole MiB, "
+                                          f"and the largest GPU has {format_size(largest)}")
+
+    def entry(self) -> dict[str, Any]:
+        """The request as its queue entry says it (the lock files' unit: MiB)."""
+        return {"ngpus": self.ngpus, "share_mib": self.share_bytes // MiB, "candidates": list(self.candidates),
+                "sizes_mib": {uuid: size // MiB for uuid, size in self.sizes.items()}}
+
+
+def describe_need(ngpus: int, share_bytes: int) -> str:
+    """'2 GPU(s)' or '6 GiB of one GPU', for messages."""
+    return f"{format_size(share_bytes)} of one GPU" if share_bytes else f"{ngpus} GPU(s)"
+
+
+class GPULockManager:
+    """Grants whole GPUs, or a share of one GPU, first come, first served, across every process
+    sharing `lock_dir`.
+
+    Args:
+        lock_dir: the directory shared by every server on the host.
+        sleep_poll: the longest a waiter sleeps between re-checks when not woken.
+    """
+
+    def __init__(self, lock_dir: str | os.PathLike[str], sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
+        self.root = Path(lock_dir)
+        for sub in ("", "gpus", "held", "queue"):
+            lockdir.shared_dir(self.root / sub)
+        lockdir.shared_file(self.root / "counters")
+        self._queue_fd = lockdir.open_once(str(self.root / "queue.lock"))
+        self._holders = Holders(self.root)
+        self._sleep_poll = sleep_poll
+
+    # -- the queue lock and counters ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold queue.lock. It waits in the kernel, not in a retry loop that sleeps (fasteners sleeps
+        10 to 100 ms between tries), so the next process in line gets it as soon as it is free."""
+        fcntl.lockf(self._queue_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self._queue_fd, fcntl.LOCK_UN)
+
+    def _next(self, counter: int) -> int:
+        """Under the queue lock: the next value of a counter (TICKET or GRANT), written in place."""
+        fd = os.open(self.root / "counters", os.O_RDWR)
+        try:
+            offset = counter * _COUNTER_WIDTH
+            value = int(os.pread(fd, _COUNTER_WIDTH, offset).strip() or 0) + 1
+            os.pwrite(fd, f"{value:0{_COUNTER_WIDTH - 1}d}\n".encode(), offset)
+            return value
+        finally:
+            os.close(fd)
+
+    def _waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
+        """Live waiting requests in ticket order (only those before ticket `before`, if given);
+        with `prune` (under the queue lock only), removes those whose process died. Queue entries
+        never change once written, so each is read once per process."""
+        waiters = []
+        names = sorted(n for n in os.listdir(self.root / "queue") if n.endswith(".json"))
+        listed = {str(self.root / "queue" / n) for n in names}
+        for path in [p for p in _ENTRIES if p not in listed]:  # granted or gone since
+            del _ENTRIES[path]
+        for name in names:
+            if before is not None and int(name[:-5]) >= before:
+                break
+            entry = self.root / "queue" / name
+            info = _ENTRIES.get(str(entry)) or lockdir.read_json(entry)
+            fifo = entry.with_suffix(".fifo")
+            if info is None or not lockdir.fifo_has_reader(fifo):
+                _ENTRIES.pop(str(entry), None)
+                if prune:
+                    entry.unlink(missing_ok=True)
+                    fifo.unlink(missing_ok=True)
+                continue
+            _ENTRIES[str(entry)] = info
+            waiters.append(info)
+        return waiters
+
+    # -- granting --------------------------------------------------------------------
+
+    def acquire(self, need: Need, info: dict[str, Any], *, queue_timeout: float | None = None,
+                wake_fds: Sequence[int] = (), on_wake: Callable[[], None] | None = None,
+                on_position: Callable[[int], None] | None = None) -> Grant:
+        """Wait in line for what `need` asks for, and lock it.
+
+        Args:
+            need: the GPUs or the share.
+            info: shown to others while waiting and holding (job_id, client, server, ...); for the
+                grant to be found after a crash, it names the job: `job_id`, `leader` (the job
+                process, [pid, start]: procs.Pid) and `server_process` (the server parent, which
+                adopts what the job leaves when its connection process dies).
+            queue_timeout: seconds to wait at most; None waits for as long as it takes.
+            wake_fds: other file descriptors that end a sleep when readable.
+            on_wake: called after each sleep; it may raise to give up waiting (cancel).
+            on_position: called with the number of requests ahead whenever it changes.
+
+        Raises:
+            InvalidRequestError: an impossible request.
+            QueueTimeoutError: queue_timeout passed first; nothing is left locked.
+        """
+        need.check()
+        with self._locked():
+            ticket = self._next(TICKET)
+            grant, position = self._try_grant(ticket, need, info)
+            if grant is not None:  # nobody to wait for: no queue entry at all
+                return grant
+            entry, fifo_fd = self._enqueue(ticket, need, info)
+        try:
+            return self._wait(ticket, need, info, position, fifo_fd, queue_timeout=queue_timeout, wake_fds=wake_fds,
+                              on_wake=on_wake, on_position=on_position)
+        finally:
+            if entry.exists():  # gave up: leave the queue, and let whoever was behind go
+                with self._locked():
+                    entry.unlink(missing_ok=True)
+                    entry.with_suffix(".fifo").unlink(missing_ok=True)
+                self.wake_all()
+            os.close(fifo_fd)
+
+    def _wait(self, ticket: int, need: Need, info: dict[str, Any], position: int, fifo_fd: int, *,
+              queue_timeout: float | None, wake_fds: Sequence[int], on_wake: Callable[[], None] | None,
+              on_position: Callable[[int], None] | None) -> Grant:
+        """Sleep until woken (or a re-check is due), try again, until granted (acquire's loop)."""
+        deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
+        last_position = -1
+        while True:
+            if on_position is not None and position != last_position:
+                last_position = position
+                on_position(position)
+            # Requests behind others are woken by the grants ahead of them, so they re-check
+            # less often (a request ahead that died silently is noticed within 2 s).
+            timeout = self._sleep_poll if position == 0 else self._sleep_poll * 4
+            if self._holders.killing:
+                timeout = min(timeout, LINGER_POLL)
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise QueueTimeoutError(
+                        f"waited {queue_timeout:g} s for {describe_need(need.ngpus, need.share_bytes)} and they did "
+                        f"not come free ({position} request(s) were still ahead)")
+                timeout = min(timeout, remaining)
+            readable, _, _ = select.select([fifo_fd, *wake_fds], [], [], timeout)
+            if fifo_fd in readable:
+                lockdir.drain(fifo_fd)
+            if on_wake is not None:
+                on_wake()
+            with self._locked():
+                grant, position = self._try_grant(ticket, need, info)
+            if grant is not None:
+                self.wake_all()  # the next request may be able to go now
+                return grant
+
+    def _enqueue(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Path, int]:
+        """Under the queue lock: join the queue with a wake-up FIFO."""
+        entry = self.root / "queue" / f"{ticket:016d}.json"
+        fifo = entry.with_suffix(".fifo")
+        os.mkfifo(fifo)
+        os.chmod(fifo, lockdir.SHARED_FILE_MODE)  # others must open it to wake us (and to see we live)
+        # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
+        # and writers see a reader for exactly as long as this process lives.
+        fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+        shown = {key: value for key, value in info.items() if key not in HELD_ONLY}
+        lockdir.write_json(entry, {**shown, **need.entry(), "ticket": ticket, "since": time.time()})
+        return entry, fifo_fd
+
+    def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, int]:
+        """Under the queue lock: grant to `ticket` if every earlier request is served first."""
+        earlier = self._waiters(before=ticket)
+        mine = need.entry()
+        candidates = mine["candidates"]
+        involved, sizes = set(candidates), {}
+        for waiter in earlier:
+            involved.update(waiter["candidates"])
+            sizes.update(waiter.get("sizes_mib", {}))
+        sizes.update(mine["sizes_mib"])
+        fractional = bool(mine["share_mib"]) or any(waiter.get("share_mib") for waiter in earlier)
+        records = self._holders.records()
+        self._holders.killing = False
+        taken = {uuid: self._holders.taken(uuid, sizes.get(uuid, 0) if fractional else 0, records.get(uuid, []))
+                 for uuid in involved}
+        rooms = planning.rooms(taken, sizes, fractional)
+        ahead = 0
+        behind_a_grant = False
+        for waiter in earlier:
+            competes = bool(set(waiter["candidates"]) & set(candidates))
+            ahead += competes
+            share = waiter.get("share_mib", 0)
+            theirs = planning.pick(rooms, waiter["ngpus"], share, waiter["candidates"])
+            if theirs:
+                planning.take(rooms, theirs, share)  # they will take these first
+                behind_a_grant |= competes  # and be granted first: their grant wakes us
+            else:
+                planning.take(rooms, waiter["candidates"], 0)  # reserved while they wait
+        uuids = planning.pick(rooms, mine["ngpus"], mine["share_mib"], candidates)
+        if behind_a_grant or not uuids:
+            return None, ahead
+        # No earlier request was planned on these GPUs (it would compete, and we would be behind
+        # its grant), so what is taken of them is still what was probed above.
+        ranges, locked = self._holders.lock(uuids, mine["share_mib"], sizes, taken, ticket)
+        if not locked:  # cannot happen under the queue lock, but never double-book
+            return None, ahead
+        grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges)
+        self._holders.write(grant, info, time.time())
+        entry = self.root / "queue" / f"{ticket:016d}.json"
+        entry.unlink(missing_ok=True)
+        entry.with_suffix(".fifo").unlink(missing_ok=True)
+        return grant, ahead
+
+    def release(self, grant: Grant) -> None:
+        """Free the grant's GPUs (or share) and wake every waiter. Releasing twice is harmless."""
+        self._holders.unlock(grant)
+        self.wake_all()
+
+    def wake_all(self) -> None:
+        """Wake every waiting request so it re-checks the queue."""
+        for name in lockdir.names(self.root / "queue", "", ".fifo"):
+            lockdir.poke(self.root / "queue" / name)
+
+    # -- after a crash ---------------------------------------------------------------
+
+    def orphans(self) -> list[tuple[Path, dict[str, Any]]]:
+        """The records of grants whose locks nobody holds any more (their holder died)."""
+        return self._holders.orphans()
+
+    def clear_orphans(self, claim: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+        """Remove the orphaned records that `claim` accepts once nothing of their job runs (the
+        sweep of the server that granted them, or of any server if that one is gone): kill every
+        process of the job (rpycdl.scheduler.procs), wait until none runs (KILL_WAIT at most: a
+        record whose job still runs stays), then remove the record and wake every waiter.
+
+        Returns:
+            The records removed.
+        """
+        cleared = []
+        for path, record in self.orphans():
+            if claim(record) and procs.kill_until_gone(functools.partial(job_left, record), KILL_WAIT):
+                with self._locked():
+                    self._holders.forget(path)
+                cleared.append(record)
+        if cleared:
+            self.wake_all()
+        return cleared
+
+    # -- status ----------------------------------------------------------------------
+
+    def queue(self) -> list[dict[str, Any]]:
+        """The live waiting requests, in ticket order."""
+        with self._locked():
+            return self._waiters()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Who holds which GPU and who waits, in order: {"held": {uuid: [record]}, "queue": [entry]}.
+
+        Each GPU's holders are in grant order; `share_bytes` is a holder's share (0: the whole GPU).
+        A holder that died while its job's processes still run (or before its server has cleaned
+        up after it) is reported with `leftover` true: its GPUs are not free yet. Waiters that
+        died are not reported. It takes no lock, so requests waiting in numbers never slow it:
+        probes (F_GETLK) take nothing, records appear by rename after their locks are taken, and
+        nothing is removed or killed here (granters and sweeps do that)."""
+        held: dict[str, list[dict[str, Any]]] = {}
+        for uuid, records in self._holders.records().items():
+            for _, record in records:
+                if self._holders.holds(uuid, record):
+                    held.setdefault(uuid, []).append(record)
+                elif self._holders.orphan_holds(record, kill=False):
+                    held.setdefault(uuid, []).append({**record, "leftover": True})
+        for holders in held.values():
+            holders.sort(key=lambda holder: holder["sequence"])
+        return {"held": held, "queue": self._waiters(prune=False)}

@@ -1,0 +1,154 @@
+"""`rpycdl serve`: the server's configuration, its service names and versions, building the
+forking server (inventory, lock directory, authentication, registration) and running it."""
+
+from __future__ import annotations
+
+import getpass
+import importlib.metadata
+import logging
+import signal
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rpycdl.defaults import REREGISTER_INTERVAL, lock_dir
+from rpycdl.errors import InvalidRequestError
+from rpycdl.gpu.inventory import load_inventory
+from rpycdl.registry import registry_client
+from rpycdl.scheduler import lockdir
+from rpycdl.scheduler.shares import ShareRules
+from rpycdl.security import auth, tls
+from rpycdl.security.auth import is_loopback
+from rpycdl.server import child
+from rpycdl.server.context import Limits, ServerContext
+from rpycdl.server.forking import DLServer
+
+FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "pytorch": ("torch",),
+    "tensorflow": ("tensorflow", "tensorflow-cpu", "tf-nightly"),
+    "jax": ("jax",),
+    "caffe": (),
+    "deeplearning": (),
+}
+"""Package whose version names the service version, per known service (read from metadata,
+so the server parent never imports, let alone initialises, the framework)."""
+
+CONTAINER_SERVICE = "deeplearning"
+"""The generic service, whose jobs may run in containers of their own."""
+
+log = logging.getLogger("rpycdl.server")
+
+
+@dataclass
+class ServerConfig:
+    """Everything `rpycdl serve` takes."""
+
+    service: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    registry: str | None = None  # HOST[:PORT]; None: $RPYCDL_REGISTRY or broadcast; "none": do not register
+    inventory: str | None = None  # fake:N, fake:NxSIZE, nvml, or None for $RPYCDL_GPUS / NVML
+    lock_dir: str | None = None
+    insecure: bool = False
+    secret_file: str | None = None  # None: $RPYCDL_SECRET_FILE, else no authentication
+    tls_cert: str | None = None  # all three, or none: mutual TLS (rpycdl.tls)
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    shares: ShareRules = field(default_factory=ShareRules)
+    version: str | None = None  # framework version to announce; None reads package metadata
+
+
+def framework_version(service: str) -> str | None:
+    """The installed version of the service's framework, from package metadata, or None."""
+    for dist in FRAMEWORK_DISTRIBUTIONS.get(service.lower(), (service.lower(),)):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def service_aliases(service: str, version: str | None) -> tuple[str, ...]:
+    """`PYTORCH`, plus `PYTORCH-2.5` and `PYTORCH-2.5.1` when the version is known."""
+    name = service.upper()
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise InvalidRequestError(f"bad service name {service!r}: letters, digits, '-' and '_' only")
+    aliases = [name]
+    if version:
+        public = version.split("+")[0]
+        parts = public.split(".")
+        if len(parts) > 2:
+            aliases.append(f"{name}-{'.'.join(parts[:2])}")
+        aliases.append(f"{name}-{public}")
+    return tuple(aliases)
+
+
+def _remove_orphan_containers(lock_dir: str) -> None:
+    """Remove job containers a killed server left running; before any thread or fork, since the
+    parent must not use docker from a thread while it forks."""
+    from rpycdl.server import containers  # only the generic server needs docker
+
+    try:
+        for name in containers.remove_orphans(lock_dir):
+            print(f"removed orphaned job container {name}", flush=True)
+    except Exception as exc:  # no engine reachable: nothing of ours can run there either
+        log.info("orphaned job containers not checked: %s", exc)
+
+
+def build_server(config: ServerConfig) -> DLServer:
+    """Check the configuration, load the inventory, and bind the server (not started yet)."""
+    secret = auth.load_secret(config.secret_file)
+    tls_context = None
+    if config.tls_cert or config.tls_key or config.tls_ca:
+        tls_context = tls.server_context(config.tls_cert, config.tls_key, config.tls_ca)
+    if not is_loopback(config.host) and not config.insecure and secret is None and tls_context is None:
+        raise InvalidRequestError(
+            f"refusing to listen on {config.host} without authentication: anyone who reaches it can run "
+            "code here. Give TLS certificates (--tls-cert, --tls-key, --tls-ca) or a shared secret "
+            "(--secret-file), bind to 127.0.0.1, or pass --insecure if the network is trusted")
+    inventory = load_inventory(config.inventory)
+    version = config.version or framework_version(config.service)
+    directory = config.lock_dir or lock_dir()
+    # Creates the lock directory's layout, so it fails early on permissions.
+    context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
+                            inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
+                            host=config.host, framework_version=version, limits=config.limits,
+                            shares=config.shares)
+    lockdir.claim_pid_namespace(Path(directory))
+    registrar = None
+    if config.registry != "none":
+        registrar = registry_client(config.registry)
+        registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
+    return DLServer(context, hostname=config.host, port=config.port, registrar=registrar,
+                    auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"),
+                    authenticator=auth.ServerAuthenticator(tls_context, secret) if secret or tls_context else None)
+
+
+def serve(config: ServerConfig) -> None:
+    """Build the server and serve until SIGTERM or Ctrl-C."""
+    server = build_server(config)
+    ctx = server.context
+    if not is_loopback(config.host) and server.authenticator is None:
+        print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
+              f"{server.port} can run code as {getpass.getuser()}",
+              file=sys.stderr, flush=True)
+    server.listener.listen(server.backlog)  # before the ready line, so whoever reads it can connect at once
+    gpus = ", ".join(f"{g.index}:{g.name}" for g in ctx.gpus)
+    kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
+    print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
+          f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
+          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}", flush=True)
+    if ctx.name == CONTAINER_SERVICE:
+        _remove_orphan_containers(ctx.lock_dir)
+    signal.signal(signal.SIGTERM, lambda *_: server.close())
+    child.name_process("rpycdl-server")
+    try:
+        server.start()
+    except (KeyboardInterrupt, OSError):
+        pass
+    finally:
+        if server.active:
+            server.close()
+

@@ -1,0 +1,63 @@
+"""What one server's connections share: its limits, GPUs, lock manager and job store, built once in
+the server parent before any fork (rpycdl.server), read by every connection (rpycdl.service)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rpycdl.defaults import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_PAYLOAD, MAX_QUEUED, MAX_QUEUED_PER_USER
+from rpycdl.gpu.inventory import GPU, FakeInventory, Inventory
+from rpycdl.scheduler import procs
+from rpycdl.scheduler.jobs import JobStore
+from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.shares import ShareRules
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server accepts (see rpycdl.defaults); each refusal names the limit's option."""
+
+    max_payload: int = MAX_PAYLOAD
+    max_queued: int = MAX_QUEUED
+    max_queued_per_user: int = MAX_QUEUED_PER_USER
+    max_connections: int = MAX_CONNECTIONS
+    idle_timeout: float = IDLE_TIMEOUT
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ServerContext:
+    """What every connection of one server shares; built once in the server parent."""
+
+    name: str
+    aliases: tuple[str, ...]
+    inventory: Inventory
+    lock_dir: str
+    server_id: str
+    host: str = ""
+    port: int = 0
+    framework_version: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    shares: ShareRules = field(default_factory=ShareRules)
+    gpus: list[GPU] = field(default_factory=list)
+    server_process: procs.Pid = field(default_factory=lambda: procs.identify(os.getpid()))
+    locks: GPULockManager = field(init=False)
+    store: JobStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gpus = self.inventory.gpus()
+        self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
+        self.store = JobStore(self.lock_dir)
+        if isinstance(self.inventory, FakeInventory):
+            self.inventory.state_dir = Path(self.lock_dir) / "simulated-gpus"
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,
+                "server_id": self.server_id, "inventory": self.inventory.spec,
+                "simulated": self.inventory.simulated, "framework_version": self.framework_version,
+                "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict()}

@@ -1,0 +1,290 @@
+"""The forking server: RPyC's ForkingServer with its forks made ahead of the clients (spare
+connection processes, each with a spare job process), --max-connections, authentication in the
+forked connection process, and the sweeper that cleans up after connection processes that died."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import rpyc
+from rpyc.utils.server import ForkingServer
+
+from rpycdl.defaults import KILL_WAIT, SPARE_CONNECTIONS, SWEEP_INTERVAL
+from rpycdl.errors import LimitError
+from rpycdl.scheduler import lockdir, procs
+from rpycdl.security import auth
+from rpycdl.server import child, container_watcher, runner
+from rpycdl.server.context import ServerContext
+from rpycdl.server.service import GPUService
+from rpycdl.wire import stream
+
+PR_SET_CHILD_SUBREAPER = 36
+
+FRAME_SLACK = 1 << 20
+"""Bytes an RPyC frame may carry beyond the payload limit (the call around the payload)."""
+
+_PID = struct.Struct("i")  # what a spare connection process writes to the parent when it takes a client
+
+PROTOCOL_CONFIG = {
+    "allow_public_attrs": False,
+    "allow_all_attrs": False,
+    "allow_pickle": False,
+    "sync_request_timeout": None,  # jobs call back into the client for as long as they run
+}
+
+log = logging.getLogger("rpycdl.server")
+
+
+class DLServer(ForkingServer):
+    """The ForkingServer of one rpycdl service, with its forks made ahead of the clients.
+
+    The parent only forks: it never imports a framework or touches CUDA. It keeps
+    SPARE_CONNECTIONS connection processes forked and waiting in accept() on the listening
+    socket they share, each with a spare job process (runner.JobProcess) forked already; a spare
+    that takes a client writes its pid to the parent, which forks the next one. A connection
+    process serves one client and exits, as with RPyC's ForkingServer. The parent counts them:
+    at --max-connections it keeps no spare and accepts connections itself, to refuse them.
+
+    It is a child subreaper, so what a connection process that died leaves running (its job
+    process dies with it, not what the job started) becomes its child. When a child exits other
+    than cleanly with 0 (and every SWEEP_INTERVAL anyway) its sweeper kills what it adopted,
+    clears the orphaned grants of its own dead connection processes (and of servers that died)
+    once nothing of their jobs runs, ends the records of jobs whose connection process died (of
+    any server: rpycdl.jobs), and wakes the waiting requests."""
+
+    # Self-pipes written from SIGCHLD: one wakes the sweeper, the other the loop that forks spares.
+    _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    _exited_r, _exited_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def __init__(self, context: ServerContext, **kwargs) -> None:
+        self.context = context
+        service = type("GPUService", (GPUService,), {"ALIASES": context.aliases, "context": context})
+        super().__init__(service, protocol_config=PROTOCOL_CONFIG, **kwargs)
+        context.port = self.port
+        self._stop = threading.Event()
+        self._connections: set[int] = set()  # pids of the connection processes serving a client
+        self._spares: set[int] = set()  # pids of those still waiting for one
+        self._forking = threading.Lock()  # held while those sets change: the sweeper kills other children
+        self._taken_r, self._taken_w = os.pipe2(os.O_CLOEXEC)  # a spare writes its pid here as it takes a client
+        os.set_blocking(self._taken_r, False)
+        self._spare_job: runner.JobProcess | None = None  # in a connection process: its spare job
+
+    def start(self) -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        threading.Thread(target=self._sweep, name="rpycdl-sweeper", daemon=True).start()
+        super().start()
+
+    def close(self) -> None:
+        self._stop.set()
+        _poke(self._wake_w)
+        for spare in self._spares:
+            doomed = [spare, *procs.children(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
+            for pid in doomed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in doomed:  # reaped here, so that no zombie of them outlives the server
+                with contextlib.suppress(ChildProcessError):  # reaped by _handle_sigchld already
+                    os.waitpid(pid, 0)
+        super().close()
+
+    @classmethod
+    def _handle_sigchld(cls, signum: int, frame: object) -> None:
+        """Reap ended children, and wake the sweeper if one of them did not exit cleanly: a
+        connection process that exits 0 has finished its jobs and released their GPUs itself."""
+        unclean = False
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                unclean |= status != 0
+        signal.signal(signal.SIGCHLD, cls._handle_sigchld)
+        _poke(cls._exited_w)
+        if unclean:
+            _poke(cls._wake_w)
+
+    def accept(self) -> None:
+        """One turn of the parent's loop (RPyC's start() repeats it while the server is active):
+        fork the spares the limit leaves room for, note the ones that took a client, and refuse
+        connections while there is no spare to take them."""
+        if self._stop.is_set():  # stopped before RPyC's start() had set the server active
+            self.active = False
+            return
+        with self._forking:
+            self._connections = {pid for pid in self._connections if _running(pid)}
+            self._spares = {pid for pid in self._spares if _running(pid)}
+        limit = self.context.limits.max_connections
+        room = limit - len(self._connections)
+        try:
+            while self.active and len(self._spares) < min(SPARE_CONNECTIONS, room):
+                with self._forking:
+                    self._spares.add(self._fork_spare())
+        except OSError as exc:  # out of processes or memory: refuse, and try again next turn
+            self.logger.error("could not fork a connection process: %s", exc)
+        watched = [self._taken_r, self._exited_r] + ([] if self._spares else [self.listener])
+        try:
+            readable = select.select(watched, [], [], 1.0)[0]
+        except (OSError, ValueError):  # the listener was closed: the server is stopping
+            if self.active:
+                raise
+            return
+        if self._exited_r in readable:
+            lockdir.drain(self._exited_r)
+        if self._taken_r in readable:
+            with self._forking:
+                for (pid,) in _PID.iter_unpack(lockdir.drain(self._taken_r)):
+                    self._spares.discard(pid)
+                    self._connections.add(pid)
+        if self.listener in readable and self.active:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:  # gone again, or taken by a spare forked meanwhile
+                return
+            reason = (f"this server serves at most {limit} connections at once (--max-connections)" if room <= 0
+                      else "this server could not start a process for the connection")
+            self.logger.warning("refused a connection: %s", reason)
+            auth.refuse(sock, f"{reason}; try again later or another server")
+
+    def _fork_spare(self) -> int:
+        """Fork a connection process that waits for a client with a spare job process forked
+        already, tells the parent when it has one, serves it, and exits."""
+        parent = os.getpid()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # Ctrl-C at the server is the server's
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            raise
+        if pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            return pid
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a connection finishes its job past a stop
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        code = 1
+        try:
+            signal.signal(signal.SIGCHLD, self._prevhandler)
+            signal.siginterrupt(signal.SIGCHLD, False)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would close the listener
+            child.die_with_parent(parent)  # a spare must not outlive the server: it holds the port
+            child.name_process("rpycdl-spare")
+            with contextlib.suppress(LimitError):  # none to spare: the first job forks as its request comes
+                self._spare_job = runner.JobProcess(close_fds=[self.listener.fileno()])
+            procs.myself()  # read now, while no client waits
+            sock = self._take_client()
+            os.write(self._taken_w, _PID.pack(os.getpid()))
+            child.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop
+            child.name_process("rpycdl-conn")
+            self.listener.close()
+            if self.authenticator is not None:
+                auth.greet(sock, self.authenticator.mode)
+            self._authenticate_and_serve_client(sock)
+            code = 0
+        except Exception:
+            self.logger.exception("connection process failed")
+        finally:
+            if self._spare_job is not None:  # unused, or used and closed already (closing twice is harmless)
+                self._spare_job.close()
+            os._exit(code)  # not 0: the parent sweeps for jobs it left behind
+
+    def _take_client(self) -> socket.socket:
+        """Accept a client on the listening socket (shared with the other spares)."""
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (TimeoutError, BlockingIOError, InterruptedError):  # another spare took it, or none came
+                continue
+            sock.setblocking(True)
+            return sock
+
+    def _serve_client(self, sock: socket.socket, credentials: object) -> None:
+        """RPyC's own, over rpycdl's stream (rpycdl.wire.stream)."""
+        config = dict(self.protocol_config, credentials=credentials,
+                      endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
+        limits = self.context.limits
+        channel = stream.channel(sock, limits.max_payload + FRAME_SLACK, limits.idle_timeout)
+        service = self.service(self._spare_job)
+        self._handle_connection(service._connect(channel, config), service)
+
+    def _handle_connection(self, conn: rpyc.Connection, service: GPUService) -> None:
+        """Serve until the client leaves, or stays idle (no request, no job) for the idle timeout;
+        after each answer, let the service finish what the call left for after its reply."""
+        idle_since = time.monotonic()
+        try:
+            while not conn.closed:
+                if conn.serve(1.0):
+                    service.after_reply()
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
+                    self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
+                                     time.monotonic() - idle_since)
+                    conn.close()
+        except EOFError:  # the client left: the usual end of a connection
+            conn.close()
+        finally:
+            service.after_reply()
+
+    def _sweep(self) -> None:
+        while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
+            try:
+                self._sweep_once()
+            except Exception:  # a sweep must never take the server down
+                log.exception("sweep failed")
+            select.select([self._wake_r], [], [], SWEEP_INTERVAL)
+            lockdir.drain(self._wake_r)
+
+    def _sweep_once(self) -> None:
+        """Kill what this server adopted; then, unless some of it will not die, clear the orphaned
+        grants of its dead connection processes; clear those of dead servers; end dead jobs' records."""
+        ctx = self.context
+        clean = procs.kill_until_gone(self._adopted, KILL_WAIT)  # each is reaped by _handle_sigchld
+        if not clean:
+            log.warning("processes left by dead connection processes still run after SIGKILL: %s", self._adopted())
+
+        def claim(record: dict[str, Any]) -> bool:
+            server = record.get("server_process")
+            return (clean and record.get("server_id") == ctx.server_id) or not (server and procs.alive(*server))
+
+        for record in ctx.locks.clear_orphans(claim):
+            log.warning("GPUs of job %s granted again: its connection process died", record.get("job_id"))
+        for record in ctx.store.sweep():
+            log.warning("job %s failed: %s", record.job_id, record.error)
+            ctx.locks.wake_all()
+
+    def _adopted(self) -> list[int]:
+        """The running processes this server adopted (it is a child subreaper): its children that
+        are neither spares nor connection processes (what dead connection processes left), and
+        their descendants; but not a job container's watcher, which removes its container."""
+        with self._forking:
+            mine = self._spares | self._connections
+            found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
+        found = [pid for pid in found if not procs.runs_module(pid, container_watcher.__name__)]
+        return [each for pid in found for each in (pid, *procs.subtree(pid)) if procs.alive(each)]
+
+
+def _running(pid: int) -> bool:
+    """Whether a child process still runs (an ended one is left for _handle_sigchld to reap)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
+def _poke(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        os.write(fd, b"!")
+
+

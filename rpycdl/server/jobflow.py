@@ -1,0 +1,307 @@
+"""A job's flow from its checked request to its outcome: it waits in line for its GPUs (its payload
+test-loaded meanwhile), runs in its job process (or its container) with exactly those GPUs, is
+stopped when cancelled, timed out or over its share, and ends with everything it started gone,
+its GPUs released and its record written; an original client's value is made after that."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import select
+import signal
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rpycdl.defaults import (
+    ENV_SIMULATED_GPUS,
+    RELEASE_BEFORE_REPLY,
+    RESULT_DECODE_TIMEOUT,
+    RESULT_MEMORY_FACTOR,
+    RESULT_MEMORY_MIN,
+)
+from rpycdl.errors import (
+    ContainerError,
+    GPUMemoryExceededError,
+    JobCancelledError,
+    JobCrashedError,
+    JobTimeoutError,
+    LimitError,
+)
+from rpycdl.gpu import caps
+from rpycdl.gpu.inventory import FakeInventory
+from rpycdl.gpu.watchdog import MemoryWatch
+from rpycdl.scheduler import procs
+from rpycdl.scheduler.holders import Grant
+from rpycdl.scheduler.jobs import JobRecord, JobState, new_job_id
+from rpycdl.scheduler.locks import Need
+from rpycdl.server import child, runner
+from rpycdl.server.context import ServerContext
+from rpycdl.server.request import JobRequest
+from rpycdl.wire import codec
+
+LOAD_CHECK_AFTER = 0.2
+"""Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits
+are not worth a process."""
+
+Stop = Callable[[int], tuple[runner.Ending, str] | None]
+"""Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
+
+STATES = {runner.Ending.TIMED_OUT: JobState.TIMED_OUT, runner.Ending.CANCELLED: JobState.CANCELLED,
+          runner.Ending.CRASHED: JobState.FAILED, runner.Ending.OVER_MEMORY: JobState.FAILED}
+ERRORS = {runner.Ending.TIMED_OUT: JobTimeoutError, runner.Ending.CANCELLED: JobCancelledError,
+          runner.Ending.CRASHED: JobCrashedError, runner.Ending.OVER_MEMORY: GPUMemoryExceededError}
+"""How a job that did not finish ends: its record's state, and the error its client gets."""
+
+
+class Link(Protocol):
+    """What a job's flow needs of the connection serving its client."""
+
+    def socket_fds(self) -> list[int]:
+        """The client socket's descriptor, to watch while the job waits or runs ([] once it is gone)."""
+
+    def serve_client(self) -> None:
+        """Serve what the client sent meanwhile; EOFError if it is gone."""
+
+    def push(self, receive: Callable[[Any], None], layout: codec.Layout, fd: int) -> int:
+        """Send a result's buffers to the client's `receive` from the pipe `fd` (wire.bulk.push)."""
+
+    def take_spare(self) -> runner.JobProcess | None:
+        """The connection's spare job process, once (None after, or if there is none)."""
+
+    def defer(self, end: Callable[[], None]) -> None:
+        """Call `end` once the reply has gone out (or when the client has gone)."""
+
+
+class JobFlow:
+    """One job of one connection, from its checked request to its outcome."""
+
+    def __init__(self, context: ServerContext, request: JobRequest, link: Link, on_end: Callable[[], None]) -> None:
+        self.context, self.request, self.link, self._on_end = context, request, link, on_end
+        me = procs.myself()
+        self.record = JobRecord(new_job_id(), context.server_id, request.client, request.gpu_request.ngpus,
+                                request.gpu_request.share_bytes, owner_pid=me[0], owner_start=me[1],
+                                user=request.owner.user, user_verified=request.owner.verified)
+        self.job: runner.JobProcess | None = None
+        self.grant: Grant | None = None
+        self.result: runner.Result | None = None
+        self._check: runner.LoadCheck | None = None
+        self._waiting_since: float | None = None
+
+    def run(self) -> bytes:
+        """Queue, lock the GPUs, run, release. Returns the outcome bytes (wire.codec); raises
+        RpycdlError for a job that did not finish (timeout, cancel, crash, over its share)."""
+        record = self.record
+        try:
+            if self.request.body is not None:
+                self.job = self._job_process()
+                record.pgid, record.leader_start = self.job.identity
+            self.grant = self._acquire()
+            self.result = self._execute()
+        except BaseException as exc:
+            record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
+            record.error = str(exc) or type(exc).__name__
+            raise
+        finally:
+            record.ended = time.time()
+            if self.result is None or len(self.result.outcome) > RELEASE_BEFORE_REPLY:
+                self._end()  # a large reply may take long to send: the GPUs do not wait for it
+            else:  # the outcome is known: the client gets it while the job process is reaped
+                self.link.defer(self._end)
+        if self.result.ending is runner.Ending.FINISHED:
+            return self.result.outcome
+        raise ERRORS[self.result.ending](f"job {record.job_id}: {self.result.reason}")
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def _job_process(self) -> runner.JobProcess:
+        """The connection's spare job process, given the payload; else (the spare is used or gone, or
+        out-of-band buffers must come by fork) one forked now with it."""
+        body, buffers = self.request.body, self.request.buffers
+        spare = self.link.take_spare()
+        if spare is not None:
+            if not buffers and spare.give(body):  # type: ignore[arg-type]
+                return spare
+            spare.close()
+        return runner.JobProcess(body, buffers)
+
+    def _acquire(self) -> Grant:
+        ctx, record = self.context, self.record
+        need = Need(record.ngpus, tuple(gpu.uuid for gpu in ctx.gpus), record.share_bytes,
+                    {gpu.uuid: gpu.memory_total for gpu in ctx.gpus})
+        info = {"job_id": record.job_id, "client": record.client, "server": ctx.name, "server_id": ctx.server_id,
+                "user": self.request.owner.label, "leader": [record.pgid, record.leader_start] if self.job else None,
+                "owner": [record.owner_pid, record.owner_start], "server_process": list(ctx.server_process)}
+        self._wake_fds = self.link.socket_fds()
+        grant = ctx.locks.acquire(need, info, queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
+                                  on_wake=self._on_wake, on_position=self._on_position)
+        record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
+        self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),
+                   share_bytes=grant.share_bytes)
+        return grant
+
+    def _on_position(self, ahead: int) -> None:
+        if self._waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
+            self._check_queue_limits()
+            self._waiting_since = time.monotonic()
+            self.context.store.save(self.record)
+        self._tell("pending", ahead=ahead, ngpus=self.record.ngpus, share_bytes=self.record.share_bytes)
+
+    def _on_wake(self) -> None:
+        """Between waits: the client still there? the payload loadable (once it has waited
+        LOAD_CHECK_AFTER)? the job cancelled?"""
+        self.link.serve_client()
+        body, waited = self.request.body, time.monotonic() - (self._waiting_since or time.monotonic())
+        if body is not None and self._check is None and waited >= LOAD_CHECK_AFTER:
+            with contextlib.suppress(LimitError):  # no process to spare: the job itself will tell
+                self._check = runner.LoadCheck(body, self.request.buffers)
+                self._wake_fds.append(self._check.fd)
+        check = self._check
+        if check is not None and check.fd in self._wake_fds and select.select([check.fd], [], [], 0)[0]:
+            self._wake_fds.remove(check.fd)
+            error = check.error()
+            if error is not None:
+                raise error
+        if self.context.store.cancel_requested(self.record.job_id):
+            raise JobCancelledError(f"job {self.record.job_id} was cancelled while waiting")
+
+    def _check_queue_limits(self) -> None:
+        """Raise LimitError if this server's queue, or this user's share of it, is full."""
+        ctx, label = self.context, self.request.owner.label
+        others = [w for w in ctx.locks.queue() if w["server_id"] == ctx.server_id and w["job_id"] != self.record.job_id]
+        if len(others) >= ctx.limits.max_queued:
+            raise LimitError(f"this server's queue is full: {len(others)} requests wait, the limit is "
+                             f"{ctx.limits.max_queued} (--max-queued); try again later or another server")
+        mine = sum(1 for w in others if w.get("user") == label)
+        if mine >= ctx.limits.max_queued_per_user:
+            raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
+                             f"{ctx.limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
+
+    def _tell(self, state: str, **info: Any) -> None:
+        if self.request.output.on_state is not None:
+            self.request.output.on_state(state, json.dumps({"job_id": self.record.job_id, **info}))
+
+    # -- running ------------------------------------------------------------------------
+
+    def _gpu(self, uuid: str) -> Any:
+        return next(gpu for gpu in self.context.gpus if gpu.uuid == uuid)
+
+    def _environment(self) -> dict[str, str]:
+        """The job's variables: its GPUs, its ids, its share's caps, the simulated driver's state."""
+        grant, inventory = self.grant, self.context.inventory
+        assert grant is not None
+        env = {**child.gpu_environment([self._gpu(uuid).index for uuid in grant.uuids], grant.uuids),
+               procs.JOB_ID_VARIABLE: self.record.job_id, "RPYCDL_TICKET": str(grant.ticket),
+               "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
+        if grant.share_bytes:
+            env.update(caps.cap_environment(grant.share_bytes, self._gpu(grant.uuids[0]).memory_total))
+        if isinstance(inventory, FakeInventory) and inventory.state_dir is not None:
+            env[ENV_SIMULATED_GPUS] = str(inventory.state_dir)
+        return env
+
+    def _stopper(self) -> Stop:
+        """The job's Stop: a cancel request, or (for a share of a GPU) the memory watchdog."""
+        ctx, grant, job_id = self.context, self.grant, self.record.job_id
+        assert grant is not None
+        watch = None
+        if grant.share_bytes:
+            watch = MemoryWatch(ctx.inventory, self._gpu(grant.uuids[0]), grant.share_bytes, ctx.shares.allowance)
+
+        def stop(pid: int) -> tuple[runner.Ending, str] | None:
+            if ctx.store.cancel_requested(job_id):
+                return runner.Ending.CANCELLED, "the job was cancelled"
+            reason = watch.check(pid) if watch is not None else None
+            return (runner.Ending.OVER_MEMORY, reason) if reason else None
+
+        return stop
+
+    def _execute(self) -> runner.Result:
+        return self._run_container() if self.request.container is not None else self._run_payload()
+
+    def _run_payload(self) -> runner.Result:
+        """The payload in its job process (rpycdl.server.runner). With the client's `receive`, a
+        large result's buffers go to it beside RPyC."""
+        output, job = self.request.output, self.job
+        assert job is not None  # run() forks it for every payload
+        receive = output.receive
+
+        def send_result(layout: codec.Layout, fd: int) -> int:
+            return self.link.push(receive, layout, fd)  # type: ignore[arg-type]
+
+        return job.run(self._environment(), output.stdout, output.stderr,
+                       on_start=lambda _: self.context.store.save(self.record), timeout=self.request.timeout,
+                       watch_fds=self.link.socket_fds(), on_watch=self.link.serve_client, stop=self._stopper(),
+                       on_buffers=send_result if receive is not None else None,
+                       max_result=self.context.limits.max_payload)
+
+    def _run_container(self) -> runner.Result:
+        """The request's command in a container of its own (rpycdl.server.containers)."""
+        from rpycdl.server import containers  # docker is only needed by servers that run containers
+
+        ctx, record, output = self.context, self.record, self.request.output
+        ctx.store.save(record)
+        env = {key: value for key, value in self._environment().items() if key.startswith("RPYCDL_")}
+        try:
+            code = containers.run_job_container(
+                self.request.container, record.gpu_uuids, simulated=ctx.inventory.simulated, owner=ctx.server_id,  # type: ignore[arg-type]
+                job_id=record.job_id, lock_dir=ctx.lock_dir, on_stdout=output.stdout, on_stderr=output.stderr,
+                timeout=self.request.timeout, poll=self.link.serve_client,
+                cancelled=lambda: ctx.store.cancel_requested(record.job_id), extra_env=env)
+        except JobTimeoutError as exc:
+            return runner.Result(runner.Ending.TIMED_OUT, reason=str(exc))
+        except JobCancelledError as exc:
+            return runner.Result(runner.Ending.CANCELLED, reason=str(exc))
+        except ContainerError as exc:
+            return runner.Result(runner.Ending.FINISHED, codec.encode_error(exc, tb=""))
+        return runner.Result(runner.Ending.FINISHED, codec.encode_ok(code))
+
+    # -- ending -------------------------------------------------------------------------
+
+    def _end(self) -> None:
+        """Leave nothing of the job running, release its GPUs, write its record's end."""
+        if self._check is not None:
+            self._check.close()
+        if self.job is not None:
+            self.job.close()  # gone before its GPUs are released
+        if self.grant is not None:
+            self.context.locks.release(self.grant)
+        record, result = self.record, self.result
+        if result is None:
+            if not record.state.finished:
+                record.state = JobState.FAILED
+        else:
+            finished = JobState.SUCCEEDED if codec.succeeded(result.outcome) else JobState.FAILED
+            record.state = finished if result.ending is runner.Ending.FINISHED else STATES[result.ending]
+            record.error = result.reason
+        self.context.store.save(record)
+        self._on_end()
+
+
+def decode_bounded(outcome: bytes) -> Any:
+    """The job's value (or its exception, raised) for an original client, which gets it by reference
+    from this process: made here within RESULT_DECODE_TIMEOUT seconds and RESULT_MEMORY_FACTOR times
+    the outcome's size (RESULT_MEMORY_MIN at least) of new memory, whatever its pickle asks for.
+
+    Raises:
+        LimitError: it took longer, or needed more memory.
+    """
+    def too_slow(*_: Any) -> None:
+        raise LimitError(f"the job's result took longer than {RESULT_DECODE_TIMEOUT:g} s to load on the server")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    budget = mapped + max(RESULT_MEMORY_FACTOR * len(outcome), RESULT_MEMORY_MIN)
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, RESULT_DECODE_TIMEOUT)
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (budget if hard == resource.RLIM_INFINITY else min(budget, hard), hard))
+        return codec.decode_outcome(outcome)
+    except MemoryError:
+        raise LimitError(f"the job's result needs more than {budget - mapped} bytes of memory to load on the server "
+                         "(it returned something that grows when unpickled)") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,94 @@
+"""What job processes leave behind. The process that forks them is a child subreaper, so what a
+job started (even what left its process group or its session) is this process's descendant, or is
+adopted by it when its parent dies; its children that it did not fork itself are such leftovers,
+killed when the job ends and reaped meanwhile."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from rpycdl.defaults import KILL_WAIT
+from rpycdl.errors import LimitError
+from rpycdl.scheduler import procs
+from rpycdl.server.child import prctl
+
+PR_SET_CHILD_SUBREAPER = 36
+
+_OWN: set[int] = set()
+"""The job processes and load checks this process forked and has not reaped yet; any other
+child it has was adopted (see adopted)."""
+
+log = logging.getLogger("rpycdl.runner")
+
+
+def _forked() -> None:
+    """In a forked child: nothing is its own yet, and it is not a subreaper (prctl is not inherited)."""
+    global _subreaper
+    _OWN.clear()
+    _subreaper = False
+
+
+_subreaper = False
+os.register_at_fork(after_in_child=_forked)
+
+
+def fork(what: str, pipes: Sequence[int]) -> int:
+    """os.fork() of a process of this one's own (a job process, a load check), this one becoming a
+    child subreaper first. If the machine has no process or memory to spare, the `pipes` made for
+    the child are closed and LimitError names `what` the process was for."""
+    global _subreaper
+    if not _subreaper:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        _subreaper = True
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in pipes:
+            os.close(fd)
+        raise LimitError(f"this server could not start a process for {what} ({exc.strerror or exc}); try again "
+                         "later or use another server") from exc
+    if pid:
+        _OWN.add(pid)
+    return pid
+
+
+def reap(pid: int) -> int:
+    """Wait for a process of this one's own to end; its wait status (0 if it was reaped already)."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return 0
+    finally:
+        _OWN.discard(pid)
+    return status
+
+
+def adopted() -> list[int]:
+    """Children of this process that it did not fork itself: what ended job processes left, adopted
+    by this process (a child subreaper)."""
+    return [pid for pid in procs.children(os.getpid()) if pid not in _OWN]
+
+
+def strays() -> list[int]:
+    """The adopted processes and everything they started in turn."""
+    found = adopted()
+    return found + [pid for stray in found for pid in procs.subtree(stray)]
+
+
+def kill_strays() -> None:
+    """SIGKILL what the ended jobs of this process left running, until none of it runs. A process
+    that cannot be killed (another user's, or stuck in the kernel) is waited for, however long:
+    its GPUs are not free while it runs."""
+    def running() -> list[int]:
+        return [pid for pid in strays() if procs.alive(pid)]
+
+    def reap_adopted() -> None:
+        procs.reap(adopted())
+
+    if not adopted():  # the usual end: the job's group was all there was
+        return
+    while not procs.kill_until_gone(running, KILL_WAIT, reap_adopted):
+        log.warning("processes left by a job still run after SIGKILL: %s", running())
+    reap_adopted()

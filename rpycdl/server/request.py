@@ -1,0 +1,147 @@
+"""A job as a client asked for it, checked once at the service's edge: what to run (a payload or a
+container), on what (whole GPUs or a share of one), for how long, where its output goes, and
+whose it is. Nothing unchecked goes further."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rpycdl.errors import InvalidRequestError, LimitError
+from rpycdl.scheduler.shares import GPURequest, parse_request
+from rpycdl.security.auth import Identity
+from rpycdl.server.context import ServerContext
+
+if TYPE_CHECKING:  # docker is needed only by servers that run containers
+    from rpycdl.server.containers import JobSpec
+
+MAX_TIMEOUT = 366 * 24 * 3600.0
+"""The longest timeout or queue_timeout a request may give, in seconds."""
+
+CALL_OPTIONS = ("ngpus", "stdout", "stderr", "timeout", "queue_timeout", "on_state", "gpus", "gpu_memory")
+"""The options of `run` and `run_buffers` after their fixed arguments, in the order rpycdl clients
+send them positionally (they may also come by name)."""
+
+CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
+"""The options of `run_container` after the image and the command, likewise."""
+
+
+def discard(_: str) -> None:
+    """An output sink that drops what it is given."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a job's output and news go.
+
+    Attributes:
+        stdout, stderr: receive the job's output, as text, as it is printed.
+        on_state: the client's callback, called as on_state("pending" or "running", JSON info).
+        receive: the client's callback that reads a large result's buffers beside RPyC
+            (wire.bulk.push); None sends every result in band.
+    """
+
+    stdout: Callable[[str], None] = discard
+    stderr: Callable[[str], None] = discard
+    on_state: Callable[[str, str], None] | None = None
+    receive: Callable[[Any], None] | None = None
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One job, checked.
+
+    Attributes:
+        gpu_request: whole GPUs, or a share of one.
+        owner: who sent it.
+        client: the client's address, for status.
+        body: a payload's dill body (wire.codec.check_payload), run in a job process; or None,
+            for a container.
+        buffers: the payload's out-of-band buffers (the job process gets them by the fork).
+        container: a command to run in a container of its own instead (the generic server).
+        timeout: seconds the job may run; queue_timeout: seconds it may wait for its GPUs.
+        output: where its output goes.
+    """
+
+    gpu_request: GPURequest
+    owner: Identity
+    client: str
+    body: bytes | None = None
+    buffers: list[Any] = field(default_factory=list)
+    container: JobSpec | None = None
+    timeout: float | None = None
+    queue_timeout: float | None = None
+    output: Output = field(default_factory=Output)
+
+
+def output(options: dict[str, Any], receive: Callable[[Any], None] | None = None) -> Output:
+    """Take a call's output callbacks (stdout, stderr, on_state) out of its `options`."""
+    return Output(options.pop("stdout", None) or discard, options.pop("stderr", None) or discard,
+                  options.pop("on_state", None), receive)
+
+
+def check_size(data: Any, what: str, limit: int, beside: int = 0) -> None:
+    """Refuse `data` and `beside` more bytes (its out-of-band buffers) over `limit` (--max-payload)."""
+    if isinstance(data, (bytes, bytearray)) and len(data) + beside > limit:
+        raise LimitError(f"the {what} is {len(data) + beside} bytes, over this server's limit of {limit} "
+                         "(--max-payload)")
+
+
+def check_seconds(value: Any, name: str) -> float | None:
+    """Check an optional timeout: None, or a positive finite number of seconds (a year at most)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= MAX_TIMEOUT:
+        raise InvalidRequestError(f"{name} must be a positive number of seconds (at most a year), not {value!r}")
+    return float(value)
+
+
+def named(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's options, whether they came positionally (in the order of `names`) or by name."""
+    if len(args) > len(names):
+        raise InvalidRequestError(f"too many arguments: at most {len(names)} after the fixed ones")
+    options = dict(zip(names, args, strict=False))
+    for name, value in kwargs.items():
+        if name not in names:
+            raise InvalidRequestError(f"unknown option {name}=; the options are {', '.join(names)}")
+        if name in options:
+            raise InvalidRequestError(f"{name} given twice")
+        options[name] = value
+    return options
+
+
+def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = None, gpus: Any = None,
+          gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, **job: Any) -> JobRequest:
+    """Check what a request asks for against this server, and make it a JobRequest.
+
+    Args:
+        context: the server's GPUs and rules.
+        owner, client: who sent it, from where.
+        ngpus, gpus, gpu_memory: the GPUs, as the client gave them (scheduler.shares.parse_request).
+        timeout, queue_timeout: seconds, as the client gave them.
+        job: what to run and where its output goes: `body` and `buffers`, or `container`; `output`.
+
+    Raises:
+        InvalidRequestError: anything it could never run.
+    """
+    sizes = [gpu.memory_total for gpu in context.gpus]
+    return JobRequest(parse_request(ngpus, gpus, gpu_memory, sizes, context.shares), owner, client,
+                      timeout=check_seconds(timeout, "timeout"),
+                      queue_timeout=check_seconds(queue_timeout, "queue_timeout"), **job)
+
+
+def writer(stream: Any) -> Callable[[str], None]:
+    """A sink writing to a client's file-like object (an RPyC netref), flushing each time."""
+    if stream is None:
+        return discard
+
+    def write(text: str) -> None:
+        stream.write(text)
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            flush()
+
+    return write

@@ -1,0 +1,375 @@
+"""Runs one callable in a job process, from the connection process: its environment, its live
+output, its result or exception, timeout, cancel, and nothing of it left running afterwards.
+
+The job process (rpycdl.server.child) is forked before its payload is needed: a connection's
+first job process is forked with the connection process, before a client connects (a spare,
+given its payload down a pipe), and any other as its request arrives. It waits there for its
+GPUs, which it gets through the environment before the payload is unpickled (so before any
+framework is imported). Its stdout and stderr are pipes at the file-descriptor level, so the
+output of any process it starts is streamed too. However it ends, its group is killed before
+run() returns, and everything it started is gone once close() returns (rpycdl.server.orphans).
+
+The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they
+are already in the connection process's memory, and a job forked as they arrive gets them
+without a copy (so a call that has them never goes to a spare). Its result's buffers come back
+through its result pipe, and the connection process hands them on as they come (run's
+`on_buffers`), so a large result is never held in it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import fcntl
+import json
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from rpycdl.errors import InvalidRequestError, LimitError
+from rpycdl.scheduler import procs
+from rpycdl.server import orphans
+from rpycdl.server.child import COUNT, ENTRY, GO, cannot_load, die_with_parent, run_job, write_all
+from rpycdl.wire import codec
+
+_READ = 1 << 20
+PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
+STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
+
+Streams = dict[int, tuple[codecs.IncrementalDecoder, Callable[[str], None]]]
+"""The job's output pipes, each with its decoder and where its text goes."""
+
+
+class Ending(str, Enum):
+    """How a job process ended, as far as the runner can tell."""
+
+    FINISHED = "finished"  # wrote an outcome (a value or the callable's exception)
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    CRASHED = "crashed"  # died without an outcome
+    OVER_MEMORY = "over_memory"  # stopped by the memory watchdog
+
+
+@dataclass
+class Result:
+    """What run() observed: how the job ended, its outcome bytes, and a readable reason."""
+
+    ending: Ending
+    outcome: bytes = b""
+    reason: str = ""
+
+
+class _ResultPipe:
+    """The connection process's end of the result pipe: the header, then the out-of-band buffers
+    (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the outcome.
+    A result of more than `limit` bytes is not read: `over` then says why."""
+
+    def __init__(self, fd: int, on_buffers: Callable[[codec.Layout], int] | None, limit: int | None) -> None:
+        self.fd = fd
+        self.header = bytearray()
+        self.layout: codec.Layout | None = None
+        self.outcome = bytearray()
+        self.complete = True  # False: the buffers ended early, or the header made no sense
+        self.over = ""
+        self._on_buffers = on_buffers
+        self._limit = limit
+
+    def _too_large(self, size: int) -> bool:
+        if self._limit is None or size <= self._limit:
+            return False
+        self.over = (f"the job's result is over this server's limit of {self._limit} bytes (--max-payload): "
+                     "return less, or save it to a file and return its path")
+        return True
+
+    def read(self) -> bool:
+        """Read what is there; False at end of file."""
+        while self.layout is None:
+            need = COUNT.size
+            if len(self.header) >= COUNT.size:
+                count = COUNT.unpack_from(self.header)[0]
+                if count > codec.MAX_BUFFERS or (count and self._on_buffers is None):
+                    self.complete = False
+                    return False
+                need += count * ENTRY.size
+            if len(self.header) == need:
+                self.layout = tuple(ENTRY.unpack_from(self.header, offset)
+                                    for offset in range(COUNT.size, need, ENTRY.size))
+                if self._too_large(codec.layout_bytes(self.layout)):
+                    return False
+                if self.layout:
+                    self.complete = self._on_buffers(self.layout) == codec.layout_bytes(self.layout)  # type: ignore[misc]
+                break
+            try:
+                chunk = os.read(self.fd, need - len(self.header))
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self.header += chunk
+        more = _read_into(self.fd, self.outcome, self._limit)
+        return more and not self._too_large(len(self.outcome))
+
+
+class LoadCheck:
+    """Unpickles a payload in a throwaway process while its request waits for GPUs, so a callable
+    this server cannot load (a module it lacks) fails at once rather than after the wait.
+
+    The process sees no GPU (CUDA_VISIBLE_DEVICES is empty) and dies with its parent. `fd`
+    becomes readable when it is done; then `error()` says what went wrong, if anything."""
+
+    def __init__(self, body: bytes, buffers: Sequence[Any] = ()) -> None:
+        read_end, write_end = os.pipe()
+        parent = os.getpid()
+        self.pid = orphans.fork("a load check", (read_end, write_end))
+        if self.pid == 0:
+            os.close(read_end)
+            message = b""
+            try:
+                os.setpgid(0, 0)
+                die_with_parent(parent)
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                os.environ["CUDA_VISIBLE_DEVICES"] = ""
+                codec.load_call(body, buffers)
+            except BaseException as exc:  # noqa: BLE001 - what failed is the answer
+                message = str(cannot_load(exc)).encode(errors="replace")
+            os.write(write_end, message[:4096])
+            os._exit(0)
+        os.close(write_end)
+        self.fd = read_end
+
+    def error(self) -> InvalidRequestError | None:
+        """Once `fd` is readable: why the payload cannot be loaded here (cannot_load), or None if it can."""
+        os.set_blocking(self.fd, True)
+        message = os.read(self.fd, 4096).decode(errors="replace")
+        return InvalidRequestError(message) if message else None
+
+    def close(self) -> None:
+        """Stop the check (if still running) and release what it holds."""
+        procs.kill_group(self.pid)
+        orphans.reap(self.pid)
+        os.close(self.fd)
+
+
+class JobProcess:
+    """One job process, forked before its GPUs come, so that it is ready when they do: it waits
+    for its environment before it unpickles anything. Either it is forked with the payload `body`
+    and its out-of-band `buffers` in its memory, as the request arrives; or it is a spare, forked
+    before there is a request (no `body`), and give() names its payload. run() starts it and
+    waits for its outcome; close() leaves nothing of it running, and must be called however the
+    request ends (before its GPUs are released).
+
+    Args:
+        body: a payload body accepted by codec.check_payload; None for a spare.
+        buffers: its out-of-band buffers. The job process gets them by the fork (shared until
+            written); run() empties the list, so this process lets go of their memory once the
+            job no longer waits (a LoadCheck may need them while it does).
+        close_fds: descriptors of this process the job process must not keep (a spare's
+            connection process still has the server's listening socket).
+
+    Raises:
+        LimitError: the machine has no process to spare for it.
+    """
+
+    def __init__(self, body: bytes | None = None, buffers: list[Any] | None = None,
+                 close_fds: Sequence[int] = ()) -> None:
+        go_r, self._go_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        res_r, res_w = os.pipe()
+        with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
+            fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        parent = os.getpid()
+        self.pid = orphans.fork("the job", (go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w))
+        if self.pid == 0:
+            for fd in (self._go_w, out_r, err_r, res_r, *close_fds):
+                os.close(fd)
+            run_job(body, buffers or (), go_r=go_r, out_w=out_w, err_w=err_w, res_w=res_w, parent=parent)
+        self._buffers = buffers
+        self._body = b""  # a spare's payload, sent down the go pipe by run()
+        self._spare = body is None
+        self.identity = procs.identify(self.pid)
+        for fd in (go_r, out_w, err_w, res_w):
+            os.close(fd)
+        self._pidfd = os.pidfd_open(self.pid)
+        self._out, self._err, self._res = out_r, err_r, res_r
+        for fd in (out_r, err_r, res_r):
+            os.set_blocking(fd, False)
+        self._status: int | None = None
+
+    def give(self, body: bytes) -> bool:
+        """Make a spare run the payload `body`; False if it cannot (not a spare, used, or gone)."""
+        if not self._spare or self._body or self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]:
+            return False
+        self._body = body
+        return True
+
+    def run(self, env: dict[str, str], on_stdout: Callable[[str], None], on_stderr: Callable[[str], None], *,
+            on_start: Callable[[int], None] | None = None, timeout: float | None = None,
+            watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
+            stop: Callable[[int], tuple[Ending, str] | None] | None = None,
+            on_buffers: Callable[[codec.Layout, int], int] | None = None, max_result: int | None = None) -> Result:
+        """Run the payload with `env` set, and wait for its outcome. When this returns, the job
+        process's group has been sent SIGKILL and all its output forwarded.
+
+        Args:
+            env: variables set in the job process before the payload is unpickled.
+            on_stdout, on_stderr: receive the job's output, as text, as it arrives.
+            on_start: called with the job process id (its group id too) once it runs.
+            timeout: seconds the job may run; past it the group is killed.
+            watch_fds: other descriptors to watch (the client connection).
+            on_watch: called when one is readable; may raise (client gone), which kills the job.
+            stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
+                kills the job, which then ends that way (a cancel request, the memory watchdog).
+            on_buffers: given, a large result's buffers go out of band: once they come, the output
+                printed so far has been handed on and `on_buffers(layout, fd)` must read exactly
+                their total size from the blocking pipe `fd` and say how many bytes it got (fewer
+                only if the pipe ended early). Timeout and `stop` wait until it returns.
+            max_result: the most bytes the result may have (its buffers, or its outcome), which
+                bounds the memory it takes here; a larger one ends the job with LimitError.
+        """
+        self._start(env, on_buffers is not None)
+        streams: Streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
+                            self._err: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
+        handed = self._handing(streams, on_buffers) if on_buffers is not None else None
+        result = _ResultPipe(self._res, handed, max_result)
+        try:
+            if on_start is not None:
+                on_start(self.pid)
+            ending, reason = self._wait(result, streams, timeout=timeout, watch_fds=watch_fds, on_watch=on_watch,
+                                        stop=stop)
+        finally:
+            procs.kill_group(self.pid)
+            procs.kill([self.pid])  # in case it died before it could lead its own group
+            for fd in streams:
+                _forward(fd, *streams[fd])
+        if result.over:
+            return Result(Ending.FINISHED, codec.encode_error(LimitError(result.over), tb=""), result.over)
+        if ending is Ending.FINISHED and not result.complete:
+            ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} while sending its result"
+        elif ending is Ending.FINISHED and not result.outcome:
+            ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} before returning a result"
+        return Result(ending, bytes(result.outcome), reason)
+
+    def _start(self, env: dict[str, str], out_of_band: bool) -> None:
+        """Send the job its environment (and a spare its payload) down the go pipe, and close it."""
+        if self._buffers:
+            self._buffers.clear()
+        if self._spare and not self._body:
+            raise RuntimeError("a spare job process runs only once give() named its payload")
+        environment = json.dumps(env).encode()
+        with contextlib.suppress(BrokenPipeError):  # it died: the wait reports how
+            write_all(self._go_w, GO.pack(len(environment), out_of_band) + environment)
+            write_all(self._go_w, self._body)
+        self._body = b""
+        os.close(self._go_w)
+        self._go_w = -1
+
+    def _handing(self, streams: Streams,
+                 on_buffers: Callable[[codec.Layout, int], int]) -> Callable[[codec.Layout], int]:
+        """What reads a result's buffers: the output printed so far first, then `on_buffers` from the
+        result pipe, made blocking meanwhile."""
+        def hand(layout: codec.Layout) -> int:
+            for fd in streams:  # what the job printed before returning goes first
+                _forward(fd, *streams[fd])
+            os.set_blocking(self._res, True)
+            try:
+                return on_buffers(layout, self._res)
+            finally:
+                os.set_blocking(self._res, False)
+
+        return hand
+
+    def _wait(self, result: _ResultPipe, streams: Streams, *, timeout: float | None, watch_fds: Sequence[int],
+              on_watch: Callable[[], None] | None,
+              stop: Callable[[int], tuple[Ending, str] | None] | None) -> tuple[Ending, str]:
+        """Forward output and read the result until the job ends, or must (run's loop)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        open_fds = [self._out, self._err, self._res]
+        next_stop_check, next_reap = 0.0, time.monotonic() + STOP_POLL
+        ending: Ending | None = None
+        reason = ""
+        while ending is None:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if stop is not None:
+                wait = STOP_POLL if wait is None else min(wait, STOP_POLL)
+            readable, _, _ = select.select([*open_fds, self._pidfd, *watch_fds], [], [], wait)
+            for fd in readable:
+                if fd == self._res:
+                    if not result.read():  # end of file: the outcome is complete, or never will be
+                        open_fds.remove(fd)
+                        ending = Ending.FINISHED
+                    elif not result.complete:  # it cannot send its result any more
+                        ending = Ending.FINISHED
+                elif fd in streams and not _forward(fd, *streams[fd]):
+                    open_fds.remove(fd)
+            if self._pidfd in readable:
+                if self._res in open_fds:
+                    result.read()
+                ending = Ending.FINISHED
+            elif ending is None and on_watch is not None and set(watch_fds) & set(readable):
+                on_watch()
+            if time.monotonic() >= next_reap:  # what the job's programs left, adopted here: no zombie piles up
+                next_reap = time.monotonic() + STOP_POLL
+                procs.reap(orphans.adopted())
+            if ending is None and stop is not None and time.monotonic() >= next_stop_check:
+                next_stop_check = time.monotonic() + STOP_POLL
+                ending, reason = stop(self.pid) or (None, "")
+            if ending is None and deadline is not None and time.monotonic() >= deadline:
+                ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
+        return ending, reason
+
+    def close(self) -> None:
+        """Kill the job process and everything it started, and wait until none of them runs (they
+        are this process's own descendants, or adopted by it: rpycdl.server.orphans). Closing twice
+        is harmless."""
+        if self._pidfd < 0:
+            return
+        procs.kill_group(self.pid)
+        procs.kill([self.pid])
+        self._reap()
+        orphans.kill_strays()
+        for fd in (self._go_w, self._out, self._err, self._res, self._pidfd):
+            if fd >= 0:
+                os.close(fd)
+        self._pidfd = -1
+
+    def _reap(self) -> int:
+        if self._status is None:
+            self._status = orphans.reap(self.pid)
+        return self._status
+
+
+def _read_into(fd: int, buffer: bytearray, limit: int | None = None) -> bool:
+    """Read what is there (stopping once `buffer` holds more than `limit` bytes); False at end of file."""
+    while limit is None or len(buffer) <= limit:
+        try:
+            chunk = os.read(fd, _READ)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            return False
+        buffer += chunk
+    return True
+
+
+def _forward(fd: int, decoder: codecs.IncrementalDecoder, sink: Callable[[str], None]) -> bool:
+    """Hand what the job printed to `sink`; False at end of file."""
+    data = bytearray()
+    more = _read_into(fd, data)
+    if data:
+        sink(decoder.decode(bytes(data)))
+    return more
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"was terminated by signal {sig} ({signal.Signals(sig).name})"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"

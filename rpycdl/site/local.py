@@ -1,0 +1,124 @@
+"""A registry and servers on loopback in subprocesses: the embedded default of `rpycdl demo`, and
+what the tests start."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rpycdl import registry
+from rpycdl.errors import RpycdlError
+
+READY_TIMEOUT = 30.0
+
+
+def free_udp_port() -> int:
+    """A UDP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    """A child process running an rpycdl command, with the lines it printed."""
+
+    argv: list[str]
+    popen: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    echo: bool = False
+
+    def pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if self.echo:
+                print(f"  | {line}", end="", file=sys.stderr, flush=True)
+
+    def wait_for(self, pattern: str, timeout: float = READY_TIMEOUT) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                match = re.search(pattern, line)
+                if match:
+                    return match
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.02)
+        raise RpycdlError(f"{' '.join(self.argv[2:])} did not start: " + " / ".join(self.lines[-10:]))
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start(args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False) -> Process:
+    """Start `python -m rpycdl ARGS` in a session of its own (Ctrl-C at a terminal reaches the caller, which
+    stops it) and collect its output in the background."""
+    argv = [sys.executable, "-m", "rpycdl", *args]
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    process = Process(argv, popen, echo=echo)
+    threading.Thread(target=process.pump, daemon=True).start()
+    return process
+
+
+class LocalCluster:
+    """A registry on a free loopback port and servers registered with it.
+
+    Args:
+        lock_dir: the lock directory every server shares.
+        echo: copy the processes' output to stderr.
+    """
+
+    def __init__(self, lock_dir: str, echo: bool = False) -> None:
+        self.lock_dir = lock_dir
+        self.echo = echo
+        self.registry_port = free_udp_port()
+        self.registry_address = f"127.0.0.1:{self.registry_port}"
+        self.processes: list[Process] = []
+        self.registry = self._start(["registry", "--host", "127.0.0.1", "--port", str(self.registry_port)])
+        self.registry.wait_for(r"listening")
+
+    def _start(self, args: list[str]) -> Process:
+        process = start(args, echo=self.echo)
+        self.processes.append(process)
+        return process
+
+    def add_server(self, service: str, inventory: str | None, *extra: str) -> tuple[Process, int]:
+        """Start a server of `service` on a free loopback port; returns it and its port."""
+        args = ["serve", "--service", service, "--host", "127.0.0.1", "--port", "0",
+                "--registry", self.registry_address, "--lock-dir", self.lock_dir, *extra]
+        if inventory:
+            args += ["--gpus", inventory]
+        process = self._start(args)
+        port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
+        deadline = time.monotonic() + READY_TIMEOUT
+        while ("127.0.0.1", port) not in registry.discover(service, self.registry_address):
+            if time.monotonic() > deadline or process.popen.poll() is not None:
+                raise RpycdlError(f"server {service} on port {port} never registered: " + " / ".join(process.lines))
+            time.sleep(0.05)
+        return process, port
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

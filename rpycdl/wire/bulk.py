@@ -1,0 +1,195 @@
+"""Large buffers beside RPyC: the out-of-band buffers of rpycdl.wire.codec travel raw on the
+connection's socket, written straight from the sender's memory and read straight into fresh
+memory of the receiver, without a pickle, a frame or a copy.
+
+The side that needs them makes an RPyC request to a callback of the other side (`pull`, `push`),
+and the raw bytes travel between that request and its reply. Meanwhile neither side sends or reads
+an RPyC message, only the raw bytes move, so the stream never gets out of step; on any failure in
+the middle the connection is closed at once (stream.closed_on_failure: RPyC's own close would wait
+for an answer that never comes)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import rpyc
+
+from rpycdl.wire.codec import layout_bytes
+from rpycdl.wire.stream import CHUNK, closed_on_failure, receive_view, send_view
+
+MADV_POPULATE_WRITE = 23
+"""madvise(2) advice (Linux 5.14): fault pages in writable, without writing to them."""
+
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.argtypes = [ctypes.py_object]
+_bytes_address.restype = ctypes.c_void_p
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def bulk_socket(conn: rpyc.Connection) -> socket.socket:
+    """The socket under an RPyC connection."""
+    return conn._channel.stream.sock
+
+
+def allocate(size: int, readonly: bool) -> tuple[Any, ctypes.Array]:
+    """Fresh memory for a buffer of `size` bytes (at least 1), and a ctypes array over it to fill it.
+
+    A read-only buffer is a bytes object, so that the bytes a client sent arrive as bytes with no
+    copy; it is filled through the array before anything else sees it, as C code fills the result
+    of PyBytes_FromStringAndSize(NULL, size). A writable one is an anonymous private mmap (NumPy
+    arrays wrap it). Both are zero pages until written, so untouched memory costs nothing.
+    """
+    if size < 1:
+        raise ValueError("an empty buffer has no memory of its own (bytes(0) is shared)")
+    if readonly:
+        data = bytes(size)  # calloc, and a new object for any size but 0
+        return data, (ctypes.c_char * size).from_address(_bytes_address(data))
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    return memory, (ctypes.c_char * size).from_buffer(memory)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Write `buffers` (the PickleBuffers of wire.encode_call) raw on `sock`, in order."""
+    for buffer in buffers:
+        with buffer.raw() as view:
+            send_view(sock, view)
+
+
+def receive_buffers(sock: socket.socket, layout: Sequence[tuple[int, bool]]) -> list[Any]:
+    """Read buffers of `layout` (wire.Layout) from `sock`, each into fresh memory (allocate)."""
+    buffers = []
+    for size, readonly in layout:
+        buffer, cells = allocate(size, readonly)
+        with _populated(ctypes.addressof(cells), size), memoryview(cells) as raw, raw.cast("B") as view:
+            receive_view(sock, view)
+        del cells  # lets go of the mmap
+        buffers.append(buffer)
+    return buffers
+
+
+@contextlib.contextmanager
+def _populated(address: int, size: int) -> Iterator[None]:
+    """Fault in the memory at `address` from another thread while the caller receives into it.
+
+    The kernel zeroes every fresh page at its first touch: done ahead on the other core, that
+    overlaps the receive's copy instead of interrupting it (a third faster on the development
+    machine). Contents are never changed, so it does not matter who touches a page first."""
+    stop = threading.Event()
+
+    def populate() -> None:
+        start, end = address & ~(mmap.PAGESIZE - 1), address + size
+        while start < end and not stop.is_set():
+            length = min(CHUNK, end - start)
+            if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE):
+                return  # a kernel before 5.14: the receive faults pages in itself
+            start += length
+
+    thread = threading.Thread(target=populate, name="rpycdl-populate", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()  # gone before anything forks
+
+
+def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple[int, bool]]) -> list[Any]:
+    """Read the buffers of `layout` from the peer: its callback `send` writes them raw (send_buffers)
+    right after our request to call it, before its reply."""
+    call = rpyc.async_(send)
+    reply = call()
+    with closed_on_failure(conn):
+        buffers = receive_buffers(bulk_socket(conn), layout)
+    reply.wait()
+    return buffers
+
+
+def push(conn: rpyc.Connection, receive: Callable[[Any], None], layout: Sequence[tuple[int, bool]], fd: int) -> int:
+    """Send the peer buffers of `layout` read from the pipe `fd`: its callback `receive(layout)`
+    reads them (receive_buffers) while we write them raw after our request to call it.
+
+    Returns:
+        How many bytes came from `fd` (all of them unless it ended early; see forward).
+    """
+    call = rpyc.async_(receive)
+    reply = call(tuple(layout))
+    with closed_on_failure(conn):
+        sent = forward(bulk_socket(conn), fd, layout_bytes(layout))
+    reply.wait()
+    return sent
+
+
+def forward(sock: socket.socket, fd: int, count: int) -> int:
+    """Send exactly `count` bytes read from the blocking pipe `fd` to `sock`: spliced in the kernel
+    (no copy here) on a plain blocking socket, through a buffer on a TLS one. Should the pipe end
+    first, zeros make up the rest, so the peer's read completes and the stream stays in step.
+
+    Returns:
+        How many bytes came from `fd`.
+    """
+    done = 0
+    try:
+        if not isinstance(sock, ssl.SSLSocket) and sock.gettimeout() is None:
+            while done < count:
+                more = os.SPLICE_F_MORE if count - done > CHUNK else 0  # never cork the last bytes
+                moved = os.splice(fd, sock.fileno(), min(count - done, CHUNK), flags=more)
+                if not moved:
+                    break
+                done += moved
+        else:
+            buffer = bytearray(min(count, CHUNK))
+            with memoryview(buffer) as view:
+                while done < count:
+                    read = os.readv(fd, [view[:min(count - done, len(view))]])
+                    if not read:
+                        break
+                    send_view(sock, view[:read])
+                    done += read
+    except OSError as exc:
+        raise EOFError(exc) from exc
+    left = count - done
+    if left:
+        zeros = memoryview(bytes(min(left, CHUNK)))
+        while left:
+            send_view(sock, zeros[:left])
+            left -= min(left, len(zeros))
+    return done
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def lend_to_pipe(fd: int, view: memoryview) -> None:
+    """Write the bytes of `view` (a contiguous "B" view) to the blocking pipe `fd`.
+
+    Where the memory's address can be had (a writable buffer, or a whole bytes object) the pipe is
+    given its pages by reference (vmsplice(2)): no copy here, and with splice (forward) none until
+    the receiver's. The memory must then stay unchanged until the reader has consumed it, which
+    holds for a job's result: the job process only writes its outcome after it, then exits (the
+    pages live on while the pipe or the socket holds them). Other memory is copied by write(2)."""
+    address = None
+    if not view.readonly:
+        cells = (ctypes.c_char * len(view)).from_buffer(view)
+        address = ctypes.addressof(cells)
+        del cells  # only the address was wanted; the view keeps the memory
+    elif type(view.obj) is bytes and len(view) == len(view.obj):
+        address = _bytes_address(view.obj)
+    done = 0
+    while done < len(view):
+        if address is None:
+            done += os.write(fd, view[done:])
+            continue
+        iov = _IOVec(address + done, len(view) - done)
+        lent = _libc.vmsplice(fd, ctypes.byref(iov), 1, 0)
+        if lent < 0:
+            raise OSError(ctypes.get_errno(), f"vmsplice: {os.strerror(ctypes.get_errno())}")
+        done += lent

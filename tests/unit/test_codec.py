@@ -1,0 +1,64 @@
+"""What travels (rpycdl.wire.codec): payloads checked without being run, outcomes, out-of-band buffers."""
+
+from __future__ import annotations
+
+import sys
+
+import dill
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rpycdl.errors import InvalidRequestError, RemoteError, VersionMismatchError
+from rpycdl.wire import codec
+
+
+def test_a_call_round_trips_with_its_large_buffers_beside_it():
+    blob = bytes(range(256)) * 8192  # 2 MiB: out of band
+    payload, buffers = codec.encode_call(lambda args: len(args["blob"]), {"blob": blob, "n": 3})
+    assert codec.layout(buffers) == ((len(blob), True),)
+    body = codec.check_payload(payload, len(buffers))
+    fn, args = codec.load_call(body, [buffer.raw() for buffer in buffers])
+    assert fn(args) == len(blob) and args["n"] == 3
+
+
+def test_a_payload_from_another_python_is_refused_before_unpickling():
+    payload = codec.encode_payload(len, None)
+    other = codec.MAGIC + bytes([3, sys.version_info[1] + 1]) + payload[len(codec.MAGIC) + 2:]
+    with pytest.raises(VersionMismatchError, match=r"client runs Python 3\.\d+ but this server"):
+        codec.check_payload(other)
+
+
+def test_the_buffers_a_payload_refers_to_must_all_come():
+    payload, buffers = codec.encode_call(len, bytes(2 << 20))
+    with pytest.raises(InvalidRequestError, match="refers to 1 out-of-band buffers, and 0 come"):
+        codec.check_payload(payload, 0)
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_are_a_payload_or_a_clear_refusal(junk):
+    try:
+        codec.check_payload(codec.MAGIC + bytes(codec.PYTHON) + junk)
+    except InvalidRequestError:
+        pass
+
+
+@pytest.mark.parametrize("layout", [[(1, True)], ((0, True),), ((1, "yes"),), tuple([(1, True)] * 257),
+                                    ((True, True),)])
+def test_bad_layouts_are_refused(layout):
+    with pytest.raises(InvalidRequestError, match="layout"):
+        codec.check_layout(layout)
+
+
+def test_an_exception_whose_type_cannot_be_rebuilt_comes_back_as_remote_error():
+    outcome = codec.FAILED + dill.dumps((None, "server_only.Error", "boom", "Traceback: ..."))
+    with pytest.raises(RemoteError, match="server_only.Error: boom") as info:
+        codec.decode_outcome(outcome)
+    assert info.value.remote_traceback == "Traceback: ..."
+
+
+def test_a_value_that_cannot_be_pickled_becomes_an_error_outcome():
+    outcome, buffers = codec.encode_value(x for x in range(3))  # a generator
+    assert not codec.succeeded(outcome) and not buffers
+    with pytest.raises(TypeError, match="could not be serialised"):
+        codec.decode_outcome(outcome)
