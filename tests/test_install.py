@@ -89,10 +89,15 @@ def test_a_client_only_install_runs_jobs_without_the_server_and_site_packages(tm
     plain = sorted(re.split(r"[<>=;\s]", r)[0] for r in requires if "extra ==" not in r)
     assert plain == ["dill", "rpyc", "tomli"], requires  # tomli only before Python 3.11
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ran = subprocess.run([str(python), "-c", CLIENT, str(server("pytorch", "fake:1"))], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60, env=env)
+    port = str(server("pytorch", "fake:1"))
+    ran = subprocess.run([str(python), "-c", CLIENT, port], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=env)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split("\n")[:5] == ["42", "no docker", "no cryptography", "no pynvml", "no fasteners"]
+    command = subprocess.run([str(python), "-m", "rpycdl", "run", "pytorch", "--host", "127.0.0.1", "--port", port,
+                              "--", "sh", "-c", "exit 3"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env=env)
+    assert command.returncode == 3, command.stderr  # rpycdl run is the client's too
     serve = subprocess.run([str(python), "-m", "rpycdl", "serve", "--service", "pytorch", "--gpus", "fake:1"],
                            capture_output=True, text=True, timeout=60, env=env)
     assert serve.returncode == 1 and "pip install 'rpycdl[server]'" in serve.stderr, serve.stderr

@@ -149,9 +149,16 @@ class JobStore:
         return ended
 
     def _prune(self) -> None:
-        """Remove the oldest finished records beyond FINISHED_JOBS_KEPT."""
-        finished = [r for r in self.all() if r.state.finished]
-        for record in finished[: max(0, len(finished) - FINISHED_JOBS_KEPT)]:
-            self._path(record.job_id).unlink(missing_ok=True)
-            self._path(record.job_id).with_suffix(".cancel").unlink(missing_ok=True)
-            self._finished.discard(record.job_id)
+        """Remove the oldest finished records beyond FINISHED_JOBS_KEPT, oldest by their last write (a
+        finished record is written for the last time when its job ends): a stat each, nothing read."""
+        def written(job_id: str) -> float:
+            try:
+                return self._path(job_id).stat().st_mtime
+            except OSError:
+                return 0.0
+
+        finished = sorted(self._finished, key=written)
+        for job_id in finished[: max(0, len(finished) - FINISHED_JOBS_KEPT)]:
+            self._path(job_id).unlink(missing_ok=True)
+            self._path(job_id).with_suffix(".cancel").unlink(missing_ok=True)
+            self._finished.discard(job_id)
