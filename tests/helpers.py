@@ -167,12 +167,14 @@ def spare_processes(server_pid: int) -> list[int]:
 def children(pid: int) -> list[int]:
     """The live (not zombie) children of a process."""
     listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(child) for child in listed if _running(int(child))]
+    return [int(child) for child in listed if running(int(child))]
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether a process runs: a zombie, dead but not yet reaped, does not; nor one that ends
+    while its /proc entry is read."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
     except OSError:
         return False
 

@@ -45,7 +45,7 @@ def test_a_script_next_to_the_clone_imports_the_installed_rpycdl(tmp_path):
     assert Path(where).resolve() == REPO / "rpycdl" / "__init__.py" and connect == "connect", ran.stdout
 
 
-CLIENT_DEPENDENCIES = ("rpyc", "plumbum", "dill")
+CLIENT_DEPENDENCIES = ("rpyc", "plumbum", "dill", "tomli")
 """What `pip install rpycdl` brings: the client's dependencies and theirs (packages and their metadata)."""
 
 CLIENT = """

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import idle
+from helpers import idle, running
 
 import rpycdl
 
@@ -82,17 +82,7 @@ conn.root.run_code(job, {"dir": directory}, ngpus=ngpus)
 
 def gone(pid: int) -> bool:
     """True when no process `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    return not running(pid)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Background, connection_processes, server_pid, wait_until
+from helpers import Background, connection_processes, running, server_pid, wait_until
 
 import rpycdl
 from rpycdl.scheduler import lockdir
@@ -100,14 +100,6 @@ def _make_next() -> Callable[[dict[str, Any]], Any]:
 
 
 HOLDER, NEXT = _make_holder(), _make_next()
-
-
-def running(pid: int) -> bool:
-    """Whether a process runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 def read_info(directory: Path) -> dict[str, Any]:

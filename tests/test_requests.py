@@ -218,9 +218,11 @@ def test_payload_from_another_python_gives_version_mismatch_before_unpickling(bu
         assert "3.7" in str(error) and mine in str(error), str(error)
         assert seconds < 2
     assert not marker.exists(), "the server unpickled a payload from another Python"
-    # with this Python's version the same body is unpickled (in the job), so the marker does tell
+    # with this Python's version the same body is unpickled (in the job), so the marker does tell; once
+    # the GPUs are free, so that it is granted at once (a request that waits is test-loaded first)
     open_gate(gate)
     holder.join()
+    wait_idle(conn)
     with pytest.raises(rpycdl.InvalidRequestError, match="not a callable"):
         _raw(conn, codec.MAGIC + bytes(codec.PYTHON) + body)
     assert marker.is_dir()
