@@ -1,11 +1,12 @@
 """rpycdl: run Python functions on shared GPU servers over RPyC, first come, first served.
 
-The public API: `connect` (and the Connection it returns), every exception a user can see, and
-`simulate_memory` for jobs on simulated GPUs. Everything else is reached through its sub-package."""
+The public API: `connect` (and the Connection it returns), `job` (a detached job's handle, found by
+id or name), job states, every exception a user can see, and `simulate_memory` for jobs on
+simulated GPUs. Everything else is reached through its sub-package."""
 
 from __future__ import annotations
 
-from rpycdl.client import Connection, connect
+from rpycdl.client import Connection, Job, JobStatus, connect, job
 from rpycdl.errors import (
     AuthFailedError,
     ContainerError,
@@ -14,7 +15,10 @@ from rpycdl.errors import (
     InvalidRequestError,
     JobCancelledError,
     JobCrashedError,
+    JobLostError,
+    JobNotFinishedError,
     JobTimeoutError,
+    LedgerError,
     LimitError,
     NoInventoryError,
     NotAllowedError,
@@ -24,12 +28,14 @@ from rpycdl.errors import (
     VersionMismatchError,
 )
 from rpycdl.gpu.inventory import simulate_memory
+from rpycdl.states import JobState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AuthFailedError", "Connection", "ContainerError", "DiscoveryError", "GPUMemoryExceededError",
-    "InvalidRequestError", "JobCancelledError", "JobCrashedError", "JobTimeoutError", "LimitError", "NoInventoryError",
-    "NotAllowedError", "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError", "__version__",
-    "connect", "simulate_memory",
+    "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
+    "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
+    "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError", "__version__", "connect", "job",
+    "simulate_memory",
 ]

@@ -42,8 +42,40 @@ process, so that neither fork is part of a client's round trip."""
 KILL_WAIT = 2.0
 """Seconds to wait for a killed job's process group to vanish before giving up on it."""
 
-FINISHED_JOBS_KEPT = 200
-"""Finished job records kept per lock directory for `rpycdl status --all`."""
+STATE_SUBDIR = "state"
+"""The state directory's name inside the lock directory, unless one is given (`--state-dir`,
+$RPYCDL_STATE_DIR): the job ledger, detached jobs' payloads, logs and results."""
+
+KEEP = 7 * 24 * 3600.0
+"""Seconds a finished job's ledger row, log and result are kept (`--keep`)."""
+
+PRUNE_INTERVAL = 60.0
+"""Seconds between a server's prunes of jobs past their retention (or a tenth of a shorter --keep)."""
+
+MAX_LOG = 1024**3
+"""Bytes of output a detached job's log keeps (`--max-log`); past them, a marker line and nothing more."""
+
+MAX_RESULT = 1024**3
+"""Largest result a detached job may store, in bytes (`--max-result`)."""
+
+RECENT_JOBS = 24 * 3600.0
+"""Seconds after its end that a job still shows in `rpycdl jobs` without --all."""
+
+JOBS_SHOWN = 100
+"""Jobs `rpycdl jobs` shows at most (the newest), unless given --limit."""
+
+JOB_WAIT_MAX = 10.0
+"""Seconds a server waits at most within one call for a job to end or its log to grow; clients
+call again (so a client that went away frees its connection soon)."""
+
+LOG_CHUNK = 1024**2
+"""Bytes of a job's log one call reads at most."""
+
+SUPERVISOR_MODULE = "rpycdl.server.supervisor"
+"""What detached jobs' supervisors run (`python -m`): how servers and the site tell them from other processes."""
+
+LEDGER_BUSY_TIMEOUT = 30.0
+"""Seconds a ledger write waits for another process's write to end (they take milliseconds)."""
 
 MAX_PAYLOAD = 8 * 1024**3
 """Largest call a server accepts, in bytes (`--max-payload`); a larger RPyC frame drops the connection."""
@@ -91,6 +123,7 @@ CONFIG_FILE = "~/.config/rpycdl/credentials.toml"
 
 ENV_GPUS = "RPYCDL_GPUS"
 ENV_LOCK_DIR = "RPYCDL_LOCK_DIR"
+ENV_STATE_DIR = "RPYCDL_STATE_DIR"
 ENV_REGISTRY = "RPYCDL_REGISTRY"
 ENV_SECRET_FILE = "RPYCDL_SECRET_FILE"
 ENV_SIMULATED_GPUS = "RPYCDL_SIMULATED_GPUS"
@@ -104,6 +137,11 @@ ENV_CONFIG = "RPYCDL_CONFIG"
 def lock_dir() -> str:
     """The lock directory: $RPYCDL_LOCK_DIR, else LOCK_DIR."""
     return os.environ.get(ENV_LOCK_DIR) or LOCK_DIR
+
+
+def state_dir(locks: str) -> str:
+    """The state directory of the lock directory `locks`: $RPYCDL_STATE_DIR, else STATE_SUBDIR in it."""
+    return os.environ.get(ENV_STATE_DIR) or os.path.join(locks, STATE_SUBDIR)
 
 GPU_UNIT = "256MiB"
 """Granularity of fractional grants (`--gpu-unit`): shares are rounded up to whole units."""

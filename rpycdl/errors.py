@@ -42,6 +42,18 @@ class GPUMemoryExceededError(RpycdlError):
     """A job on a share of a GPU used more memory than its grant plus the allowance, and was stopped."""
 
 
+class JobLostError(RpycdlError):
+    """A detached job's supervising process died before the job ended: its outcome is unknown."""
+
+
+class JobNotFinishedError(RpycdlError):
+    """A detached job's result was asked for without waiting, and the job has not ended yet."""
+
+
+class LedgerError(RpycdlError):
+    """The job ledger cannot be used (missing, corrupted, from a newer rpycdl): the message names its file."""
+
+
 class VersionMismatchError(RpycdlError):
     """Client and server run different Python minor versions, so dill cannot move code."""
 

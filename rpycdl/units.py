@@ -1,4 +1,5 @@
-"""Sizes as people write and read them: '16GiB' or '512MiB' in, '1 GiB' out; bytes inside."""
+"""Sizes and durations as people write and read them: '16GiB' or '512MiB' in, '1 GiB' out, bytes
+inside; '7d' or '90m' in, seconds inside."""
 
 from __future__ import annotations
 
@@ -32,3 +33,25 @@ def format_size(nbytes: int) -> str:
         size, unit = size / 1024, bigger
     text = f"{size:.1f}".removesuffix(".0")
     return f"{text} {unit}"
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Parse '90s', '30m', '12h', '7d', '2w' or a plain number of seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]?)\s*", text)
+    if not match or match.group(2).lower() not in _DURATION_UNITS:
+        raise InvalidRequestError(f"not a duration: {text!r} (try 90s, 30m, 12h, 7d or 2w)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+
+
+def format_duration(seconds: float) -> str:
+    """A duration in words, to the second, in its two largest units: '45s', '3m05s', '2h07m', '3d04h',
+    and in one when that is exact ('7d', '2h'), so parse_duration reads it back."""
+    seconds = max(0, int(seconds))
+    for unit, size, smaller, small in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if seconds >= size:
+            rest = seconds % size // small
+            return f"{seconds // size}{unit}" + (f"{rest:02d}{smaller}" if rest else "")
+    return f"{seconds}s"

@@ -10,6 +10,7 @@ import os
 import random
 import select
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -915,15 +916,15 @@ def job_processes(reports: dict[str, Report], token: bytes) -> list[str]:
 
 
 def live_records(lock_dir: Path) -> list[str]:
-    """Job records that still say pending or running."""
-    found = []
-    for path in sorted((lock_dir / "jobs").glob("*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads(path.read_text())
-            if record["state"] in ("pending", "running"):
-                found.append(f"{record['job_id']} {record['state']} (server {record['server_id']}, "
-                             f"connection process {record['owner_pid']}, group {record['pgid']})")
-    return found
+    """Rows of the job ledger (read as an outsider: SQLite, read-only) that still say PENDING or RUNNING."""
+    ledger = lock_dir / "state" / "ledger.sqlite3"
+    if not ledger.exists():
+        return []
+    with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True, timeout=10)) as db:
+        rows = db.execute("SELECT job_id, state, server_id, owner_pid, pgid FROM jobs "
+                          "WHERE state IN ('PENDING', 'RUNNING') ORDER BY job_id").fetchall()
+    return [f"{job_id} {state} (server {server}, owner process {owner}, group {pgid})"
+            for job_id, state, server, owner, pgid in rows]
 
 
 LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files")

@@ -535,7 +535,7 @@ def test_timeout_and_cancel_remove_the_container(generic: rpycdl.Connection, eng
     thread = threading.Thread(target=run)
     thread.start()
     _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
-    job = next(j for j in generic.root.jobs() if j["state"] == "running")
+    job = next(j for j in generic.root.jobs() if j["state"] == "RUNNING")
     generic.root.cancel(job["job_id"])
     thread.join(10)
     assert errors and isinstance(errors[0], rpycdl.JobCancelledError), errors
@@ -563,7 +563,7 @@ def test_a_job_container_is_removed_when_its_connection_process_dies(
     threading.Thread(target=lambda: _ignore(lambda: connect(port).root.run_container(BASE, ["sleep", "60"])),
                      daemon=True).start()
     _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
-    job = next(j for j in generic.root.jobs() if j["state"] == "running")
+    job = next(j for j in generic.root.jobs() if j["state"] == "RUNNING")
     os.kill(job["owner_pid"], signal.SIGKILL)  # the connection process running it dies
     _wait(lambda: not _job_containers(engine), "the container to be removed", timeout=5)
     assert generic.root.run_container(BASE, ["true"], ngpus=2) == 0  # and its GPU is free again
@@ -575,7 +575,7 @@ def test_orphans_of_a_killed_server_are_removed_when_a_server_starts_again(
     threading.Thread(target=lambda: _ignore(lambda: connect(port).root.run_container(BASE, ["sleep", "60"])),
                      daemon=True).start()
     _wait(lambda: [c for c in _job_containers(engine) if c.status == "running"], "the job container")
-    job = next(j for j in connect(port).root.jobs() if j["state"] == "running")
+    job = next(j for j in connect(port).root.jobs() if j["state"] == "RUNNING")
     process.popen.kill()  # the whole server dies: its parent, the job's watcher, the connection process
     watchers = subprocess.run(["pgrep", "-f", "rpycdl.server.container_watcher"], capture_output=True,
                               text=True).stdout.split()

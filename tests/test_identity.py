@@ -46,12 +46,12 @@ def test_only_the_owner_or_an_admin_cancels_a_job(tls_server, team, tmp_path, ca
     flags = ["--host", "127.0.0.1", "--port", str(tls_server.port)]
     bob_flags = [f"--{key.replace('_', '-')}={value}" for key, value in team.user("bob").items()]
     assert cli.main(["cancel", first.job_id, *flags, *bob_flags]) == 1
-    assert "only its owner or an admin can cancel it" in capsys.readouterr().err
+    assert "only its owner or an admin can read its log and result, cancel or delete it" in capsys.readouterr().err
 
     assert cli.main(["status", *flags, *bob_flags]) == 0
     assert f"job {first.job_id} of alice from" in capsys.readouterr().out
-    assert tls_server("alice").root.cancel(second.job_id) == "running"
-    assert tls_server("root").root.cancel(first.job_id) == "running"  # an admin
+    assert tls_server("alice").root.cancel(second.job_id) == "RUNNING"
+    assert tls_server("root").root.cancel(first.job_id) == "RUNNING"  # an admin
     for job in (first, second):
         job.join()
         assert isinstance(job.error, rpycdl.JobCancelledError), repr(job.error)
@@ -59,7 +59,7 @@ def test_only_the_owner_or_an_admin_cancels_a_job(tls_server, team, tmp_path, ca
 
     assert cli.main(["jobs", *flags, *bob_flags]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert " alice " in lines[first.job_id] and " bob " in lines[bob.root.jobs()[-1]["job_id"]]
+    assert " alice " in lines[first.job_id] and " bob " in lines[bob.root.jobs()[0]["job_id"]]
 
 
 def test_without_certificates_the_declared_user_is_recorded_unverified(server, connect, tmp_path):

@@ -172,7 +172,7 @@ def test_return(server, connect, tmp_path):
     ended = time.time()
     assert len(info["uuids"]) == 2
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"]}, ended)
-    assert job_state(conn, info["job_id"]) == "succeeded"
+    assert job_state(conn, info["job_id"]) == "SUCCEEDED"
 
 
 def test_exception(server, connect, tmp_path):
@@ -183,7 +183,7 @@ def test_exception(server, connect, tmp_path):
     ended = time.time()
     info = read_info(tmp_path)
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"]}, ended)
-    assert job_state(conn, info["job_id"]) == "failed"
+    assert job_state(conn, info["job_id"]) == "FAILED"
 
 
 def test_timeout(server, connect, tmp_path):
@@ -196,7 +196,7 @@ def test_timeout(server, connect, tmp_path):
     assert 1 <= ended - started < 5
     info = read_info(tmp_path)
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"]}, ended)
-    assert job_state(conn, info["job_id"]) == "timed_out"
+    assert job_state(conn, info["job_id"]) == "TIMED_OUT"
 
 
 def test_cancel(server, connect, tmp_path):
@@ -204,11 +204,11 @@ def test_cancel(server, connect, tmp_path):
     running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "sleep"}, ngpus=2)
     info = read_info(tmp_path)
     other = connect(port)
-    assert job_state(other, info["job_id"]) == "running"
-    assert other.root.cancel(info["job_id"]) == "running"
+    assert job_state(other, info["job_id"]) == "RUNNING"
+    assert other.root.cancel(info["job_id"]) == "RUNNING"
     assert isinstance(running.join(), rpycdl.JobCancelledError)
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"]}, running.ended)
-    assert job_state(other, info["job_id"]) == "cancelled"
+    assert job_state(other, info["job_id"]) == "CANCELLED"
 
 
 def test_client_disconnect(server, connect, popen, tmp_path):
@@ -221,7 +221,7 @@ def test_client_disconnect(server, connect, popen, tmp_path):
     client.wait(5)
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
                                          "connection": info["ppid"]}, ended)
-    assert job_state(connect(port), info["job_id"]) == "cancelled"  # the client going away cancels
+    assert job_state(connect(port), info["job_id"]) == "CANCELLED"  # the client going away cancels
 
 
 def test_ctrl_c_in_the_client(server, connect, popen, tmp_path):
@@ -234,7 +234,7 @@ def test_ctrl_c_in_the_client(server, connect, popen, tmp_path):
     assert "KeyboardInterrupt" in output
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
                                          "connection": info["ppid"]}, ended)
-    assert job_state(connect(port), info["job_id"]) == "cancelled"
+    assert job_state(connect(port), info["job_id"]) == "CANCELLED"
 
 
 def test_kill_9_of_the_job_process(server, connect, tmp_path):
@@ -247,7 +247,7 @@ def test_kill_9_of_the_job_process(server, connect, tmp_path):
     assert isinstance(crash, rpycdl.JobCrashedError), repr(crash)
     assert "signal 9" in str(crash)
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"]}, ended)
-    assert job_state(connect(port), info["job_id"]) == "failed"
+    assert job_state(connect(port), info["job_id"]) == "FAILED"
 
 
 def test_kill_9_of_the_connection_process(cluster, server, connect, tmp_path):
@@ -262,7 +262,7 @@ def test_kill_9_of_the_connection_process(cluster, server, connect, tmp_path):
     assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
                                          "connection": info["ppid"]}, ended)
     other = connect(port)
-    assert wait_until(lambda: job_state(other, info["job_id"]) == "failed", 2)
+    assert wait_until(lambda: job_state(other, info["job_id"]) == "FAILED", 2)
     assert other.root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=-1)["uuids"]
 
 

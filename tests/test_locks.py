@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
-from rpycdl.scheduler.jobs import JobRecord, JobStore
+from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager, Need
 from rpycdl.units import MiB
 
@@ -278,13 +278,13 @@ def _hammer_as(uid: int, lock_dir: str, owners: str, rounds: int, seed: int, out
     os.setgid(uid)
     os.setuid(uid)
     _hammer(lock_dir, owners, rounds, seed, out)
-    JobStore(lock_dir).save(JobRecord(f"job{uid}", "server", "client", 1))
+    Ledger(os.path.join(lock_dir, "state")).save(JobRecord(f"job{uid}", "server", "client", 1))
 
 
 @pytest.mark.slow
 def test_processes_of_two_users_share_one_lock_directory(procs):
     # A root server on the host and a non-root one in a container share the lock directory:
-    # every file either creates there (locks, FIFOs, records, counters) stays usable by the other.
+    # every file either creates there (locks, FIFOs, the job ledger, counters) stays usable by the other.
     if os.geteuid() != 0:
         if os.environ.get("CI"):
             pytest.fail("CI must run this test as root: it switches a process to another user")
@@ -308,7 +308,8 @@ def test_processes_of_two_users_share_one_lock_directory(procs):
             process.join(10)
             assert process.exitcode == 0
         assert GPULockManager(lock_dir).snapshot() == {"held": {}, "queue": []}
-        assert JobStore(lock_dir).load(f"job{NOBODY}") is not None
+        ledger = Ledger(os.path.join(lock_dir, "state"))  # made by the other user: root writes it too
+        assert ledger.get(f"job{NOBODY}") is not None and ledger.save(JobRecord("jobroot", "server", "client", 1))
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 

@@ -22,6 +22,7 @@ from helpers import Background, connection_processes, running, server_pid, wait_
 
 import rpycdl
 from rpycdl.scheduler import lockdir
+from rpycdl.scheduler.ledger import Ledger
 
 GRACE = 1.0  # promise 3: free again within a second
 
@@ -120,13 +121,8 @@ def queued(conn: rpycdl.Connection, directory: Path) -> Background:
 
 
 def records(lock_dir: str) -> dict[str, str]:
-    """Job id -> state of every job record in the lock directory."""
-    found = {}
-    for path in Path(lock_dir, "jobs").glob("*.json"):
-        data = lockdir.read_json(path)
-        if data is not None:
-            found[data["job_id"]] = data["state"]
-    return found
+    """Job id -> state of every job of the lock directory's ledger."""
+    return {record.job_id: record.state.value for record in Ledger(Path(lock_dir, "state")).query()}
 
 
 @pytest.fixture
@@ -219,7 +215,7 @@ def test_after_a_server_restart_a_dead_holder_of_the_old_server_is_cleaned_up(cl
     result = waiting.result()
     assert result["running"] == [], "the GPU was granted again while the dead job's program still ran"
     assert result["started"] - killed < GRACE, f"granted {result['started'] - killed:.2f} s after the kill"
-    wait_until(lambda: records(cluster.lock_dir).get(info["job_id"]) == "failed", GRACE,
+    wait_until(lambda: records(cluster.lock_dir).get(info["job_id"]) == "FAILED", GRACE,
                f"the dead job's record to say failed (it says {records(cluster.lock_dir).get(info['job_id'])})")
 
 
@@ -232,11 +228,11 @@ def test_no_record_stays_pending_or_running_after_its_server_and_connections_die
     serving = connection_processes(server_pid(cluster, old_port))
     assert info["ppid"] in serving and len(serving) == 2, serving  # the holder's and the waiter's
     os.kill(server_pid(cluster, old_port), signal.SIGKILL)
-    assert records(cluster.lock_dir) == {info["job_id"]: "running", waiter.job_id: "pending"}
+    assert records(cluster.lock_dir) == {info["job_id"]: "RUNNING", waiter.job_id: "PENDING"}
     for pid in serving:
         os.kill(pid, signal.SIGKILL)
     _, new_port = cluster.add_server("pytorch", "fake:1")
-    wait_until(lambda: records(cluster.lock_dir) == {info["job_id"]: "failed", waiter.job_id: "failed"}, GRACE,
+    wait_until(lambda: records(cluster.lock_dir) == {info["job_id"]: "FAILED", waiter.job_id: "FAILED"}, GRACE,
                "both records to say failed")
     assert not running(info["program"])
     status = connect(new_port).root.gpu_status()

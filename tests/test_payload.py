@@ -280,7 +280,7 @@ def test_a_client_dying_mid_transfer_leaves_nothing_behind_and_the_server_goes_o
     if way == "result":
         job_pid = int((tmp_path / "job.pid").read_text())
         wait_until(lambda: not Path(f"/proc/{job_pid}").exists(), what="the job process to be gone")
-        assert [job["state"] for job in status.root.jobs()] == ["cancelled"]
+        assert [job["state"] for job in status.root.jobs()] == ["CANCELLED"]
     else:
         assert status.root.jobs() == []  # it never got as far as a job
     wait_idle(status)
@@ -301,6 +301,6 @@ def test_ctrl_c_in_the_middle_of_a_large_result_ends_the_call_at_once(cluster, s
                              str(256 * MiB)], capture_output=True, text=True, timeout=30)
     assert client.returncode == 4 and "half received" in client.stdout and "interrupted" in client.stdout, \
         client.stdout + client.stderr
-    wait_until(lambda: [job["state"] for job in status.root.jobs()] == ["cancelled"], what="the job to be cancelled")
+    wait_until(lambda: [job["state"] for job in status.root.jobs()] == ["CANCELLED"], what="the job to be cancelled")
     wait_idle(status)
     assert connect(port).root.run_code(lambda x: x, "still serving") == "still serving"

@@ -214,4 +214,4 @@ def test_a_result_over_the_servers_payload_limit_is_refused_and_not_held(server,
     with pytest.raises(rpycdl.LimitError, match=r"result is over this server's limit of 1048576 bytes"):
         conn.root.run_code(lambda n: list(range(n)), 1_000_000)  # about 5 MB of pickle, in band
     assert conn.root.run_code(lambda n: len(list(range(n))), 1_000_000) == 1_000_000
-    assert [job["state"] for job in conn.root.jobs()] == ["failed", "succeeded"]
+    assert [job["state"] for job in conn.root.jobs()] == ["SUCCEEDED", "FAILED"]  # newest first

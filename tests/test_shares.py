@@ -137,7 +137,7 @@ def test_the_watchdog_stops_a_job_over_its_grant(two_gpus, connect):
     message = str(caught.value)
     assert "used 3072 MiB of GPU" in message and "grant of 2048 MiB" in message and "512 MiB allowance" in message
     jobs = conn.root.jobs()
-    assert jobs[-1]["state"] == "failed" and "over its grant" in jobs[-1]["error"]
+    assert jobs[0]["state"] == "FAILED" and "over its grant" in jobs[0]["error"]
     status = conn.root.gpu_status()
     assert [gpu["holders"] for gpu in status["gpus"]] == [[], []]
     assert all(gpu["memory_used"] == 0 for gpu in status["gpus"]), "the stopped job's memory is still counted"

@@ -43,7 +43,7 @@ def test_a_user_with_a_certificate_runs_code_and_is_named_by_it(tls_port, team):
         assert conn.identity == {"user": "alice", "verified": True, "admin": False, "label": "alice"}
         assert conn.root.run_code(lambda blob: len(blob), b"x" * (5 << 20)) == 5 << 20  # bulk frames through TLS
         (job,) = conn.root.jobs()
-        assert (job["user"], job["user_verified"], job["state"]) == ("alice", True, "succeeded")
+        assert (job["user"], job["user_verified"], job["state"]) == ("alice", True, "SUCCEEDED")
 
 
 def test_discovery_with_credentials_from_the_config_file(tls_port, team, cluster, tmp_path, monkeypatch):
@@ -118,7 +118,7 @@ def test_wrong_certificates_are_refused_and_the_server_keeps_serving(case, tls_p
     wait_until(lambda: connection_processes(pid) == [], what="the refused connection processes to exit")
     with rpycdl.connect(host="127.0.0.1", port=tls_port, **team.user("alice")) as conn:
         assert conn.root.run_code(lambda x: x, "still serving") == "still serving"
-        assert conn.root.jobs()[-1]["user"] == "alice"
+        assert conn.root.jobs()[0]["user"] == "alice"
         assert conn.root.gpu_status()["queue"] == []
 
 

@@ -1,6 +1,6 @@
 """The `rpycdl` command: `main(argv)` parses the arguments and runs one of the subcommands (serving:
-registry, serve, demo, selftest; status: status, jobs, cancel; run; site: certs, up, down), which
-print one line when they fail and exit with the codes of rpycdl.cli.common."""
+registry, serve, demo, selftest; status; run; jobs: submit, jobs, logs, wait, result, cancel, delete;
+site: certs, up, down), which print one line when they fail and exit with the codes of rpycdl.cli.common."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import sys
 from typing import Any
 
 from rpycdl import __version__
-from rpycdl.cli import run, serving, status
+from rpycdl.cli import jobs, run, serving, status
 from rpycdl.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, exit_code, os_error
 from rpycdl.errors import RpycdlError
 from rpycdl.site import cli as site_cli
 
-COMMANDS = {**serving.COMMANDS, **status.COMMANDS, **run.COMMANDS, **site_cli.COMMANDS}
+COMMANDS = {**serving.COMMANDS, **status.COMMANDS, **run.COMMANDS, **jobs.COMMANDS, **site_cli.COMMANDS}
 
-INTERRUPTED = {"run": "interrupted: the job is cancelled", "demo": "interrupted: the servers and the registry stopped"}
+INTERRUPTED = {"run": "interrupted: the job is cancelled", "demo": "interrupted: the servers and the registry stopped",
+               "submit": "interrupted: the job may have been submitted (see rpycdl jobs)",
+               **{name: "interrupted: the job goes on" for name in ("logs", "wait", "result")}}
 """What Ctrl-C prints, by subcommand (default: interrupted)."""
 
 
@@ -42,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     serving.add_commands(command)
     status.add_commands(command)
     run.add_commands(command)
+    jobs.add_commands(command)
     site_cli.add_commands(command, [verbose])
     return top
 
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser().parse_args(argv[:split])
-    args.argv = argv[split + 1:]  # `rpycdl run`'s command
+    args.argv = argv[split + 1:]  # `rpycdl run`'s and `rpycdl submit`'s command
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _terminate)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from rpycdl import registry
 from rpycdl.client import Connection, connect_to, credentials
+from rpycdl.client.discovery import server_addresses
 from rpycdl.defaults import (
     CONFIG_FILE,
     ENV_CONFIG,
@@ -23,11 +24,13 @@ from rpycdl.defaults import (
 from rpycdl.errors import (
     AuthFailedError,
     InvalidRequestError,
+    JobNotFinishedError,
     JobTimeoutError,
     LimitError,
     QueueTimeoutError,
     RpycdlError,
 )
+from rpycdl.units import format_size
 
 Command = Callable[..., argparse.ArgumentParser]
 """Makes a subcommand's parser: command(name, help, description, **options) -> its parser."""
@@ -37,7 +40,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 """Bad arguments, or a request no server can ever serve (InvalidRequestError); argparse's own code."""
 EXIT_QUEUE_TIMEOUT = 75
-"""`rpycdl run`: the GPUs were not granted within --queue-timeout (sysexits' EX_TEMPFAIL: try again later)."""
+"""The GPUs were not granted within --queue-timeout, or a job has not ended yet (sysexits' EX_TEMPFAIL:
+try again later)."""
 EXIT_JOB_TIMEOUT = 124
 """`rpycdl run`: the command ran past --timeout and was stopped (what timeout(1) exits with)."""
 EXIT_INTERRUPTED = 130
@@ -69,40 +73,54 @@ def servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[]
     with the command's credentials (flags, else environment, else the credentials file)."""
     settings = credentials.resolve(secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                    tls_ca=args.tls_ca, registry=args.registry)
-    if args.host:
-        addresses = [(args.host, args.port)]
-    else:
-        names = [args.service.upper()] if args.service else registry.list_services(settings.registry)
-        addresses = []
-        for name in names:
-            for address in registry.discover(name, settings.registry):
-                if address not in addresses:
-                    addresses.append(address)
-    if not addresses:
-        raise RpycdlError(f"the registry ({registry.describe(registry.registry_address(settings.registry))}) knows "
-                          f"no {'server of ' + args.service.upper() if args.service else 'server'}: start one "
-                          "(rpycdl serve --service NAME --registry HOST)")
+    addresses = [(args.host, args.port)] if args.host else server_addresses(args.service, settings.registry)
     secret, tls_context = settings.secret(), settings.tls_context()  # read once for every server
     return [(address, functools.partial(connect_to, address, secret, tls_context)) for address in addresses]
 
 
-def each_server(args: argparse.Namespace, call: str) -> list[tuple[tuple[str, int], Any]]:
-    """Ask every server the command names for `call` (conn.root's): its answer, or why it could not."""
+def each_server(args: argparse.Namespace, call: str, **options: Any) -> list[tuple[tuple[str, int], Any]]:
+    """Ask every server the command names for `call` (conn.root's, with `options`): its answer, or why
+    it could not."""
     results = []
     for address, open_connection in servers(args):
         try:
             with open_connection() as conn:
-                results.append((address, getattr(conn.root, call)()))
+                results.append((address, getattr(conn.root, call)(**options)))
         except (OSError, EOFError, AuthFailedError, LimitError) as exc:  # one server's trouble is not the others'
             results.append((address, exc))
     return results
+
+
+def report_unreached(args: argparse.Namespace, results: list[tuple[tuple[str, int], Any]]) -> int:
+    """0 if every server answered; else say which did not, and EXIT_FAILED."""
+    failed = [f"{host}:{port}" for (host, port), result in results if isinstance(result, Exception)]
+    if not failed:
+        return 0
+    print(f"rpycdl {args.command}: {len(failed)} of {len(results)} server(s) could not be reached: "
+          f"{', '.join(failed)}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def size_flags(parser: argparse.ArgumentParser) -> None:
+    """--ngpus, --gpus or --gpu-memory: what a job asks for (run and submit)."""
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
+    size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
+    size.add_argument("--gpu-memory", default=None, metavar="SIZE", help="a share of one GPU by memory, such as 6GiB")
+
+
+def need_text(ngpus: int, share_bytes: int) -> str:
+    """What a request asks for, in words: '2 GPU(s)', 'all GPUs', or '4 GiB of one GPU'."""
+    if share_bytes:
+        return f"{format_size(share_bytes)} of one GPU"
+    return "all GPUs" if ngpus < 0 else f"{ngpus} GPU(s)"
 
 
 def exit_code(exc: RpycdlError) -> int:
     """The exit code of a command that failed with `exc` (RUN_EXIT_CODES)."""
     if isinstance(exc, JobTimeoutError):
         return EXIT_JOB_TIMEOUT
-    if isinstance(exc, QueueTimeoutError):
+    if isinstance(exc, (QueueTimeoutError, JobNotFinishedError)):
         return EXIT_QUEUE_TIMEOUT
     return EXIT_USAGE if isinstance(exc, InvalidRequestError) else EXIT_FAILED
 

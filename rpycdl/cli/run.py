@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from typing import Any
 
@@ -15,9 +14,11 @@ from rpycdl.cli.common import (
     EXIT_USAGE,
     Command,
     server_flags,
+    size_flags,
 )
 from rpycdl.client import connect
 from rpycdl.errors import InvalidRequestError, RpycdlError
+from rpycdl.server.commands import run_command
 
 RUN_EXIT_CODES = f"""exit codes:
   N     the command's own exit code (128+N when signal N killed it)
@@ -42,24 +43,12 @@ def add_commands(command: Command) -> None:
         usage="rpycdl run SERVICE [options] -- COMMAND [ARG ...]", epilog=RUN_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("service", help="service to run on (pytorch, tensorflow, ...; an alias such as pytorch-2.5)")
-    size = run.add_mutually_exclusive_group()
-    size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
-    size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
-    size.add_argument("--gpu-memory", default=None, metavar="SIZE", help="a share of one GPU by memory, such as 6GiB")
+    size_flags(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help=f"stop the command after this long (exit code {EXIT_JOB_TIMEOUT})")
     run.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                      help=f"give up if the GPUs are not granted within this long (exit code {EXIT_QUEUE_TIMEOUT})")
     server_flags(run)
-
-
-def run_command(argv: list[str]) -> int:
-    """The job of `rpycdl run`: the command, with the job's GPUs; returns its exit code."""
-    try:
-        return subprocess.run(argv, check=False).returncode
-    except OSError as exc:  # not found, not executable: say so like a shell would
-        print(f"rpycdl run: {argv[0]}: {exc.strerror}", file=sys.stderr)
-        return 127
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -20,20 +20,25 @@ from rpycdl.defaults import (
     ENV_LOCK_DIR,
     ENV_REGISTRY,
     ENV_SECRET_FILE,
+    ENV_STATE_DIR,
     GPU_UNIT,
     IDLE_TIMEOUT,
+    KEEP,
     LOCK_DIR,
     MAX_CONNECTIONS,
+    MAX_LOG,
     MAX_PAYLOAD,
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
+    MAX_RESULT,
     MEMORY_ALLOWANCE,
     MIN_MAX_PAYLOAD,
     REGISTRY_PORT,
     SERVER_PORT,
+    STATE_SUBDIR,
 )
 from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError, require_extra
-from rpycdl.units import format_size
+from rpycdl.units import format_duration, format_size, parse_duration, parse_size
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -64,6 +69,20 @@ def add_commands(command: Command) -> None:
     selftest.add_argument("--report", default=None, help="also write the report to this file")
 
 
+def _add_job_store_flags(serve: argparse.ArgumentParser) -> None:
+    """Where the ledger and detached jobs' files live, and how much of them is kept."""
+    serve.add_argument("--state-dir", default=None,
+                       help=f"state directory shared by every server of the host: the job ledger, detached jobs' "
+                            f"logs and results (default: ${ENV_STATE_DIR}, else {STATE_SUBDIR}/ in the lock directory)")
+    serve.add_argument("--keep", default=format_duration(KEEP), metavar="DURATION",
+                       help="how long finished jobs, their logs and results are kept, such as 7d or 12h "
+                            "(default: %(default)s)")
+    serve.add_argument("--max-log", default=format_size(MAX_LOG), metavar="SIZE",
+                       help="most output a detached job's log keeps (default: %(default)s)")
+    serve.add_argument("--max-result", default=format_size(MAX_RESULT), metavar="SIZE",
+                       help="largest result a detached job may store (default: %(default)s)")
+
+
 def _add_serve(command: Command) -> None:
     """The serve subcommand and its options."""
     serve = command("serve", "run a GPU server for one framework service",
@@ -87,6 +106,7 @@ def _add_serve(command: Command) -> None:
     serve.add_argument("--lock-dir", default=None,
                        help=f"lock directory shared by every server of the host (default: ${ENV_LOCK_DIR}, "
                             f"else {LOCK_DIR})")
+    _add_job_store_flags(serve)
     serve.add_argument("--framework-version", default=None, dest="version",
                        help="version to announce (default: read from the installed framework package)")
     serve.add_argument("--insecure", action="store_true",
@@ -128,7 +148,6 @@ def _registry(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     require_extra("server", "fasteners", "pynvml")
-    from rpycdl.gpu.inventory import parse_size
     from rpycdl.scheduler.shares import ShareRules
     from rpycdl.server.app import (
         ServerConfig,
@@ -142,10 +161,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued, --max-queued-per-user and "
                                   "--max-connections at least 1, --idle-timeout positive")
     limits = Limits(max_payload=max_payload, max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
-                    max_connections=args.max_connections, idle_timeout=args.idle_timeout)
+                    max_connections=args.max_connections, idle_timeout=args.idle_timeout,
+                    max_result=parse_size(args.max_result), max_log=parse_size(args.max_log),
+                    keep=parse_duration(args.keep))
+    if min(limits.max_result, limits.max_log) < 1 or limits.keep <= 0:
+        raise InvalidRequestError("--max-result, --max-log and --keep must be more than 0")
     shares = ShareRules(unit=args.gpu_unit, allowance=parse_size(args.memory_allowance))
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
-                          inventory=args.gpus, lock_dir=args.lock_dir, insecure=args.insecure, version=args.version,
+                          inventory=args.gpus, lock_dir=args.lock_dir, state_dir=args.state_dir,
+                          insecure=args.insecure, version=args.version,
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_ca=args.tls_ca, limits=limits, shares=shares)
     if args.registry != "none":

@@ -2,6 +2,7 @@
 runs a function on the server's GPUs."""
 
 from rpycdl.client.connection import Connection, RemoteRoot
-from rpycdl.client.discovery import connect, connect_to
+from rpycdl.client.discovery import connect, connect_to, job
+from rpycdl.client.jobs import Job, JobStatus
 
-__all__ = ["Connection", "RemoteRoot", "connect", "connect_to"]
+__all__ = ["Connection", "Job", "JobStatus", "RemoteRoot", "connect", "connect_to", "job"]

@@ -1,5 +1,5 @@
 """A connection to one server: `conn.root.run_code` with plain callables, large buffers beside the
-call, remote errors re-raised; status, jobs, cancel."""
+call, remote errors re-raised; detached jobs (submit); status, jobs, cancel."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import IO, Any
 import rpyc
 from rpyc.core import consts
 
+from rpycdl.client.jobs import Job
 from rpycdl.defaults import MIN_MAX_PAYLOAD
 from rpycdl.errors import LimitError
 from rpycdl.security import auth
@@ -31,8 +32,9 @@ class RemoteRoot:
 
     Any other attribute is looked up on the server's RPyC root."""
 
-    def __init__(self, conn: rpyc.Connection) -> None:
+    def __init__(self, conn: rpyc.Connection, connection: Connection) -> None:
         self._conn = conn
+        self._connection = connection
         self._max_payload: int | None = None
         self._buffers_beside = True  # False once the server turned out to predate run_buffers
 
@@ -160,18 +162,80 @@ class RemoteRoot:
         """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
         return json.loads(call(self._conn, "gpu_status"))
 
-    def jobs(self) -> list[dict[str, Any]]:
-        """This server's job records, oldest first."""
-        return json.loads(call(self._conn, "jobs"))
+    # -- detached jobs, and the host's ledger ------------------------------------------
 
-    def cancel(self, job_id: str) -> str:
-        """Cancel a pending or running job; returns its state when the request was made.
+    def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
+               gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
+               timeout: float | None = None, queue_timeout: float | None = None) -> Job:
+        """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
+        queue as run_code, and runs to its end whatever happens to this client or to the server
+        process that accepted it. Returns its handle once the server has recorded it.
+
+        Args:
+            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout: as for run_code.
+            name: a name to find it by (rpycdl.job(name)), unique among your unfinished jobs.
+
+        Raises:
+            InvalidRequestError: a request it could never run, or a name you use already.
+            LimitError: over one of the server's limits (--max-payload, --max-queued).
+        """
+        payload = codec.encode_payload(fn, args)
+        self._check_size(len(payload))
+        return self._submitted(call(self._conn, "submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
+                                    name))
+
+    def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
+                       gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
+                       queue_timeout: float | None = None) -> Job:
+        """Submit a command (an argv, run on the server in its working directory) as a detached job; it
+        fails unless it exits with 0, and its result is its exit code. Options as for submit."""
+        return self._submitted(call(self._conn, "submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
+                                    queue_timeout, name))
+
+    def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
+                         workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
+                         name: str | None = None, timeout: float | None = None,
+                         queue_timeout: float | None = None) -> Job:
+        """Submit a command in a container of `image` as a detached job (the generic `deeplearning`
+        server only); arguments as for run_container, and `name` as for submit."""
+        return self._submitted(call(self._conn, "submit_container", image, list(command), ngpus, env, workdir,
+                                    mounts, timeout, queue_timeout, name))
+
+    def _submitted(self, outcome: bytes) -> Job:
+        return Job(codec.decode_outcome(outcome), self._connection)
+
+    def job(self, ref: str) -> Job:
+        """The handle of a job of this server's host, by id, or by name among your jobs.
+
+        Raises:
+            InvalidRequestError: no such job.
+        """
+        return Job(codec.decode_outcome(call(self._conn, "job", ref)), self._connection)
+
+    def jobs(self, *, all: bool = False, users: list[str] | None = None, states: list[str] | None = None,
+             since: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        """The rows of the jobs of this server's host (every server sharing its state directory), newest
+        first: unfinished ones and those that ended in the last day, or with `all` every job kept.
+
+        Args:
+            all: every job the ledger keeps (--keep), not only the recent ones.
+            users, states: only these users' jobs, only jobs in these states (PENDING, RUNNING, ...).
+            since: only jobs submitted in the last so many seconds.
+            limit: at most so many (default 100; 0: no limit).
+        """
+        query = {key: value for key, value in
+                 {"all": all, "users": users, "states": states, "since": since, "limit": limit}.items()
+                 if value is not None}
+        return codec.decode_outcome(call(self._conn, "jobs", query))
+
+    def cancel(self, ref: str) -> str:
+        """Cancel a pending or running job by id or name; returns its state when the request was made.
 
         Raises:
             NotAllowedError: the job is another user's, and this user is no admin.
-            InvalidRequestError: the server has no such job.
+            InvalidRequestError: the server's host has no such job.
         """
-        return codec.decode_outcome(call(self._conn, "cancel", job_id))
+        return codec.decode_outcome(call(self._conn, "cancel", ref))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn.root, name)
@@ -185,10 +249,12 @@ class Connection:
         identity: who the server takes this client for: {"user", "verified", "admin", "label"}.
     """
 
-    def __init__(self, conn: rpyc.Connection, address: tuple[str, int]) -> None:
+    def __init__(self, conn: rpyc.Connection, address: tuple[str, int],
+                 reopen: Callable[[], Connection] | None = None) -> None:
         self._conn = conn
         self.address = address
-        self.root = RemoteRoot(conn)
+        self._reopen = reopen
+        self.root = RemoteRoot(conn, self)
         user = getpass.getuser()
         user = user if auth.is_user_name(user) else "unknown"
         # Not waited for: the server handles it before any request sent after it.
@@ -208,6 +274,16 @@ class Connection:
     def close(self) -> None:
         """Close the connection without waiting for the server to acknowledge it."""
         stream.close_now(self._conn)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """The server's answer to `conn.root.<name>(*args)`, as it sent it."""
+        return call(self._conn, name, *args)
+
+    def reopen(self) -> Connection:
+        """A new connection to the same server, with the same credentials."""
+        if self._reopen is None:
+            raise OSError(f"the connection to {self.address[0]}:{self.address[1]} is closed")
+        return self._reopen()
 
     def __enter__(self) -> Connection:
         return self

@@ -1,8 +1,9 @@
 """`rpycdl.connect(...)`: credentials, discovery through the registry, and choosing the server most
-likely to run a job soonest; or a server named directly."""
+likely to run a job soonest; or a server named directly. `rpycdl.job(ref)`: the server that knows a job."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 
 import rpyc
@@ -10,8 +11,10 @@ import rpyc
 from rpycdl import registry
 from rpycdl.client import channel, credentials
 from rpycdl.client.connection import CLIENT_CONFIG, Connection, call
+from rpycdl.client.jobs import Job
 from rpycdl.defaults import SERVER_PORT
 from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError, LimitError
+from rpycdl.wire import codec
 
 
 def connect(service: str | None = None, *, host: str | None = None, port: int | None = None,
@@ -53,7 +56,27 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
 def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.SSLContext | None) -> Connection:
     """Connect to the server at `address` with credentials already loaded (connect() loads them;
     a command talking to many servers loads them once)."""
-    return Connection(channel.connect(*address, CLIENT_CONFIG, secret, tls_context), address)
+    return Connection(channel.connect(*address, CLIENT_CONFIG, secret, tls_context), address,
+                      functools.partial(connect_to, address, secret, tls_context))
+
+
+def server_addresses(service: str | None, registry_address: str | None) -> list[tuple[str, int]]:
+    """The addresses of the live servers of `service` (of every service, if None) the registry knows.
+
+    Raises:
+        DiscoveryError: no registry answered, or it knows no such server.
+    """
+    names = [service.upper()] if service else registry.list_services(registry_address)
+    addresses: list[tuple[str, int]] = []
+    for name in names:
+        for address in registry.discover(name, registry_address):
+            if address not in addresses:
+                addresses.append(address)
+    if not addresses:
+        raise DiscoveryError(f"the registry ({registry.describe(registry.registry_address(registry_address))}) knows "
+                             f"no {'server of ' + service.upper() if service else 'server'}: start one "
+                             "(rpycdl serve --service NAME --registry HOST)")
+    return addresses
 
 
 def _discover(service: str, registry_address: str | None, secret: bytes | None,
@@ -89,4 +112,33 @@ def _discover(service: str, registry_address: str | None, secret: bytes | None,
                     + "; ".join(f"{host}:{port}: {exc}" for (host, port), exc in refused))
     if best is None:
         raise DiscoveryError(f"every server of {service.upper()!r} is down: {list(addresses)}")
-    return Connection(best[1], best[2])
+    return Connection(best[1], best[2], functools.partial(connect_to, best[2], secret, tls_context))
+
+
+def job(ref: str, service: str | None = None, *, host: str | None = None, port: int | None = None,
+        registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
+        tls_key: str | None = None, tls_ca: str | None = None) -> Job:
+    """Find a job by id, or by name among your jobs, from any process: on the server at host:port, else
+    on the servers the registry knows (of `service`, if given), the first that knows it. Credentials
+    and the registry come as for rpycdl.connect.
+
+    Raises:
+        InvalidRequestError: no server reached knows the job (the message names those not reached).
+    """
+    settings = credentials.resolve(secret_file=secret_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+                                   registry=registry_address)
+    secret, tls_context = settings.secret(), settings.tls_context()
+    addresses = [(host, port or SERVER_PORT)] if host else server_addresses(service, settings.registry)
+    unreached = []
+    for address in addresses:
+        try:
+            connection = connect_to(address, secret, tls_context)
+        except (OSError, EOFError, AuthFailedError, LimitError) as exc:
+            unreached.append(f"{address[0]}:{address[1]} ({exc})")
+            continue
+        try:
+            return Job(codec.decode_outcome(connection.call("job", ref)), connection)
+        except InvalidRequestError:
+            connection.close()
+    unasked = f"; could not ask {', '.join(unreached)}" if unreached else ""
+    raise InvalidRequestError(f"no server knows job {ref!r}{unasked}")

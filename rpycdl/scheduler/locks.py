@@ -93,6 +93,15 @@ class Need:
                 "sizes_mib": {uuid: size // MiB for uuid, size in self.sizes.items()}}
 
 
+@dataclass(frozen=True)
+class Place:
+    """A request's place in line: its ticket, and the descriptor of its wake-up FIFO, which keeps the
+    place for as long as some process holds it open."""
+
+    ticket: int
+    fifo_fd: int
+
+
 def describe_need(ngpus: int, share_bytes: int) -> str:
     """'2 GPU(s)' or '6 GiB of one GPU', for messages."""
     return f"{format_size(share_bytes)} of one GPU" if share_bytes else f"{ngpus} GPU(s)"
@@ -166,9 +175,9 @@ class GPULockManager:
 
     # -- granting --------------------------------------------------------------------
 
-    def acquire(self, need: Need, info: dict[str, Any], *, queue_timeout: float | None = None,
-                wake_fds: Sequence[int] = (), on_wake: Callable[[], None] | None = None,
-                on_position: Callable[[int], None] | None = None) -> Grant:
+    def acquire(self, need: Need, info: dict[str, Any], *, place: Place | None = None,
+                queue_timeout: float | None = None, wake_fds: Sequence[int] = (),
+                on_wake: Callable[[], None] | None = None, on_position: Callable[[int], None] | None = None) -> Grant:
         """Wait in line for what `need` asks for, and lock it.
 
         Args:
@@ -177,6 +186,8 @@ class GPULockManager:
                 grant to be found after a crash, it names the job: `job_id`, `leader` (the job
                 process, [pid, start]: procs.Pid) and `server_process` (the server parent, which
                 adopts what the job leaves when its connection process dies).
+            place: the request's place in line, taken already (enqueue), which this process now keeps;
+                None takes one now.
             queue_timeout: seconds to wait at most; None waits for as long as it takes.
             wake_fds: other file descriptors that end a sleep when readable.
             on_wake: called after each sleep; it may raise to give up waiting (cancel).
@@ -188,12 +199,19 @@ class GPULockManager:
         """
         need.check()
         with self._locked():
-            ticket = self._next(TICKET)
+            if place is None:
+                ticket = self._next(TICKET)
+            else:
+                ticket, fifo_fd = place.ticket, place.fifo_fd
             grant, position = self._try_grant(ticket, need, info)
-            if grant is not None:  # nobody to wait for: no queue entry at all
-                return grant
-            entry, fifo_fd = self._enqueue(ticket, need, info)
+            if grant is None and place is None:
+                fifo_fd = self._enqueue(ticket, need, info)
+        entry = self.root / "queue" / f"{ticket:016d}.json"
         try:
+            if grant is not None:  # nobody to wait for (a place's entry is gone with its grant)
+                if place is not None:
+                    self.wake_all()
+                return grant
             return self._wait(ticket, need, info, position, fifo_fd, queue_timeout=queue_timeout, wake_fds=wake_fds,
                               on_wake=on_wake, on_position=on_position)
         finally:
@@ -202,7 +220,21 @@ class GPULockManager:
                     entry.unlink(missing_ok=True)
                     entry.with_suffix(".fifo").unlink(missing_ok=True)
                 self.wake_all()
-            os.close(fifo_fd)
+            if grant is None or place is not None:
+                os.close(fifo_fd)
+
+    def enqueue(self, need: Need, info: dict[str, Any]) -> Place:
+        """Take a place in line for `need` now, to be waited for later, by this process or by one it
+        hands the place's descriptor to (a detached job's supervisor: acquire(place=...)). The place
+        is kept for as long as a process holds that descriptor open.
+
+        Raises:
+            InvalidRequestError: an impossible request.
+        """
+        need.check()
+        with self._locked():
+            ticket = self._next(TICKET)
+            return Place(ticket, self._enqueue(ticket, need, info))
 
     def _wait(self, ticket: int, need: Need, info: dict[str, Any], position: int, fifo_fd: int, *,
               queue_timeout: float | None, wake_fds: Sequence[int], on_wake: Callable[[], None] | None,
@@ -237,8 +269,8 @@ class GPULockManager:
                 self.wake_all()  # the next request may be able to go now
                 return grant
 
-    def _enqueue(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Path, int]:
-        """Under the queue lock: join the queue with a wake-up FIFO."""
+    def _enqueue(self, ticket: int, need: Need, info: dict[str, Any]) -> int:
+        """Under the queue lock: join the queue with a wake-up FIFO; returns its descriptor."""
         entry = self.root / "queue" / f"{ticket:016d}.json"
         fifo = entry.with_suffix(".fifo")
         os.mkfifo(fifo)
@@ -248,7 +280,7 @@ class GPULockManager:
         fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
         shown = {key: value for key, value in info.items() if key not in HELD_ONLY}
         lockdir.write_json(entry, {**shown, **need.entry(), "ticket": ticket, "since": time.time()})
-        return entry, fifo_fd
+        return fifo_fd
 
     def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, int]:
         """Under the queue lock: grant to `ticket` if every earlier request is served first."""

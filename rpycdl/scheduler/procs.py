@@ -114,12 +114,21 @@ def environment_names(pid: int, job_id: str) -> bool:
 
 def runs_module(pid: int, module: str) -> bool:
     """Whether the process runs `python -m module` (False where unreadable)."""
+    return module_args(pid, module) is not None
+
+
+def module_args(pid: int, module: str) -> list[str] | None:
+    """The arguments after `-m module` of a process running `python -m module`; None if it runs
+    something else (or is unreadable)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as file:
             args = file.read().split(b"\0")
     except OSError:
-        return False
-    return any(flag == b"-m" and name == module.encode() for flag, name in zip(args, args[1:], strict=False))
+        return None
+    for index, (flag, name) in enumerate(zip(args, args[1:], strict=False)):
+        if flag == b"-m" and name == module.encode():
+            return [arg.decode(errors="replace") for arg in args[index + 2:] if arg]
+    return None
 
 
 def job_processes(job_id: str, leader: Pid | None = None) -> list[int]:

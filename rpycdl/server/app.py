@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rpycdl.defaults import REREGISTER_INTERVAL, lock_dir
+from rpycdl.defaults import REREGISTER_INTERVAL, lock_dir, state_dir
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.registry import registry_client
@@ -50,6 +50,7 @@ class ServerConfig:
     registry: str | None = None  # HOST[:PORT]; None: $RPYCDL_REGISTRY or broadcast; "none": do not register
     inventory: str | None = None  # fake:N, fake:NxSIZE, nvml, or None for $RPYCDL_GPUS / NVML
     lock_dir: str | None = None
+    state_dir: str | None = None  # None: $RPYCDL_STATE_DIR, else the lock directory's state/
     insecure: bool = False
     secret_file: str | None = None  # None: $RPYCDL_SECRET_FILE, else no authentication
     tls_cert: str | None = None  # all three, or none: mutual TLS (rpycdl.tls)
@@ -111,9 +112,10 @@ def build_server(config: ServerConfig) -> DLServer:
     inventory = load_inventory(config.inventory)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
-    # Creates the lock directory's layout, so it fails early on permissions.
+    # Creates the lock directory's layout, so it fails early on permissions; opens (or creates) the ledger.
     context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
+                            state_dir=config.state_dir or state_dir(directory),
                             host=config.host, framework_version=version, limits=config.limits,
                             shares=config.shares)
     lockdir.claim_pid_namespace(Path(directory))
@@ -139,6 +141,7 @@ def serve(config: ServerConfig) -> None:
     kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
+          f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); "
           f"authentication: {server.authenticator.mode if server.authenticator else 'none'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)

@@ -1,5 +1,6 @@
-"""What one server's connections share: its limits, GPUs, lock manager and job store, built once in
-the server parent before any fork (rpycdl.server), read by every connection (rpycdl.service)."""
+"""What one server's connections share: its limits, GPUs, lock manager, job ledger and job files, built
+once in the server parent before any fork (rpycdl.server), read by every connection (rpycdl.service);
+a detached job's supervisor builds the same from its spec."""
 
 from __future__ import annotations
 
@@ -8,10 +9,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_PAYLOAD, MAX_QUEUED, MAX_QUEUED_PER_USER
+from rpycdl.defaults import (
+    IDLE_TIMEOUT,
+    KEEP,
+    MAX_CONNECTIONS,
+    MAX_LOG,
+    MAX_PAYLOAD,
+    MAX_QUEUED,
+    MAX_QUEUED_PER_USER,
+    MAX_RESULT,
+)
 from rpycdl.gpu.inventory import GPU, FakeInventory, Inventory
 from rpycdl.scheduler import procs
-from rpycdl.scheduler.jobs import JobStore
+from rpycdl.scheduler.jobfiles import JobFiles
+from rpycdl.scheduler.ledger import Ledger
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.shares import ShareRules
 
@@ -25,6 +36,9 @@ class Limits:
     max_queued_per_user: int = MAX_QUEUED_PER_USER
     max_connections: int = MAX_CONNECTIONS
     idle_timeout: float = IDLE_TIMEOUT
+    max_result: int = MAX_RESULT
+    max_log: int = MAX_LOG
+    keep: float = KEEP
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -38,6 +52,7 @@ class ServerContext:
     aliases: tuple[str, ...]
     inventory: Inventory
     lock_dir: str
+    state_dir: str
     server_id: str
     host: str = ""
     port: int = 0
@@ -47,12 +62,14 @@ class ServerContext:
     gpus: list[GPU] = field(default_factory=list)
     server_process: procs.Pid = field(default_factory=lambda: procs.identify(os.getpid()))
     locks: GPULockManager = field(init=False)
-    store: JobStore = field(init=False)
+    ledger: Ledger = field(init=False)
+    files: JobFiles = field(init=False)
 
     def __post_init__(self) -> None:
         self.gpus = self.inventory.gpus()
         self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
-        self.store = JobStore(self.lock_dir)
+        self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
+        self.files = JobFiles(self.state_dir)
         if isinstance(self.inventory, FakeInventory):
             self.inventory.state_dir = Path(self.lock_dir) / "simulated-gpus"
 
@@ -60,4 +77,5 @@ class ServerContext:
         return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,
                 "server_id": self.server_id, "inventory": self.inventory.spec,
                 "simulated": self.inventory.simulated, "framework_version": self.framework_version,
-                "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict()}
+                "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict(),
+                "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id}

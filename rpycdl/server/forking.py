@@ -19,11 +19,11 @@ from typing import Any
 import rpyc
 from rpyc.utils.server import ForkingServer
 
-from rpycdl.defaults import KILL_WAIT, SPARE_CONNECTIONS, SWEEP_INTERVAL
+from rpycdl.defaults import KILL_WAIT, PRUNE_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL
 from rpycdl.errors import LimitError
-from rpycdl.scheduler import lockdir, procs
+from rpycdl.scheduler import lockdir, procs, sweep
 from rpycdl.security import auth
-from rpycdl.server import child, container_watcher, runner
+from rpycdl.server import child, container_watcher, runner, supervisor
 from rpycdl.server.context import ServerContext
 from rpycdl.server.service import GPUService
 from rpycdl.wire import stream
@@ -59,8 +59,10 @@ class DLServer(ForkingServer):
     process dies with it, not what the job started) becomes its child. When a child exits other
     than cleanly with 0 (and every SWEEP_INTERVAL anyway) its sweeper kills what it adopted,
     clears the orphaned grants of its own dead connection processes (and of servers that died)
-    once nothing of their jobs runs, ends the records of jobs whose connection process died (of
-    any server: rpycdl.jobs), and wakes the waiting requests."""
+    once nothing of their jobs runs, ends the ledger rows of jobs whose owner died (of any server:
+    rpycdl.scheduler.sweep), and wakes the waiting requests; every PRUNE_INTERVAL it removes the
+    jobs past their retention. Detached jobs' supervisors, which it adopts when the connection
+    process that started them ends, are left alone: they live on their own."""
 
     # Self-pipes written from SIGCHLD: one wakes the sweeper, the other the loop that forks spares.
     _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -184,6 +186,7 @@ class DLServer(ForkingServer):
             with contextlib.suppress(LimitError):  # none to spare: the first job forks as its request comes
                 self._spare_job = runner.JobProcess(close_fds=[self.listener.fileno()])
             procs.myself()  # read now, while no client waits
+            self.context.ledger.get("0")  # the ledger's connection too
             sock = self._take_client()
             os.write(self._taken_w, _PID.pack(os.getpid()))
             child.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop
@@ -238,9 +241,13 @@ class DLServer(ForkingServer):
             service.after_reply()
 
     def _sweep(self) -> None:
+        next_prune = 0.0
         while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
                 self._sweep_once()
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + min(PRUNE_INTERVAL, self.context.limits.keep / 10)
+                    sweep.prune(self.context.ledger, self.context.files, self.context.limits.keep)
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
             select.select([self._wake_r], [], [], SWEEP_INTERVAL)
@@ -260,18 +267,20 @@ class DLServer(ForkingServer):
 
         for record in ctx.locks.clear_orphans(claim):
             log.warning("GPUs of job %s granted again: its connection process died", record.get("job_id"))
-        for record in ctx.store.sweep():
-            log.warning("job %s failed: %s", record.job_id, record.error)
+        for record in sweep.end_orphaned(ctx.ledger):
+            log.warning("job %s ended: %s", record.job_id, record.error)
             ctx.locks.wake_all()
 
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that
         are neither spares nor connection processes (what dead connection processes left), and
-        their descendants; but not a job container's watcher, which removes its container."""
+        their descendants; but not a job container's watcher, which removes its container, nor a
+        detached job's supervisor (with its job)."""
         with self._forking:
             mine = self._spares | self._connections
             found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
-        found = [pid for pid in found if not procs.runs_module(pid, container_watcher.__name__)]
+        found = [pid for pid in found if not any(procs.runs_module(pid, module)
+                                                 for module in (container_watcher.__name__, supervisor.MODULE))]
         return [each for pid in found for each in (pid, *procs.subtree(pid)) if procs.alive(each)]
 
 

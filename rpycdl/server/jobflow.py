@@ -1,7 +1,11 @@
 """A job's flow from its checked request to its outcome: it waits in line for its GPUs (its payload
 test-loaded meanwhile), runs in its job process (or its container) with exactly those GPUs, is
 stopped when cancelled, timed out or over its share, and ends with everything it started gone,
-its GPUs released and its record written; an original client's value is made after that."""
+its GPUs released and its ledger row written; an original client's value is made after that.
+
+The same flow serves an attached job, in the connection process serving its client, and a detached
+one, in its supervisor (rpycdl.server.supervisor), which has no client: its Link keeps the outcome
+in the job's files instead."""
 
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ from rpycdl.gpu.inventory import FakeInventory
 from rpycdl.gpu.watchdog import MemoryWatch
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
-from rpycdl.scheduler.jobs import JobRecord, JobState, new_job_id
-from rpycdl.scheduler.locks import Need
-from rpycdl.server import child, runner
+from rpycdl.scheduler.ledger import JobRecord, new_job_id
+from rpycdl.scheduler.locks import Need, Place
+from rpycdl.server import child, commands, runner
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest
+from rpycdl.states import JobState
 from rpycdl.wire import codec
 
 LOAD_CHECK_AFTER = 0.2
@@ -73,21 +78,36 @@ class Link(Protocol):
     def defer(self, end: Callable[[], None]) -> None:
         """Call `end` once the reply has gone out (or when the client has gone)."""
 
+    def keep(self, outcome: bytes) -> int | None:
+        """Keep the outcome of a job that ran to its end, before its end is recorded: a detached job's
+        result file (its size; LimitError if it cannot be written); None for an attached job."""
+
 
 class JobFlow:
     """One job of one connection, from its checked request to its outcome."""
 
-    def __init__(self, context: ServerContext, request: JobRequest, link: Link, on_end: Callable[[], None]) -> None:
+    def __init__(self, context: ServerContext, request: JobRequest, link: Link, on_end: Callable[[], None], *,
+                 record: JobRecord | None = None, place: Place | None = None) -> None:
+        """A new job's flow; or, given its `record` and its `place` in line (taken when it was
+        submitted), the flow of a detached job that its supervisor takes over."""
         self.context, self.request, self.link, self._on_end = context, request, link, on_end
-        me = procs.myself()
-        self.record = JobRecord(new_job_id(), context.server_id, request.client, request.gpu_request.ngpus,
-                                request.gpu_request.share_bytes, owner_pid=me[0], owner_start=me[1],
-                                user=request.owner.user, user_verified=request.owner.verified)
+        self.record = record or self.new_record(context, request)
+        self._place = place
         self.job: runner.JobProcess | None = None
         self.grant: Grant | None = None
         self.result: runner.Result | None = None
         self._check: runner.LoadCheck | None = None
         self._waiting_since: float | None = None
+
+    @staticmethod
+    def new_record(context: ServerContext, request: JobRequest) -> JobRecord:
+        """The ledger row of a new job, owned by this process."""
+        me = procs.myself()
+        return JobRecord(new_job_id(), context.server_id, request.client, request.gpu_request.ngpus,
+                         request.gpu_request.share_bytes, owner_pid=me[0], owner_start=me[1],
+                         user=request.owner.user, user_verified=request.owner.verified, name=request.name,
+                         detached=request.detached, kind=request.kind, service=context.name,
+                         server=f"{context.host}:{context.port}", request=request.summary())
 
     def run(self) -> bytes:
         """Queue, lock the GPUs, run, release. Returns the outcome bytes (wire.codec); raises
@@ -99,9 +119,11 @@ class JobFlow:
                 record.pgid, record.leader_start = self.job.identity
             self.grant = self._acquire()
             self.result = self._execute()
+            if self.result.ending is runner.Ending.FINISHED:
+                record.result_bytes = self.link.keep(self.result.outcome)
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
-            record.error = str(exc) or type(exc).__name__
+            record.error, record.error_type = str(exc) or type(exc).__name__, type(exc).__name__
             raise
         finally:
             record.ended = time.time()
@@ -128,13 +150,12 @@ class JobFlow:
 
     def _acquire(self) -> Grant:
         ctx, record = self.context, self.record
-        need = Need(record.ngpus, tuple(gpu.uuid for gpu in ctx.gpus), record.share_bytes,
-                    {gpu.uuid: gpu.memory_total for gpu in ctx.gpus})
-        info = {"job_id": record.job_id, "client": record.client, "server": ctx.name, "server_id": ctx.server_id,
-                "user": self.request.owner.label, "leader": [record.pgid, record.leader_start] if self.job else None,
-                "owner": [record.owner_pid, record.owner_start], "server_process": list(ctx.server_process)}
+        info = {**queue_info(ctx, record, self.request), "owner": [record.owner_pid, record.owner_start],
+                "leader": [record.pgid, record.leader_start] if self.job else None,
+                "server_process": list(ctx.server_process)}
         self._wake_fds = self.link.socket_fds()
-        grant = ctx.locks.acquire(need, info, queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
+        grant = ctx.locks.acquire(need_of(ctx, record), info, place=self._place,
+                                  queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
                                   on_wake=self._on_wake, on_position=self._on_position)
         record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
         self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),
@@ -143,9 +164,10 @@ class JobFlow:
 
     def _on_position(self, ahead: int) -> None:
         if self._waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
-            self._check_queue_limits()
+            if self._place is None:  # a detached job's place was checked when it was submitted
+                check_queue_limits(self.context, self.request, self.record.job_id)
             self._waiting_since = time.monotonic()
-            self.context.store.save(self.record)
+            self.context.ledger.save(self.record)
         self._tell("pending", ahead=ahead, ngpus=self.record.ngpus, share_bytes=self.record.share_bytes)
 
     def _on_wake(self) -> None:
@@ -163,20 +185,8 @@ class JobFlow:
             error = check.error()
             if error is not None:
                 raise error
-        if self.context.store.cancel_requested(self.record.job_id):
+        if self.context.ledger.cancel_requested(self.record.job_id):
             raise JobCancelledError(f"job {self.record.job_id} was cancelled while waiting")
-
-    def _check_queue_limits(self) -> None:
-        """Raise LimitError if this server's queue, or this user's share of it, is full."""
-        ctx, label = self.context, self.request.owner.label
-        others = [w for w in ctx.locks.queue() if w["server_id"] == ctx.server_id and w["job_id"] != self.record.job_id]
-        if len(others) >= ctx.limits.max_queued:
-            raise LimitError(f"this server's queue is full: {len(others)} requests wait, the limit is "
-                             f"{ctx.limits.max_queued} (--max-queued); try again later or another server")
-        mine = sum(1 for w in others if w.get("user") == label)
-        if mine >= ctx.limits.max_queued_per_user:
-            raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
-                             f"{ctx.limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
 
     def _tell(self, state: str, **info: Any) -> None:
         if self.request.output.on_state is not None:
@@ -209,7 +219,7 @@ class JobFlow:
             watch = MemoryWatch(ctx.inventory, self._gpu(grant.uuids[0]), grant.share_bytes, ctx.shares.allowance)
 
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
-            if ctx.store.cancel_requested(job_id):
+            if ctx.ledger.cancel_requested(job_id):
                 return runner.Ending.CANCELLED, "the job was cancelled"
             reason = watch.check(pid) if watch is not None else None
             return (runner.Ending.OVER_MEMORY, reason) if reason else None
@@ -229,37 +239,41 @@ class JobFlow:
         def send_result(layout: codec.Layout, fd: int) -> int:
             return self.link.push(receive, layout, fd)  # type: ignore[arg-type]
 
+        limits = self.context.limits
+        max_result = (limits.max_result, "--max-result") if self.request.detached else (limits.max_payload,
+                                                                                        "--max-payload")
         return job.run(self._environment(), output.stdout, output.stderr,
-                       on_start=lambda _: self.context.store.save(self.record), timeout=self.request.timeout,
+                       on_start=lambda _: self.context.ledger.save(self.record), timeout=self.request.timeout,
                        watch_fds=self.link.socket_fds(), on_watch=self.link.serve_client, stop=self._stopper(),
-                       on_buffers=send_result if receive is not None else None,
-                       max_result=self.context.limits.max_payload)
+                       on_buffers=send_result if receive is not None else None, max_result=max_result)
 
     def _run_container(self) -> runner.Result:
         """The request's command in a container of its own (rpycdl.server.containers)."""
         from rpycdl.server import containers  # docker is only needed by servers that run containers
 
         ctx, record, output = self.context, self.record, self.request.output
-        ctx.store.save(record)
+        ctx.ledger.save(record)
         env = {key: value for key, value in self._environment().items() if key.startswith("RPYCDL_")}
         try:
             code = containers.run_job_container(
                 self.request.container, record.gpu_uuids, simulated=ctx.inventory.simulated, owner=ctx.server_id,  # type: ignore[arg-type]
                 job_id=record.job_id, lock_dir=ctx.lock_dir, on_stdout=output.stdout, on_stderr=output.stderr,
                 timeout=self.request.timeout, poll=self.link.serve_client,
-                cancelled=lambda: ctx.store.cancel_requested(record.job_id), extra_env=env)
+                cancelled=lambda: ctx.ledger.cancel_requested(record.job_id), extra_env=env)
         except JobTimeoutError as exc:
             return runner.Result(runner.Ending.TIMED_OUT, reason=str(exc))
         except JobCancelledError as exc:
             return runner.Result(runner.Ending.CANCELLED, reason=str(exc))
         except ContainerError as exc:
+            record.exit_code = exc.exit_code
             return runner.Result(runner.Ending.FINISHED, codec.encode_error(exc, tb=""))
+        record.exit_code = code
         return runner.Result(runner.Ending.FINISHED, codec.encode_ok(code))
 
     # -- ending -------------------------------------------------------------------------
 
     def _end(self) -> None:
-        """Leave nothing of the job running, release its GPUs, write its record's end."""
+        """Leave nothing of the job running, release its GPUs, write its row's end."""
         if self._check is not None:
             self._check.close()
         if self.job is not None:
@@ -267,15 +281,58 @@ class JobFlow:
         if self.grant is not None:
             self.context.locks.release(self.grant)
         record, result = self.record, self.result
-        if result is None:
-            if not record.state.finished:
-                record.state = JobState.FAILED
+        if record.state.finished:  # it failed before its job could end (record.error says why)
+            pass
+        elif result is None:
+            record.state = JobState.FAILED
+        elif result.ending is not runner.Ending.FINISHED:
+            record.state, record.error = STATES[result.ending], result.reason
+            record.error_type = ERRORS[result.ending].__name__
         else:
-            finished = JobState.SUCCEEDED if codec.succeeded(result.outcome) else JobState.FAILED
-            record.state = finished if result.ending is runner.Ending.FINISHED else STATES[result.ending]
-            record.error = result.reason
-        self.context.store.save(record)
+            self._judge(result.outcome)
+        self.context.ledger.save(record)
         self._on_end()
+
+    def _judge(self, outcome: bytes) -> None:
+        """The row's state, exit code and error from the outcome of a job that ran to its end: a
+        command fails unless it exits with 0; a callable, if it raised."""
+        record = self.record
+        if not codec.succeeded(outcome):
+            record.state = JobState.FAILED
+            record.error_type, record.error = codec.failure(outcome)
+            return
+        if self.request.command is not None:
+            record.exit_code = int(codec.decode_outcome(outcome))  # run_command's own value: an int
+            if record.exit_code:
+                record.state, record.error_type = JobState.FAILED, "CommandFailed"
+                record.error = commands.describe_exit(record.exit_code)
+                return
+        record.state = JobState.SUCCEEDED
+
+
+def need_of(context: ServerContext, record: JobRecord) -> Need:
+    """What a job waits for: its GPUs or its share, among its server's GPUs."""
+    return Need(record.ngpus, tuple(gpu.uuid for gpu in context.gpus), record.share_bytes,
+                {gpu.uuid: gpu.memory_total for gpu in context.gpus})
+
+
+def queue_info(context: ServerContext, record: JobRecord, request: JobRequest) -> dict[str, Any]:
+    """What the queue and the GPUs' holders show of a job."""
+    return {"job_id": record.job_id, "client": record.client, "server": context.name,
+            "server_id": context.server_id, "user": request.owner.label}
+
+
+def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str) -> None:
+    """Raise LimitError if this server's queue, or this user's share of it, is full (without the job)."""
+    label = request.owner.label
+    others = [w for w in context.locks.queue() if w["server_id"] == context.server_id and w["job_id"] != job_id]
+    if len(others) >= context.limits.max_queued:
+        raise LimitError(f"this server's queue is full: {len(others)} requests wait, the limit is "
+                         f"{context.limits.max_queued} (--max-queued); try again later or another server")
+    mine = sum(1 for w in others if w.get("user") == label)
+    if mine >= context.limits.max_queued_per_user:
+        raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
+                         f"{context.limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
 
 
 def decode_bounded(outcome: bytes) -> Any:

@@ -27,6 +27,15 @@ send them positionally (they may also come by name)."""
 CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
 """The options of `run_container` after the image and the command, likewise."""
 
+SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name")
+"""The options of `submit` and `submit_command` after the payload or the command."""
+
+SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name")
+"""The options of `submit_container` after the image and the command."""
+
+MAX_NAME = 64
+"""The longest name a detached job may have."""
+
 
 def discard(_: str) -> None:
     """An output sink that drops what it is given."""
@@ -61,8 +70,11 @@ class JobRequest:
             for a container.
         buffers: the payload's out-of-band buffers (the job process gets them by the fork).
         container: a command to run in a container of its own instead (the generic server).
+        command: for a payload that runs a command (server.commands.run_command), its argv: the
+            job's value is the command's exit code, and it fails unless that is 0.
         timeout: seconds the job may run; queue_timeout: seconds it may wait for its GPUs.
         output: where its output goes.
+        detached: submitted to run without its client (a supervisor owns it), with `name` if given.
     """
 
     gpu_request: GPURequest
@@ -71,9 +83,26 @@ class JobRequest:
     body: bytes | None = None
     buffers: list[Any] = field(default_factory=list)
     container: JobSpec | None = None
+    command: tuple[str, ...] | None = None
     timeout: float | None = None
     queue_timeout: float | None = None
     output: Output = field(default_factory=Output)
+    detached: bool = False
+    name: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """"container", "command" or "call" (a Python callable)."""
+        return "container" if self.container is not None else "command" if self.command is not None else "call"
+
+    def summary(self) -> dict[str, Any]:
+        """What was asked, as the ledger keeps it (JSON)."""
+        asked: dict[str, Any] = {"timeout": self.timeout, "queue_timeout": self.queue_timeout}
+        if self.command is not None:
+            asked["command"] = list(self.command)
+        if self.container is not None:
+            asked.update(image=self.container.image, command=list(self.container.command))
+        return asked
 
 
 def output(options: dict[str, Any], receive: Callable[[Any], None] | None = None) -> Output:
@@ -113,6 +142,25 @@ def named(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any]) 
     return options
 
 
+def check_name(name: Any) -> str | None:
+    """Check a detached job's optional name: letters, digits, '.', '_', '-', not all digits (ids are not)."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or name.isdigit() \
+            or not name.replace(".", "").replace("_", "").replace("-", "").isalnum() or not name.isascii():
+        raise InvalidRequestError(f"not a job name: {name!r} (1 to {MAX_NAME} letters, digits, '.', '_' or '-', "
+                                  "not only digits)")
+    return name
+
+
+def check_command(command: Any) -> tuple[str, ...]:
+    """Check a command: a non-empty list of strings (an argv, never a shell string)."""
+    if not isinstance(command, (list, tuple)) or not command or not all(isinstance(arg, str) for arg in command) \
+            or not command[0]:
+        raise InvalidRequestError(f"a command is a non-empty list of strings, not {command!r}")
+    return tuple(command)
+
+
 def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = None, gpus: Any = None,
           gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, **job: Any) -> JobRequest:
     """Check what a request asks for against this server, and make it a JobRequest.
@@ -122,7 +170,8 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         owner, client: who sent it, from where.
         ngpus, gpus, gpu_memory: the GPUs, as the client gave them (scheduler.shares.parse_request).
         timeout, queue_timeout: seconds, as the client gave them.
-        job: what to run and where its output goes: `body` and `buffers`, or `container`; `output`.
+        job: what to run and where its output goes: `body` and `buffers` (and `command`), or
+            `container`; `output`; `detached` and `name`.
 
     Raises:
         InvalidRequestError: anything it could never run.

@@ -69,7 +69,8 @@ class _ResultPipe:
     (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the outcome.
     A result of more than `limit` bytes is not read: `over` then says why."""
 
-    def __init__(self, fd: int, on_buffers: Callable[[codec.Layout], int] | None, limit: int | None) -> None:
+    def __init__(self, fd: int, on_buffers: Callable[[codec.Layout], int] | None,
+                 limit: tuple[int, str] | None) -> None:
         self.fd = fd
         self.header = bytearray()
         self.layout: codec.Layout | None = None
@@ -77,12 +78,12 @@ class _ResultPipe:
         self.complete = True  # False: the buffers ended early, or the header made no sense
         self.over = ""
         self._on_buffers = on_buffers
-        self._limit = limit
+        self._limit, self._option = limit or (None, "")
 
     def _too_large(self, size: int) -> bool:
         if self._limit is None or size <= self._limit:
             return False
-        self.over = (f"the job's result is over this server's limit of {self._limit} bytes (--max-payload): "
+        self.over = (f"the job's result is over this server's limit of {self._limit} bytes ({self._option}): "
                      "return less, or save it to a file and return its path")
         return True
 
@@ -214,7 +215,8 @@ class JobProcess:
             on_start: Callable[[int], None] | None = None, timeout: float | None = None,
             watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
             stop: Callable[[int], tuple[Ending, str] | None] | None = None,
-            on_buffers: Callable[[codec.Layout, int], int] | None = None, max_result: int | None = None) -> Result:
+            on_buffers: Callable[[codec.Layout, int], int] | None = None,
+            max_result: tuple[int, str] | None = None) -> Result:
         """Run the payload with `env` set, and wait for its outcome. When this returns, the job
         process's group has been sent SIGKILL and all its output forwarded.
 
@@ -232,7 +234,8 @@ class JobProcess:
                 their total size from the blocking pipe `fd` and say how many bytes it got (fewer
                 only if the pipe ended early). Timeout and `stop` wait until it returns.
             max_result: the most bytes the result may have (its buffers, or its outcome), which
-                bounds the memory it takes here; a larger one ends the job with LimitError.
+                bounds the memory it takes here, and the option that sets it; a larger one ends the
+                job with LimitError.
         """
         self._start(env, on_buffers is not None)
         streams: Streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),

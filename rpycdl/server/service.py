@@ -1,6 +1,7 @@
 """The RPyC service of one client connection: it checks who calls and what they ask (request),
 hands each job to its flow (jobflow), and answers status: run, run_buffers, run_code (ours and
-the original servers'), run_container, gpu_status, load, jobs, cancel, identify, limits, server_info."""
+the original servers'), run_container, gpu_status, load, identify, limits, server_info; and the
+calls about the ledger's jobs (jobcalls): submit, job, job_log, job_wait, job_result, cancel, delete, jobs."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.security import auth
 from rpycdl.server import request, runner, status
 from rpycdl.server.context import ServerContext
+from rpycdl.server.jobcalls import JobCalls
 from rpycdl.server.jobflow import JobFlow, decode_bounded
 from rpycdl.wire import bulk, codec, netrefs
 
 
-class GPUService(rpyc.Service):
+class GPUService(JobCalls, rpyc.Service):
     """One client connection of a server. `context` is set on the subclass the server builds.
 
     Its user is the one its client certificate names, else the one the client declares
@@ -67,6 +69,9 @@ class GPUService(rpyc.Service):
 
     def defer(self, end: Callable[[], None]) -> None:
         self._after_reply.append(end)
+
+    def keep(self, outcome: bytes) -> None:
+        return None  # an attached job's outcome goes to its client only
 
     def after_reply(self) -> None:
         """Finish what the last call left for after its reply (the end of its job: jobflow). The
@@ -166,20 +171,6 @@ class GPUService(rpyc.Service):
     def exposed_load(self) -> tuple[int, int, int]:
         """(free GPUs, waiting requests, GPUs): how soon a new job would run here."""
         return status.load(self.context)
-
-    def exposed_jobs(self) -> str:
-        """JSON list of this server's job records, oldest first (status.jobs)."""
-        return json.dumps(status.jobs(self.context))
-
-    def exposed_cancel(self, job_id: Any) -> bytes:
-        """Cancel a pending or running job of this server: its owner or an admin may.
-
-        Returns outcome bytes (see rpycdl.client): the job's state when the cancel was asked;
-        InvalidRequestError for an unknown job, NotAllowedError for someone else's."""
-        try:
-            return codec.encode_ok(status.cancel(self.context, self._identity, job_id))
-        except RpycdlError as exc:
-            return codec.encode_error(exc, tb="")
 
     def exposed_identify(self, user: Any) -> str:
         """Declare the client's OS user, kept unless a client certificate names the user already.

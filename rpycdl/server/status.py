@@ -1,13 +1,10 @@
-"""What a server tells of its GPUs, its queue and its jobs, and cancelling a job: the bodies of the
-service's status calls."""
+"""What a server tells of its GPUs and its queue: the bodies of the service's status calls."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from rpycdl.errors import InvalidRequestError, NotAllowedError
-from rpycdl.security import auth
 from rpycdl.server.context import ServerContext
 
 
@@ -34,29 +31,12 @@ def load(ctx: ServerContext) -> tuple[int, int, int]:
     return sum(1 for gpu in ctx.gpus if gpu.uuid not in held), len(queue), len(ctx.gpus)
 
 
-def jobs(ctx: ServerContext) -> list[dict[str, Any]]:
-    """This server's job records, oldest first (a record whose connection process died is ended
-    first: it never shows as pending or running)."""
-    ctx.store.sweep()
-    return [record.to_dict() for record in ctx.store.all() if record.server_id == ctx.server_id]
-
-
-def cancel(ctx: ServerContext, me: auth.Identity, job_id: Any) -> str:
-    """Ask to cancel a pending or running job of this server, as `me` (its owner, or an admin);
-    returns its state when asked.
-
-    Raises:
-        InvalidRequestError: no such job here. NotAllowedError: someone else's.
-    """
-    if not isinstance(job_id, str) or not job_id.isalnum():
-        raise InvalidRequestError(f"not a job id: {job_id!r}")
-    record = ctx.store.load(job_id)
-    if record is None or record.server_id != ctx.server_id:
-        raise InvalidRequestError(f"no job {job_id} on this server")
-    if not me.admin and (record.user, record.user_verified) != (me.user, me.verified):
-        owner = auth.Identity(record.user, record.user_verified).label
-        raise NotAllowedError(f"job {job_id} belongs to {owner} and you are {me.label}: only its owner "
-                              "or an admin can cancel it")
-    ctx.store.request_cancel(record)
-    ctx.locks.wake_all()
-    return record.state.value
+def ahead(ctx: ServerContext, job_id: str) -> int | None:
+    """How many waiting requests are before a job's in line and compete for its GPUs (None if it does
+    not wait)."""
+    queue = ctx.locks.snapshot()["queue"]
+    mine = next((waiter for waiter in queue if waiter["job_id"] == job_id), None)
+    if mine is None:
+        return None
+    return sum(1 for waiter in queue if waiter["ticket"] < mine["ticket"]
+               and set(waiter["candidates"]) & set(mine["candidates"]))

@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rpycdl import registry
+from rpycdl.defaults import KILL_WAIT, STATE_SUBDIR, SUPERVISOR_MODULE
 from rpycdl.errors import RpycdlError
+from rpycdl.scheduler import procs
 
 READY_TIMEOUT = 30.0
 
@@ -65,6 +67,20 @@ class Process:
                 self.popen.wait()
 
 
+def stop_supervisors(state_dir: str) -> list[str]:
+    """Kill the supervisors of the detached jobs of `state_dir`, and everything their jobs run; returns
+    the jobs' ids (their rows say LOST once a server sweeps)."""
+    stopped = []
+    for pid in procs.pids():
+        args = procs.module_args(pid, SUPERVISOR_MODULE)
+        if args and os.path.abspath(args[0]) == os.path.abspath(state_dir):
+            job_id = args[1]
+            procs.kill([pid])
+            procs.kill_until_gone(lambda job_id=job_id: procs.job_processes(job_id), KILL_WAIT)
+            stopped.append(job_id)
+    return stopped
+
+
 def start(args: Sequence[str], env: dict[str, str] | None = None, echo: bool = False) -> Process:
     """Start `python -m rpycdl ARGS` in a session of its own (Ctrl-C at a terminal reaches the caller, which
     stops it) and collect its output in the background."""
@@ -90,6 +106,7 @@ class LocalCluster:
         self.registry_port = free_udp_port()
         self.registry_address = f"127.0.0.1:{self.registry_port}"
         self.processes: list[Process] = []
+        self.state_dirs = {os.path.join(lock_dir, STATE_SUBDIR)}
         self.registry = self._start(["registry", "--host", "127.0.0.1", "--port", str(self.registry_port)])
         self.registry.wait_for(r"listening")
 
@@ -104,6 +121,8 @@ class LocalCluster:
                 "--registry", self.registry_address, "--lock-dir", self.lock_dir, *extra]
         if inventory:
             args += ["--gpus", inventory]
+        if "--state-dir" in extra:
+            self.state_dirs.add(extra[extra.index("--state-dir") + 1])
         process = self._start(args)
         port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
         deadline = time.monotonic() + READY_TIMEOUT
@@ -114,8 +133,12 @@ class LocalCluster:
         return process, port
 
     def close(self) -> None:
+        """Stop the servers and the registry, and the detached jobs of their state directories, which
+        would outlive them."""
         for process in reversed(self.processes):
             process.stop()
+        for state_dir in self.state_dirs:
+            stop_supervisors(state_dir)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -276,5 +276,15 @@ def succeeded(data: bytes) -> bool:
     return data[:1] == OK
 
 
+def failure(data: bytes) -> tuple[str, str]:
+    """The type's name (without its module) and the message of an exception outcome, read without
+    rebuilding the exception (a plain tuple is unpickled, not what the job raised)."""
+    try:
+        _, name, message, _ = dill.loads(data[1:])
+        return str(name).rpartition(".")[2], str(message)
+    except Exception as exc:  # not an outcome this codec wrote
+        return "UnreadableResult", f"the job's outcome could not be read: {exc}"
+
+
 __all__ = ["encode_call", "encode_payload", "check_payload", "check_pickle", "check_layout", "layout", "dumps",
-           "load_call", "encode_value", "encode_ok", "encode_error", "decode_outcome", "succeeded"]
+           "load_call", "encode_value", "encode_ok", "encode_error", "decode_outcome", "succeeded", "failure"]

@@ -10,7 +10,7 @@ import rpycdl
 
 ROOT = Path(rpycdl.__file__).parent
 ROLES = {"client", "wire", "security", "server", "scheduler", "gpu", "site", "cli"}
-SHARED = {"__init__", "__main__", "errors", "defaults", "units", "registry"}
+SHARED = {"__init__", "__main__", "errors", "defaults", "units", "registry", "states"}
 """The modules at the top: the public API, the command's entry, and what every role shares."""
 
 

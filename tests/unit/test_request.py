@@ -17,7 +17,7 @@ from rpycdl.server.context import ServerContext
 @pytest.fixture
 def context(tmp_path) -> ServerContext:
     return ServerContext(name="pytorch", aliases=("PYTORCH",), inventory=FakeInventory("fake:2"),
-                         lock_dir=str(tmp_path), server_id="test")
+                         lock_dir=str(tmp_path), state_dir=str(tmp_path / "state"), server_id="test")
 
 
 @pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "3", True, 367 * 24 * 3600])

@@ -1,0 +1,260 @@
+"""`rpycdl submit`, `jobs`, `logs`, `wait`, `result`, `cancel` and `delete`: detached jobs, and the
+history of every job in the hosts' ledgers (like sbatch, squeue/sacct, scancel; Ray's job CLI)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import dill
+
+from rpycdl.cli.common import (
+    EXIT_FAILED,
+    EXIT_JOB_TIMEOUT,
+    EXIT_QUEUE_TIMEOUT,
+    Command,
+    each_server,
+    need_text,
+    report_unreached,
+    server_flags,
+    size_flags,
+)
+from rpycdl.client import Job, connect, job
+from rpycdl.errors import InvalidRequestError, JobNotFinishedError, RpycdlError
+from rpycdl.security.auth import Identity
+from rpycdl.states import JobState
+from rpycdl.units import format_duration, format_size, parse_duration
+
+WAIT_EXIT_CODES = f"""exit codes:
+  0     the job succeeded
+  N     a command's own exit code (128+N when signal N killed it)
+  {EXIT_FAILED}     the job failed, was cancelled or was lost, or no server knows it
+  {EXIT_QUEUE_TIMEOUT}    its GPUs were not granted within its queue timeout
+  {EXIT_JOB_TIMEOUT}   it ran past its timeout and was stopped"""
+
+
+def add_commands(command: Command) -> None:
+    """Add submit, jobs, logs, wait, result, cancel and delete to the `rpycdl` parser."""
+    _add_submit(command)
+    listing = command(
+        "jobs", "list jobs: waiting, running, and the history",
+        "List the jobs of the hosts of every server the registry knows (or of one service, or of the server at "
+        "--host), newest first: the unfinished ones and those that ended in the last day, or with --all every "
+        "job kept (--keep of the servers). Attached jobs (run_code, rpycdl run) are listed with the detached ones. "
+        f"Exits with {EXIT_FAILED} if a server could not be reached (the others are shown all the same).")
+    listing.add_argument("service", nargs="?", default=None, help="only servers of this service")
+    listing.add_argument("--all", action="store_true", help="every job kept, not only the recent ones")
+    listing.add_argument("--user", action="append", default=None, dest="users", metavar="USER",
+                         help="only this user's jobs (repeat for more)")
+    listing.add_argument("--state", action="append", default=None, dest="states", metavar="STATE",
+                         type=str.upper, choices=[state.value for state in JobState],
+                         help="only jobs in this state (repeat for more)")
+    listing.add_argument("--since", default=None, metavar="DURATION",
+                         help="only jobs submitted in the last DURATION, such as 2d or 12h")
+    listing.add_argument("--limit", type=int, default=None, metavar="N", help="at most N jobs (default 100; 0: all)")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    server_flags(listing)
+    for name, text, description in (
+            ("logs", "print a job's output, or follow it live", "Print a job's output from its first line (or its "
+             "last --tail lines); with -f, then follow it live until the job ends. Your job, or anyone's with an "
+             "admin certificate."),
+            ("wait", "wait for a job to end; exit with its exit code", "Wait until a job has ended, print how it "
+             "ended, and exit with its exit code (see below)."),
+            ("result", "print or save a job's returned value", "Print what a job returned (its exit code, for a "
+             "command), or save it with --output; for a job that raised, print its exception and exit with "
+             f"{EXIT_FAILED}. Waits for the job to end unless --no-wait."),
+            ("cancel", "cancel a pending or running job", "Cancel a job that has not ended: your own job, or "
+             "anyone's with an admin certificate. A waiting job leaves the queue; a running one is stopped."),
+            ("delete", "remove a finished job's record, log and result", "Remove an ended job from the ledger, "
+             "with its log and result (a job that has not ended is refused: cancel it first).")):
+        sub = command(name, text, description, epilog=WAIT_EXIT_CODES if name == "wait" else None,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.add_argument("job", help="the job's id, or the name you gave it")
+        sub.add_argument("service", nargs="?", default=None, help="ask only servers of this service")
+        if name == "logs":
+            sub.add_argument("-f", "--follow", action="store_true", help="then follow the output until the job ends")
+            sub.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+        if name == "wait":
+            sub.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                             help=f"give up after this long (exit code {EXIT_QUEUE_TIMEOUT})")
+        if name == "result":
+            sub.add_argument("--no-wait", action="store_true",
+                             help=f"do not wait: exit with {EXIT_QUEUE_TIMEOUT} if the job has not ended")
+            sub.add_argument("-o", "--output", default=None, metavar="FILE",
+                             help="save the value to FILE instead: bytes and str as they are, anything else "
+                                  "pickled with dill (load it with dill.load)")
+        server_flags(sub)
+
+
+def _add_submit(command: Command) -> None:
+    submit = command(
+        "submit", "submit a command as a detached job, and return at once (like sbatch)",
+        "Submit COMMAND to a server of SERVICE as a detached job: it waits for its GPUs in the same first-come-\n"
+        "first-served queue as every job, runs in the server's working directory as the server's user, and\n"
+        "runs to its end whatever happens to this terminal or to the server process. Prints its id (--quiet:\n"
+        "only the id). Then: rpycdl logs -f ID, rpycdl wait ID, rpycdl result ID, rpycdl cancel ID.",
+        usage="rpycdl submit SERVICE [options] -- COMMAND [ARG ...]",
+        epilog="example: rpycdl submit pytorch --gpu-memory 6GiB --name lr-1e-3 -- python train.py --lr 1e-3",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    submit.add_argument("service", help="service to run on (pytorch, ...; deeplearning with --image)")
+    size_flags(submit)
+    submit.add_argument("--name", default=None, help="a name to find the job by, unique among your unfinished jobs")
+    submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the job after this long")
+    submit.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                        help="fail the job if its GPUs are not granted within this long")
+    submit.add_argument("--image", default=None, help="run COMMAND in a container of this image (deeplearning only)")
+    submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --image: a variable of the container (repeat for more)")
+    submit.add_argument("--workdir", default=None, help="with --image: the container's working directory")
+    submit.add_argument("-q", "--quiet", action="store_true", help="print only the job's id")
+    server_flags(submit)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    if not args.argv:
+        raise InvalidRequestError("give the command after the service: rpycdl submit pytorch -- python train.py")
+    env = dict(item.partition("=")[::2] for item in args.env)
+    if (args.env or args.workdir) and not args.image:
+        raise InvalidRequestError("--env and --workdir go with --image")
+    if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
+        raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
+    target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
+    with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
+                 tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
+        if args.image:
+            submitted = conn.root.submit_container(args.image, args.argv, 1 if args.ngpus is None else args.ngpus,
+                                                   env=env or None, workdir=args.workdir, name=args.name,
+                                                   timeout=args.timeout, queue_timeout=args.queue_timeout)
+        else:
+            submitted = conn.root.submit_command(args.argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
+                                                 name=args.name, timeout=args.timeout,
+                                                 queue_timeout=args.queue_timeout)
+        if args.quiet:
+            print(submitted.id)
+        else:
+            named = f" ({submitted.name})" if submitted.name else ""
+            print(f"job {submitted.id}{named} submitted to {submitted.info['service']} on {conn.address[0]}:"
+                  f"{conn.address[1]}: {submitted.status()}")
+    return 0
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    query = {"all": args.all, "users": args.users, "states": args.states, "limit": args.limit,
+             "since": None if args.since is None else parse_duration(args.since)}
+    results = each_server(args, "jobs", **{key: value for key, value in query.items() if value is not None})
+    rows: dict[str, dict[str, Any]] = {}
+    for _, answer in results:
+        if not isinstance(answer, Exception):
+            rows.update((row["job_id"], row) for row in answer)  # servers of one host share their jobs
+    shown = sorted(rows.values(), key=lambda row: row["submitted"], reverse=True)[:args.limit or None]
+    if args.json:
+        print(json.dumps(shown, indent=2))
+    else:
+        print(format_jobs(shown, time.time()))
+    return report_unreached(args, results)
+
+
+def format_jobs(rows: list[dict[str, Any]], now: float) -> str:
+    """Jobs as a table: id, name, state, owner, service, what they asked for, when, how long they waited
+    and ran, and why they ended."""
+    header = (f"{'ID':<13}{'NAME':<16}{'STATE':<10}{'USER':<20}{'SERVICE':<12}{'GPUS':<18}{'SUBMITTED':<17}"
+              f"{'WAITED':<8}{'RAN':<8}INFO")
+    lines = [header]
+    for row in rows:
+        started, ended = row["started"], row["ended"]
+        waited = format_duration((started or ended or now) - row["submitted"])
+        ran = format_duration((ended or now) - started) if started else "-"
+        gpus = need_text(row["ngpus"], row["share_bytes"])
+        user = Identity(row["user"], row["user_verified"]).label
+        info = row["error"] or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
+        if not row["detached"]:
+            info = f"attached from {row['client']}" + (f"; {info}" if info else "")
+        submitted = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["submitted"]))
+        lines.append(f"{row['job_id']:<13}{(row.get('name') or '-')[:15]:<16}{row['state']:<10}{user[:19]:<20}"
+                     f"{row['service'][:11]:<12}{gpus:<18}{submitted:<17}{waited:<8}{ran:<8}{info[:80]}")
+    if not rows:
+        lines.append("(no jobs)")
+    return "\n".join(lines)
+
+
+def _find(args: argparse.Namespace) -> Job:
+    return job(args.job, args.service, host=args.host, port=args.port if args.host else None,
+               registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
+               tls_key=args.tls_key, tls_ca=args.tls_ca)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    if args.tail is not None and args.tail < 0:
+        raise InvalidRequestError("--tail takes a number of lines, 0 or more")
+    for line in _find(args).logs(follow=args.follow, tail=args.tail):
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    return 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    found = _find(args)
+    status = found.wait(args.timeout)
+    print(f"job {found.id}: {status}", file=sys.stderr)
+    if not status.finished:
+        return EXIT_QUEUE_TIMEOUT
+    return wait_exit_code(found.info)
+
+
+def wait_exit_code(row: dict[str, Any]) -> int:
+    """The exit code of `rpycdl wait` for a job that has ended (WAIT_EXIT_CODES)."""
+    state, code = JobState(row["state"]), row.get("exit_code")
+    if state is JobState.TIMED_OUT:
+        return EXIT_JOB_TIMEOUT
+    if row.get("error_type") == "QueueTimeoutError":
+        return EXIT_QUEUE_TIMEOUT
+    if code is not None and state in (JobState.SUCCEEDED, JobState.FAILED):
+        return code if code >= 0 else 128 - code
+    return 0 if state is JobState.SUCCEEDED else EXIT_FAILED
+
+
+def _result(args: argparse.Namespace) -> int:
+    found = _find(args)
+    try:
+        value = found.result(wait=not args.no_wait)
+    except JobNotFinishedError as exc:
+        print(f"rpycdl result: {exc}: wait for it with rpycdl wait {found.id}", file=sys.stderr)
+        return EXIT_QUEUE_TIMEOUT
+    except RpycdlError:
+        raise
+    except Exception as exc:  # the job's own exception: its traceback, then one line
+        print(getattr(exc, "remote_traceback", "") or "", end="", file=sys.stderr)
+        print(f"rpycdl result: job {found.id} raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.output:
+        data = value if isinstance(value, bytes) else value.encode() if isinstance(value, str) else dill.dumps(value)
+        Path(args.output).write_bytes(data)
+        print(f"rpycdl result: job {found.id}'s value ({type(value).__name__}, {format_size(len(data))}) saved to "
+              f"{args.output}", file=sys.stderr)
+    elif isinstance(value, bytes):
+        sys.stdout.buffer.write(value)
+    else:
+        print(value if isinstance(value, str) else repr(value))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    found = _find(args)
+    status = found.cancel()
+    print(f"job {found.id} ({status.state.value}) on {found.info['server']}: cancel requested")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    found = _find(args)
+    found.delete()
+    print(f"job {found.id} deleted: its record, log and result")
+    return 0
+
+
+COMMANDS = {"submit": _submit, "jobs": _jobs, "logs": _logs, "wait": _wait, "result": _result, "cancel": _cancel,
+            "delete": _delete}

@@ -1,0 +1,129 @@
+"""Job handles: a job of a host's ledger (detached, or attached and seen in the ledger) as a client
+holds it: its status, its logs (live while it runs), its result, cancel and delete."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rpycdl.defaults import JOB_WAIT_MAX
+from rpycdl.errors import JobNotFinishedError
+from rpycdl.states import JobState
+from rpycdl.wire import codec
+
+if TYPE_CHECKING:
+    from rpycdl.client.connection import Connection
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """Where a job is: its state, and while it waits how many requests are ahead of it in line; once it
+    has ended, why (`error`) and a command's or container's exit code."""
+
+    state: JobState
+    ahead: int | None = None
+    error: str = ""
+    exit_code: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    def __str__(self) -> str:
+        if self.state is JobState.PENDING and self.ahead is not None:
+            return f"PENDING ({self.ahead} ahead)"
+        return f"{self.state.value}: {self.error}" if self.error else self.state.value
+
+
+class Job:
+    """A job of a host's ledger, through a connection to a server that shares that ledger (reopened
+    when it has been closed, so a handle outlives the connection it came from).
+
+    Attributes:
+        id: the job's id, unique everywhere.
+        name: the name it was submitted with, or None.
+        info: its row as last seen (rpycdl.scheduler.ledger.JobRecord's fields, and `ahead`).
+    """
+
+    def __init__(self, info: dict[str, Any], connection: Connection) -> None:
+        self.info = info
+        self.id: str = info["job_id"]
+        self.name: str | None = info.get("name")
+        self._connection = connection
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """A call of the job's server answering outcome bytes, decoded; on a connection that has been
+        closed, on a new one to the same server."""
+        if self._connection.closed:
+            self._connection = self._connection.reopen()
+        return codec.decode_outcome(self._connection.call(name, *args))
+
+    def refresh(self) -> dict[str, Any]:
+        """The job's row now."""
+        self.info = self._call("job", self.id)
+        return self.info
+
+    def status(self) -> JobStatus:
+        """The job's state now (and how many requests are ahead of it while it waits)."""
+        return _status(self.refresh())
+
+    def wait(self, timeout: float | None = None) -> JobStatus:
+        """Wait until the job has ended, or `timeout` seconds have passed; returns its status then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = JOB_WAIT_MAX if deadline is None else max(0.0, deadline - time.monotonic())
+            self.info = self._call("job_wait", self.id, min(left, JOB_WAIT_MAX) or None)
+            if JobState(self.info["state"]).finished or (deadline is not None and time.monotonic() >= deadline):
+                return _status(self.info)
+
+    def result(self, timeout: float | None = None, wait: bool = True) -> Any:
+        """The job's value, or the exception it raised re-raised here (with the remote traceback), as
+        run_code does; for a job that ended otherwise, the error that ended it (JobCancelledError,
+        JobTimeoutError, JobLostError, ...). A command's value is its exit code.
+
+        Args:
+            timeout: seconds to wait at most for the job to end (None: as long as it takes).
+            wait: False: do not wait at all.
+
+        Raises:
+            JobNotFinishedError: the job had not ended in time.
+        """
+        if wait and not self.wait(timeout).finished:
+            raise JobNotFinishedError(f"job {self.id} has not ended after {timeout:g} s")
+        return self._call("job_result", self.id)
+
+    def logs(self, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        """The job's output, line by line (each with its newline, as a file's lines): from its first line
+        (or its last `tail` lines) to its end so far; with `follow`, then live until the job ends."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        offset, pending, first = 0, "", True
+        while True:
+            data, offset, done = self._call("job_log", self.id, offset, JOB_WAIT_MAX if follow else None,
+                                            tail if first else None)
+            first = False
+            pending += decoder.decode(data)
+            *lines, pending = pending.split("\n")
+            yield from (line + "\n" for line in lines)
+            if done or (not follow and not data):
+                break
+        if pending + decoder.decode(b"", final=True):
+            yield pending
+
+    def cancel(self) -> JobStatus:
+        """Cancel the job if it has not ended (its owner or an admin may); returns its status when asked."""
+        state = self._call("cancel", self.id)
+        return JobStatus(JobState(state))
+
+    def delete(self) -> None:
+        """Remove the job's row, log and result; refused while it has not ended (cancel it first)."""
+        self._call("delete", self.id)
+
+    def __repr__(self) -> str:
+        return f"<rpycdl.Job {self.id}{f' {self.name!r}' if self.name else ''} {self.info.get('state')}>"
+
+
+def _status(info: dict[str, Any]) -> JobStatus:
+    return JobStatus(JobState(info["state"]), info.get("ahead"), info.get("error") or "", info.get("exit_code"))

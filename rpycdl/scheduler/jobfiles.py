@@ -1,0 +1,204 @@
+"""A detached job's files in the state directory, beside the ledger, readable by every server of the host:
+
+    jobs/<id>/spec.json   what its supervisor needs: the accepting server's settings and the request
+    jobs/<id>/payload     the callable and its argument (wire.codec), until the job ends
+    jobs/<id>/log         its stdout and stderr as they were written, up to --max-log
+    jobs/<id>/result      its outcome (wire.codec: the value, or the exception it raised), written once
+
+A result appears whole or not at all (written aside, then renamed), before the ledger says the job
+ended; a log only grows. Writing either can fail (a full disk): the job then fails, saying why, and a
+log that met a full disk gives back its last LOG_HEADROOM bytes, so that the ledger can record the end."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rpycdl.errors import LimitError
+from rpycdl.scheduler.lockdir import SHARED_FILE_MODE, shared_dir
+from rpycdl.units import format_size
+
+TAIL_CHUNK = 64 * 1024
+"""Bytes read at a time, backwards, to find a log's last lines."""
+
+LOG_HEADROOM = 256 * 1024
+"""Bytes a log cuts from its end when the disk is full: room for the ledger's end of the job."""
+
+
+class JobFiles:
+    """The jobs/ directory of one state directory."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(state_dir) / "jobs"
+        shared_dir(self.root)
+
+    def path(self, job_id: str, name: str = "") -> Path:
+        """A job's directory, or the file `name` in it."""
+        if not job_id.isalnum():
+            raise ValueError(f"bad job id {job_id!r}")
+        return self.root / job_id / name if name else self.root / job_id
+
+    def create(self, job_id: str, spec: dict[str, Any], payload: bytes | None) -> None:
+        """Write a new job's spec and payload (before its supervisor starts)."""
+        shared_dir(self.path(job_id))
+        _write(self.path(job_id, "spec.json"), json.dumps(spec).encode())
+        if payload is not None:
+            _write(self.path(job_id, "payload"), payload)
+
+    def spec(self, job_id: str) -> dict[str, Any]:
+        return json.loads(self.path(job_id, "spec.json").read_text())
+
+    def payload(self, job_id: str) -> bytes | None:
+        """The job's payload, or None for a container job."""
+        try:
+            return self.path(job_id, "payload").read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def drop_payload(self, job_id: str) -> None:
+        """Remove the payload of a job that has ended (its result and log stay)."""
+        self.path(job_id, "payload").unlink(missing_ok=True)
+
+    def store_result(self, job_id: str, outcome: bytes) -> int:
+        """Write the job's outcome whole (aside, flushed to disk, then renamed); returns its size.
+
+        Raises:
+            LimitError: it could not be written (a full disk); nothing of it is left.
+        """
+        target = self.path(job_id, "result")
+        try:
+            _write(target, outcome, sync=True)
+        except OSError as exc:
+            raise LimitError(f"the job's result ({format_size(len(outcome))}) could not be stored: "
+                             f"{exc.strerror or exc} ({target.parent})") from None
+        return len(outcome)
+
+    def result(self, job_id: str) -> bytes | None:
+        try:
+            return self.path(job_id, "result").read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def log_size(self, job_id: str) -> int:
+        try:
+            return self.path(job_id, "log").stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def read_log(self, job_id: str, offset: int, size: int) -> bytes:
+        """Up to `size` bytes of the job's log from `offset` (b"" at its end, or if there is none)."""
+        try:
+            with open(self.path(job_id, "log"), "rb") as log:
+                log.seek(offset)
+                return log.read(size)
+        except FileNotFoundError:
+            return b""
+
+    def tail_offset(self, job_id: str, lines: int) -> int:
+        """Where the job's last `lines` lines begin in its log (a last line without its newline counts)."""
+        end = self.log_size(job_id)
+        if lines <= 0:
+            return end
+        position, found = end, -1
+        with contextlib.suppress(FileNotFoundError), open(self.path(job_id, "log"), "rb") as log:
+            while position > 0:
+                start = max(0, position - TAIL_CHUNK)
+                log.seek(start)
+                chunk = log.read(position - start)
+                if position == end and chunk.endswith(b"\n"):
+                    chunk = chunk[:-1]  # the last line's own newline
+                for index in range(len(chunk) - 1, -1, -1):
+                    if chunk[index] == 0x0A:
+                        found += 1
+                        if found == lines - 1:
+                            return start + index + 1
+                position = start
+        return 0
+
+    def remove(self, job_id: str) -> None:
+        """Remove everything of the job (its directory)."""
+        shutil.rmtree(self.path(job_id), ignore_errors=True)
+
+    def listed(self) -> list[str]:
+        """The ids of the jobs that have a directory."""
+        return [entry.name for entry in self.root.iterdir() if entry.name.isalnum()]
+
+
+class LogWriter:
+    """Appends a job's output to its log as it comes, up to `limit` bytes, then one marker line.
+
+    Attributes:
+        size: the bytes the log holds (the marker included).
+
+    Raises (from write):
+        LimitError: the log could not be written (a full disk): the job must stop. Later writes are
+            dropped.
+    """
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self.path = path
+        self.limit = limit
+        self.size = 0
+        self._full = False
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, SHARED_FILE_MODE)
+        with contextlib.suppress(PermissionError):
+            os.fchmod(self._fd, SHARED_FILE_MODE)
+
+    def write(self, text: str) -> None:
+        if self._full or not text:
+            return
+        data = text.encode(errors="replace")
+        if self.size + len(data) > self.limit:
+            self._full = True
+            data = data[:self.limit - self.size] + (
+                f"\n[rpycdl: this job's log reached its limit of {format_size(self.limit)} (--max-log): "
+                "later output is dropped]\n").encode()
+        written = 0
+        try:
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError as exc:
+            self.size += written
+            self._full = True
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._make_room()
+            raise LimitError(f"the job's log could not be written: {exc.strerror or exc} ({self.path})") from None
+        self.size += written
+
+    def _make_room(self) -> None:
+        """Cut the log's last LOG_HEADROOM bytes, and say so in what is left."""
+        marker = b"\n[rpycdl: the disk is full: this job's log was cut here and the job stopped]\n"
+        with contextlib.suppress(OSError):
+            self.size = max(0, self.size - LOG_HEADROOM)
+            os.ftruncate(self._fd, self.size)
+            self.size += os.write(self._fd, marker)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _write(path: Path, data: bytes, sync: bool = False) -> None:
+    """Write `data` to `path` whole: aside first, then renamed over it; nothing is left if it fails."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, SHARED_FILE_MODE)
+        try:
+            with contextlib.suppress(PermissionError):
+                os.fchmod(fd, SHARED_FILE_MODE)
+            with memoryview(data) as view:
+                written = 0
+                while written < len(view):
+                    written += os.write(fd, view[written:])
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(aside, path)
+    except BaseException:
+        aside.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,400 @@
+"""The job ledger: every job of a host, attached or detached, as one row of an SQLite database in WAL
+mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container of the host.
+
+Schema (PRAGMA user_version counts the MIGRATIONS applied): `meta(key, value)` holds the ledger_id, a
+uuid made with the database; `jobs` has a column per JobRecord field, job_id its primary key, request
+and gpu_uuids as JSON text, booleans as 0/1, times in seconds since the epoch (`ended` set once the job
+finished). Indexes: submitted (newest first, `since`), ended (the default view, prune), (state,
+submitted) (unfinished rows and state filters, cheap whatever the history), (user, submitted), (user,
+name) for find, and (user, name) UNIQUE among unfinished rows: one live job of a name per user.
+
+Concurrency: many processes write at once, each with its own connection; every write is one short
+transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
+readers never block writers (WAL). A finished row never changes: every write to a row requires it
+unfinished, so of the owner's save() and a sweep's end() the first to finish a job wins, and their
+return values say who. A connection never crosses a fork: os.fork() closes every ledger's connection
+first (under its lock, so no thread is inside a transaction), and each process opens its own on first
+use. (A child that inherited an open connection would share SQLite's memory of the parent's locks, and
+its own connection would take none of them.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rpycdl.defaults import LEDGER_BUSY_TIMEOUT
+from rpycdl.errors import InvalidRequestError, LedgerError
+from rpycdl.scheduler.lockdir import shared_dir, shared_file
+from rpycdl.states import UNFINISHED, JobState
+
+__all__ = ["UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
+
+LIVE = "state IN ('PENDING', 'RUNNING')"
+"""The UNFINISHED rows, in the words of the unique index (the planner matches words)."""
+
+MIGRATIONS = [
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY NOT NULL, server_id TEXT NOT NULL, client TEXT NOT NULL,
+        ngpus INTEGER NOT NULL, share_bytes INTEGER NOT NULL, state TEXT NOT NULL,
+        owner_pid INTEGER NOT NULL, owner_start INTEGER NOT NULL, pgid INTEGER NOT NULL,
+        leader_start INTEGER NOT NULL, gpu_uuids TEXT NOT NULL, submitted REAL NOT NULL, started REAL,
+        ended REAL, error TEXT NOT NULL, error_type TEXT NOT NULL, exit_code INTEGER, user TEXT NOT NULL,
+        user_verified INTEGER NOT NULL, name TEXT, detached INTEGER NOT NULL, kind TEXT NOT NULL,
+        service TEXT NOT NULL, server TEXT NOT NULL, request TEXT NOT NULL, log_bytes INTEGER NOT NULL,
+        result_bytes INTEGER, cancel_requested INTEGER NOT NULL DEFAULT 0);
+    CREATE INDEX jobs_submitted ON jobs (submitted);
+    CREATE INDEX jobs_ended ON jobs (ended);
+    CREATE INDEX jobs_state ON jobs (state, submitted);
+    CREATE INDEX jobs_user ON jobs (user, submitted);
+    CREATE INDEX jobs_name ON jobs (user, name) WHERE name IS NOT NULL;
+    CREATE UNIQUE INDEX jobs_unfinished_name ON jobs (user, name)
+        WHERE name IS NOT NULL AND state IN ('PENDING', 'RUNNING');
+    """,
+]
+"""One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""
+
+
+def new_job_id() -> str:
+    """A short, unique job id."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class JobRecord:
+    """One job, a row of the ledger.
+
+    `owner_pid` is the process that owns the job now (the connection process of an attached job, the
+    supervisor of a detached one) and `pgid` the job process, which leads its own session, each with
+    its start time (rpycdl.scheduler.procs.Pid). `user` sent it, proven by a client certificate when
+    `user_verified`. `cancel_requested` is read from the row: only Ledger.request_cancel writes it."""
+
+    job_id: str
+    server_id: str
+    client: str  # host:port
+    ngpus: int
+    share_bytes: int = 0  # bytes of its one GPU for a share; 0 for whole GPUs
+    state: JobState = JobState.PENDING
+    owner_pid: int = 0
+    owner_start: int = 0
+    pgid: int = 0
+    leader_start: int = 0
+    gpu_uuids: list[str] = field(default_factory=list)
+    submitted: float = field(default_factory=time.time)
+    started: float | None = None
+    ended: float | None = None
+    error: str = ""  # why it failed, was cancelled or lost
+    error_type: str = ""  # the exception type's name for a failure
+    exit_code: int | None = None  # a command's or container's
+    user: str = "unknown"
+    user_verified: bool = False
+    name: str | None = None  # unique among one user's unfinished jobs
+    detached: bool = False
+    kind: str = "call"  # "call", "command" or "container"
+    service: str = ""
+    server: str = ""  # host:port of the server that accepted it
+    request: dict[str, Any] = field(default_factory=dict)
+    log_bytes: int = 0
+    result_bytes: int | None = None
+    cancel_requested: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as JSON-able values, its state as its string."""
+        return {**asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
+        """The record `to_dict` made (keys this version does not know are ignored)."""
+        return cls(**{key: data[key] for key in COLUMNS if key in data}, state=JobState(data["state"]))
+
+
+COLUMNS = tuple(column.name for column in dataclasses.fields(JobRecord) if column.name != "state")
+_SELECT = f"SELECT state, {', '.join(COLUMNS)} FROM jobs"
+_WRITTEN = [column for column in ("state", *COLUMNS) if column != "cancel_requested"]
+_UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c for c in _WRITTEN)}) "
+           f"ON CONFLICT (job_id) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in _WRITTEN if c != 'job_id')} "
+           f"WHERE jobs.{LIVE}")
+_JSON = ("gpu_uuids", "request")
+_BOOLS = ("user_verified", "detached", "cancel_requested")
+
+
+def _to_row(record: JobRecord) -> dict[str, Any]:
+    row = record.to_dict()
+    return {**row, **{name: json.dumps(row[name]) for name in _JSON}, **{name: int(row[name]) for name in _BOOLS}}
+
+
+def _from_row(row: Sequence[Any]) -> JobRecord:
+    data = dict(zip(("state", *COLUMNS), row, strict=True))
+    data.update({name: json.loads(data[name]) for name in _JSON} | {name: bool(data[name]) for name in _BOOLS})
+    return JobRecord.from_dict(data)
+
+
+class Ledger:
+    """The job ledger of one state directory: <state_dir>/ledger.sqlite3. The threads of a process may
+    share one, and a child of os.fork() goes on using it (with a connection of its own)."""
+
+    FILE = "ledger.sqlite3"
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        """Open the ledger of `state_dir`, creating both if the directory is new or empty; check it and
+        bring its schema up to date.
+
+        Raises:
+            LedgerError: the ledger is missing from a directory of earlier jobs, corrupted, written by a
+                newer rpycdl, or cannot be opened; the message names its file and what to do.
+        """
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / self.FILE
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._pid = 0
+        shared_dir(self.state_dir)
+        if not self.path.exists():
+            history = sorted(entry.name for entry in self.state_dir.iterdir() if _holds(entry))
+            if history:
+                raise LedgerError(f"the job ledger {self.path} is missing, but {self.state_dir} holds earlier jobs' "
+                                  f"files ({', '.join(history)}): restore the ledger from a backup, or move the "
+                                  "state directory aside to start an empty one")
+            shared_file(self.path)  # mode 0o666, which SQLite gives its -wal and -shm files too
+        try:
+            self.ledger_id: str = self._migrate()
+        except sqlite3.OperationalError as exc:  # locked past the busy timeout, unreadable, disk I/O error
+            raise LedgerError(f"the job ledger {self.path} cannot be used: {exc}") from exc
+        except sqlite3.DatabaseError as exc:  # not a database, malformed
+            raise self._corrupted(str(exc)) from exc
+        _LEDGERS.add(self)
+
+    def _corrupted(self, detail: str) -> LedgerError:
+        return LedgerError(f"the job ledger {self.path} is corrupted ({detail}): restore it from a backup, or move "
+                           f"the state directory {self.state_dir} aside to start afresh (`sqlite3 {self.path} "
+                           ".recover` may save its rows)")
+
+    def _migrate(self) -> str:
+        """Check the database, run the migrations it lacks (in one transaction), return its ledger_id."""
+        with self._db() as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise self._corrupted("; ".join(problems[:3]))
+        with self._write() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise LedgerError(f"the job ledger {self.path} was written by a newer rpycdl (schema version "
+                                  f"{version}, this one knows up to {len(MIGRATIONS)}): upgrade rpycdl, or use "
+                                  "another state directory")
+            for number, script in enumerate(MIGRATIONS[version:], version + 1):
+                statement = ""  # one at a time: executescript would commit the transaction
+                for line in script.splitlines(keepends=True):
+                    statement += line
+                    if sqlite3.complete_statement(statement):
+                        db.execute(statement)
+                        statement = ""
+                db.execute(f"PRAGMA user_version = {number}")
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('ledger_id', ?)", (uuid.uuid4().hex,))
+            return db.execute("SELECT value FROM meta WHERE key = 'ledger_id'").fetchone()[0]
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """This process's connection, opened on first use, for one thread at a time."""
+        with self._lock:
+            if self._conn is not None and self._pid != os.getpid():  # forked past os.fork's hooks
+                _INHERITED.append(self._conn)  # never close (nor collect) the parent's connection
+                self._conn = None
+            if self._conn is None:
+                db = sqlite3.connect(self.path, timeout=LEDGER_BUSY_TIMEOUT, isolation_level=None,
+                                     check_same_thread=False)
+                if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                self._conn, self._pid = db, os.getpid()
+            yield self._conn
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: it waits for the others' and blocks no reader."""
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close this process's connection (a later call opens another)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None and self._pid == os.getpid():
+            self._conn.close()
+            self._conn = None
+
+    def save(self, record: JobRecord) -> bool:
+        """Write `record`, every column but cancel_requested, unless its row has finished already (a
+        finished record without an end time gets one: now). Returns whether it wrote.
+
+        Raises:
+            InvalidRequestError: another unfinished job of the same user has the record's name.
+        """
+        if record.state.finished and record.ended is None:
+            record.ended = time.time()
+        with self._write() as db:
+            try:
+                return db.execute(_UPSERT, _to_row(record)).rowcount > 0
+            except sqlite3.IntegrityError:
+                other = _one(db, f"user = ? AND name = ? AND {LIVE}", record.user, record.name)
+                if other is None:
+                    raise
+                raise InvalidRequestError(f"{record.user} already has an unfinished job named {record.name!r} "
+                                          f"({other.job_id}, {other.state.value}): use another --name, or cancel "
+                                          "it") from None
+
+    def get(self, job_id: str) -> JobRecord | None:
+        """The job `job_id`, or None."""
+        with self._db() as db:
+            return _one(db, "job_id = ?", job_id)
+
+    def find(self, ref: str, user: str) -> JobRecord | None:
+        """The job whose id is `ref`, else `user`'s unfinished job named `ref`, else their latest one of
+        that name, else None."""
+        with self._db() as db:
+            return _one(db, "job_id = ?", ref) or _one(
+                db, f"user = ? AND name = ? ORDER BY {LIVE} DESC, submitted DESC LIMIT 1", user, ref)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        """Whether someone asked to cancel the job (cheap enough to poll)."""
+        with self._db() as db:
+            row = db.execute("SELECT cancel_requested FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return bool(row and row[0])
+
+    def request_cancel(self, job_id: str) -> JobRecord | None:
+        """Ask the owner of an unfinished job to cancel it (a finished one is left alone). Returns the
+        job as it was before, or None if there is no such job."""
+        with self._write() as db:
+            record = _one(db, "job_id = ?", job_id)
+            if record is not None and not record.state.finished:
+                db.execute("UPDATE jobs SET cancel_requested = 1 WHERE job_id = ?", (job_id,))
+            return record
+
+    def end(self, job_id: str, state: JobState, error: str, error_type: str = "") -> bool:
+        """Finish an unfinished job in `state`, ended now (a sweep's move once its owner is gone).
+        Returns whether it changed the row (not if there is no such job, or it had finished)."""
+        if not state.finished:
+            raise ValueError(f"end() needs a final state, not {state.value}")
+        with self._write() as db:
+            return db.execute(f"UPDATE jobs SET state = ?, error = ?, error_type = ?, ended = ? WHERE job_id = ? "
+                              f"AND {LIVE}", (state.value, error, error_type, time.time(), job_id)).rowcount > 0
+
+    def unfinished(self) -> list[JobRecord]:
+        """The PENDING and RUNNING jobs, oldest first."""
+        with self._db() as db:
+            return [_from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE} ORDER BY submitted")]
+
+    def query(self, *, users: Sequence[str] | None = None, states: Sequence[JobState] | None = None,
+              since: float | None = None, active_or_ended_since: float | None = None,
+              limit: int | None = None) -> list[JobRecord]:
+        """Jobs, newest submitted first.
+
+        Args:
+            users: only theirs.
+            states: only in these states.
+            since: only those submitted at or after this time.
+            active_or_ended_since: only unfinished ones and those ended at or after this time.
+            limit: at most this many (None: all).
+        """
+        # The default view reads the unfinished and recently ended rows only, whatever the history, through
+        # jobs_state and jobs_ended: `+column` keeps the planner from taking another index instead.
+        recent = active_or_ended_since is not None
+        plus = "+" if recent else ""
+        where, params = [f"({LIVE} OR ended >= ?)" if recent else "1"], [active_or_ended_since] if recent else []
+        if users is not None:
+            where.append(f"{plus}user IN ({', '.join('?' * len(users))})")
+            params += users
+        if states is not None:
+            where.append(f"{plus}state IN ({', '.join('?' * len(states))})")
+            params += [JobState(state).value for state in states]
+        if since is not None:
+            where.append(f"{plus}submitted >= ?")
+            params.append(since)
+        sql = f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY {plus}submitted DESC LIMIT ?"
+        with self._db() as db:
+            return [_from_row(row) for row in db.execute(sql, (*params, -1 if limit is None else limit))]
+
+    def delete(self, job_id: str) -> JobRecord | None:
+        """Remove a finished job's row (its files are the caller's). Returns it, or None if there is no
+        such job.
+
+        Raises:
+            InvalidRequestError: the job has not finished.
+        """
+        with self._write() as db:
+            record = _one(db, "job_id = ?", job_id)
+            if record is not None and not record.state.finished:
+                raise InvalidRequestError(f"job {job_id} is {record.state.value}: cancel it first")
+            db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+            return record
+
+    def prune(self, ended_before: float, batch: int = 500) -> list[str]:
+        """Remove the finished jobs that ended before `ended_before`, `batch` rows a transaction. Returns
+        their ids (their files are the caller's to remove)."""
+        removed: list[str] = []
+        while True:
+            with self._write() as db:
+                ids = [row[0] for row in db.execute(
+                    f"DELETE FROM jobs WHERE job_id IN (SELECT job_id FROM jobs WHERE ended < ? AND NOT {LIVE} "
+                    "LIMIT ?) RETURNING job_id", (ended_before, batch))]
+            removed += ids
+            if len(ids) < batch:
+                return removed
+
+    def count(self) -> int:
+        """How many jobs the ledger holds."""
+        with self._db() as db:
+            return db.execute("SELECT count(*) FROM jobs").fetchone()[0]
+
+
+def _one(db: sqlite3.Connection, where: str, *params: Any) -> JobRecord | None:
+    row = db.execute(f"{_SELECT} WHERE {where}", params).fetchone()
+    return None if row is None else _from_row(row)
+
+
+def _holds(entry: Path) -> bool:
+    """Whether an entry of a state directory holds anything: a file, or a directory not empty."""
+    return entry.is_symlink() or not entry.is_dir() or any(entry.iterdir())
+
+
+_LEDGERS: weakref.WeakSet[Ledger] = weakref.WeakSet()
+_FORKING: list[Ledger] = []
+_INHERITED: list[sqlite3.Connection] = []  # a parent's connections, kept from being closed (or collected)
+
+
+def _before_fork() -> None:
+    """Close every ledger's connection before os.fork(), holding its lock until the fork is done."""
+    _FORKING[:] = list(_LEDGERS)
+    for ledger in _FORKING:
+        ledger._lock.acquire()
+        ledger._close()
+
+
+def _after_fork() -> None:
+    for ledger in _FORKING:
+        ledger._lock.release()
+    _FORKING.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)

@@ -1,0 +1,42 @@
+"""The ledger's upkeep, by every server's sweep: jobs whose owning process died are ended (what is
+left of them killed first), and finished jobs past their retention are removed with their files."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from rpycdl.defaults import KILL_WAIT
+from rpycdl.scheduler import procs
+from rpycdl.scheduler.jobfiles import JobFiles
+from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.states import JobState
+
+
+def end_orphaned(ledger: Ledger) -> list[JobRecord]:
+    """End the unfinished jobs, of any server, whose owner died: an attached job's connection process
+    (FAILED, or CANCELLED if a cancel was asked), a detached job's supervisor (LOST). What is left of
+    each job is killed first (rpycdl.scheduler.procs). Returns the jobs ended here."""
+    ended = []
+    for record in ledger.unfinished():
+        if procs.alive(record.owner_pid, record.owner_start):
+            continue
+        leader = (record.pgid, record.leader_start) if record.pgid else None
+        procs.kill_until_gone(functools.partial(procs.job_processes, record.job_id, leader), KILL_WAIT)
+        if record.detached:
+            state, error_type = JobState.LOST, "JobLostError"
+            why = f"its supervisor (pid {record.owner_pid}) died before the job ended: its outcome is unknown"
+        else:
+            state = JobState.CANCELLED if record.cancel_requested else JobState.FAILED
+            error_type, why = "JobCrashedError", "the connection process serving this job died"
+        if ledger.end(record.job_id, state, record.error or why, error_type):
+            ended.append(record)
+    return ended
+
+
+def prune(ledger: Ledger, files: JobFiles, keep: float) -> list[str]:
+    """Remove the jobs that ended more than `keep` seconds ago, their files with them; returns their ids."""
+    removed = ledger.prune(time.time() - keep)
+    for job_id in removed:
+        files.remove(job_id)
+    return removed

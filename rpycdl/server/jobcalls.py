@@ -1,0 +1,233 @@
+"""The service's calls about the jobs of the host's ledger: submitting detached jobs, and for any job
+(detached or attached, of any server sharing the state directory) its row, its log, waiting for its
+end, its result, cancelling and deleting it, and listing jobs. Everyone sees that a job exists and
+its state, as the queue shows; only its owner or an admin reads its log and result, cancels or
+deletes it. Every call answers outcome bytes (wire.codec), so that errors keep their types."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rpycdl.defaults import JOB_WAIT_MAX, JOBS_SHOWN, LOG_CHUNK, RECENT_JOBS
+from rpycdl.errors import InvalidRequestError, JobLostError, JobNotFinishedError, NotAllowedError, RpycdlError
+from rpycdl.scheduler.ledger import JobRecord
+from rpycdl.security import auth
+from rpycdl.server import request, status, supervisor
+from rpycdl.server.commands import run_command
+from rpycdl.server.context import ServerContext
+from rpycdl.states import JobState
+from rpycdl.wire import codec, netrefs
+
+POLL = 0.05
+"""Seconds between looks at a job's log and row while a call waits for them."""
+
+ENDED = {JobState.CANCELLED: "JobCancelledError", JobState.TIMED_OUT: "JobTimeoutError",
+         JobState.LOST: "JobLostError"}
+"""The error a job's result raises when it ended without an outcome of its own, by state."""
+
+
+class JobCalls:
+    """The exposed calls about jobs, mixed into the service (rpycdl.server.service.GPUService), whose
+    `context`, `_identity` and `_request` they use."""
+
+    context: ServerContext
+    _identity: auth.Identity
+    _request: Callable[..., request.JobRequest]
+
+    # -- submitting --------------------------------------------------------------------
+
+    def exposed_submit(self, payload: bytes, *args: Any, **kwargs: Any) -> bytes:
+        """Submit a detached job: a payload made by codec.encode_payload (everything in band); options
+        (request.SUBMIT_OPTIONS, positionally or by name): ngpus, gpus, gpu_memory, timeout, queue_timeout,
+        name. Answers the job's row once its supervisor owns it."""
+        def submit() -> dict[str, Any]:
+            request.check_size(payload, "payload", self.context.limits.max_payload)
+            return self._submit(args, kwargs, body=codec.check_payload(payload))
+
+        return _answer(submit)
+
+    def exposed_submit_command(self, argv: Any, *args: Any, **kwargs: Any) -> bytes:
+        """Submit a command (a list of strings) as a detached job; options as for submit. It fails
+        unless it exits with 0; its exit code is its result."""
+        def submit() -> dict[str, Any]:
+            command = request.check_command(netrefs.materialize(argv, self.context.limits.max_payload))
+            body = codec.check_payload(codec.encode_payload(run_command, list(command)))
+            return self._submit(args, kwargs, body=body, command=command)
+
+        return _answer(submit)
+
+    def exposed_submit_container(self, image: str, command: Any, *args: Any, **kwargs: Any) -> bytes:
+        """Submit a command in a container of its own as a detached job (the generic server; see
+        run_container); options (request.SUBMIT_CONTAINER_OPTIONS): ngpus (default 1), env, workdir,
+        mounts, timeout, queue_timeout, name."""
+        def submit() -> dict[str, Any]:
+            from rpycdl.server import containers  # docker is only needed by servers that run containers
+
+            options = request.named(request.SUBMIT_CONTAINER_OPTIONS, args, kwargs)
+            place = [options.pop(name, None) for name in ("env", "workdir", "mounts")]
+            raw = netrefs.materialize((image, command, *place), self.context.limits.max_payload)
+            asked = dict(zip(("image", "command", "env", "workdir", "mounts"), raw, strict=True))
+            spec = containers.check_job(asked["image"], asked["command"], env=asked["env"], workdir=asked["workdir"],
+                                        mounts=asked["mounts"])
+            options["ngpus"] = 1 if options.get("ngpus") is None else options["ngpus"]
+            name = request.check_name(options.pop("name", None))
+            checked = self._request(options, container=spec, detached=True, name=name)
+            return _shown(self.context, supervisor.hand_over(self.context, checked, asked))
+
+        return _answer(submit)
+
+    def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], **job: Any) -> dict[str, Any]:
+        options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
+        name = request.check_name(options.pop("name", None))
+        checked = self._request(options, detached=True, name=name, **job)
+        return _shown(self.context, supervisor.hand_over(self.context, checked))
+
+    # -- any job of the ledger ---------------------------------------------------------
+
+    def exposed_job(self, ref: Any) -> bytes:
+        """A job's row by id (or by name among the caller's jobs), with `ahead` while it waits."""
+        return _answer(lambda: _shown(self.context, self._find(ref)))
+
+    def exposed_job_wait(self, ref: Any, timeout: Any = None) -> bytes:
+        """A job's row once it has ended, or after `timeout` seconds (JOB_WAIT_MAX at most: call again)."""
+        def wait() -> dict[str, Any]:
+            seconds = min(request.check_seconds(timeout, "timeout") or JOB_WAIT_MAX, JOB_WAIT_MAX)
+            record = self._find(ref)
+            deadline = time.monotonic() + seconds
+            while not record.state.finished and time.monotonic() < deadline:
+                time.sleep(POLL)
+                record = self.context.ledger.get(record.job_id) or record
+            return _shown(self.context, record)
+
+        return _answer(wait)
+
+    def exposed_job_log(self, ref: Any, offset: Any = 0, wait: Any = None, tail: Any = None) -> bytes:
+        """Up to LOG_CHUNK bytes of a job's log from `offset` (or from where its last `tail` lines
+        begin), waiting up to `wait` seconds for some if there are none yet and the job runs.
+        Answers (data, next offset, whether the job has ended and its log is all read)."""
+        def read() -> tuple[bytes, int, bool]:
+            record = self._find(ref, mine=True)
+            files, job_id = self.context.files, record.job_id
+            start = files.tail_offset(job_id, _count(tail, "tail")) if tail is not None else _count(offset, "offset")
+            seconds = min(request.check_seconds(wait, "wait") or 0.0, JOB_WAIT_MAX)
+            deadline = time.monotonic() + seconds
+            while True:
+                ended = record.state.finished
+                data = files.read_log(job_id, start, LOG_CHUNK)
+                if data or ended or time.monotonic() >= deadline:
+                    return data, start + len(data), ended and start + len(data) >= files.log_size(job_id)
+                time.sleep(POLL)
+                record = self.context.ledger.get(job_id) or record
+
+        return _answer(read)
+
+    def exposed_job_result(self, ref: Any) -> bytes:
+        """A finished job's outcome: its value, or the exception it raised (or the error that ended it:
+        cancelled, timed out, lost, failed before it ran). JobNotFinishedError while it has not ended."""
+        try:
+            record = self._find(ref, mine=True)
+            if not record.state.finished:
+                raise JobNotFinishedError(f"job {record.job_id} is {record.state.value}: it has not ended yet")
+            stored = self.context.files.result(record.job_id)
+            return stored if stored is not None else codec.encode_error(_ended(record), tb="")
+        except RpycdlError as exc:
+            return codec.encode_error(exc, tb="")
+
+    def exposed_cancel(self, ref: Any) -> bytes:
+        """Cancel a pending or running job (its owner or an admin may); answers its state when asked.
+        A finished job is left as it is."""
+        def cancel() -> str:
+            record = self._find(ref, mine=True)
+            asked = self.context.ledger.request_cancel(record.job_id) or record
+            self.context.locks.wake_all()
+            return asked.state.value
+
+        return _answer(cancel)
+
+    def exposed_delete(self, ref: Any) -> bytes:
+        """Remove a finished job's row, log and result (its owner or an admin may); a job that has not
+        ended is refused: cancel it first."""
+        def delete() -> str:
+            record = self._find(ref, mine=True)
+            self.context.ledger.delete(record.job_id)  # InvalidRequestError if it has not ended
+            self.context.files.remove(record.job_id)
+            return record.job_id
+
+        return _answer(delete)
+
+    def exposed_jobs(self, query: Any = None) -> bytes:
+        """The host's jobs, newest first: by default the unfinished ones and those that ended in the last
+        RECENT_JOBS seconds, JOBS_SHOWN at most. `query` may give: all (every job kept), users, states,
+        since (submitted in the last so many seconds), limit (0: no limit)."""
+        return _answer(lambda: [_shown(self.context, record, ahead=False) for record in _query(
+            self.context, netrefs.materialize(query or {}, self.context.limits.max_payload))])
+
+    def _find(self, ref: Any, mine: bool = False) -> JobRecord:
+        """The job `ref` names (an id, or one of the caller's names); with `mine`, only for its owner
+        or an admin."""
+        if not isinstance(ref, str) or not ref or not ref.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InvalidRequestError(f"not a job id or name: {ref!r}")
+        me = self._identity
+        record = self.context.ledger.find(ref, me.user)
+        if record is None:
+            raise InvalidRequestError(f"no job {ref!r} here: see `rpycdl jobs --all` for the jobs this host keeps")
+        if mine and not me.admin and (record.user, record.user_verified) != (me.user, me.verified):
+            owner = auth.Identity(record.user, record.user_verified).label
+            raise NotAllowedError(f"job {record.job_id} belongs to {owner} and you are {me.label}: only its owner "
+                                  "or an admin can read its log and result, cancel or delete it")
+        return record
+
+
+def _answer(make: Callable[[], Any]) -> bytes:
+    try:
+        return codec.encode_ok(make())
+    except RpycdlError as exc:
+        return codec.encode_error(exc, tb="")
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequestError(f"{name} must be a whole number, 0 or more, not {value!r}")
+    return value
+
+
+def _shown(context: ServerContext, record: JobRecord, ahead: bool = True) -> dict[str, Any]:
+    """A row as clients see it: with `ahead` (requests before it in line) while it waits, and its
+    log's size while it runs."""
+    shown = record.to_dict()
+    if ahead and record.state is JobState.PENDING:
+        shown["ahead"] = status.ahead(context, record.job_id)
+    if record.detached and not record.state.finished:
+        shown["log_bytes"] = context.files.log_size(record.job_id)
+    return shown
+
+
+def _ended(record: JobRecord) -> RpycdlError:
+    """The error a job's result raises when it left no outcome of its own."""
+    from rpycdl import errors
+
+    kind = getattr(errors, ENDED.get(record.state, record.error_type), None)
+    if not (isinstance(kind, type) and issubclass(kind, RpycdlError)):
+        kind = JobLostError if record.state is JobState.LOST else RpycdlError
+    return kind(f"job {record.job_id} {record.state.value}: {record.error}")
+
+
+def _query(context: ServerContext, query: Any) -> list[JobRecord]:
+    """The rows a `jobs` query asks for (checked)."""
+    if not isinstance(query, dict) or set(query) - {"all", "users", "states", "since", "limit"}:
+        raise InvalidRequestError(f"a jobs query has all, users, states, since and limit, not {query!r}")
+    users, states = query.get("users"), query.get("states")
+    if users is not None and not (isinstance(users, list) and all(isinstance(user, str) for user in users)):
+        raise InvalidRequestError(f"users must be a list of names, not {users!r}")
+    try:
+        states = None if states is None else [JobState(str(state).upper()) for state in states]
+    except ValueError:
+        raise InvalidRequestError(f"states are {', '.join(s.value for s in JobState)}, not {states!r}") from None
+    since = request.check_seconds(query.get("since"), "since")
+    limit = _count(query.get("limit", JOBS_SHOWN), "limit")
+    now = time.time()
+    return context.ledger.query(users=users, states=states, since=None if since is None else now - since,
+                                active_or_ended_since=None if query.get("all") else now - RECENT_JOBS,
+                                limit=limit or None)

@@ -1,0 +1,250 @@
+"""A detached job's supervisor: the process that owns the job from its submission to its end, so that
+the job outlives its client and the server that accepted it.
+
+The connection process that accepts a submission writes the job's files (rpycdl.scheduler.jobfiles),
+takes its place in line, and starts `python -m rpycdl.server.supervisor STATE_DIR JOB_ID FIFO_FD GO_FD`
+in a session of its own, handing it the place (the descriptor of its wake-up FIFO); it records the
+job in the ledger with the supervisor as its owner, and only then says go. The supervisor runs the
+job's flow (rpycdl.server.jobflow) as a connection process would, without a client: it waits in
+line, holds the GPU locks, forks the job process, writes its output to the job's log and its outcome
+to its result file, and records its end. Nothing else of the server is needed meanwhile: a server
+that stops or dies, and the one that starts in its place, leave it alone (DLServer._adopted).
+
+If the supervisor dies, its job process dies with it (it dies with its parent), its GPUs go back
+once nothing of the job runs, and any server's sweep marks the job LOST (rpycdl.scheduler.sweep)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from rpycdl.defaults import SUPERVISOR_MODULE
+from rpycdl.errors import InvalidRequestError, RpycdlError
+from rpycdl.gpu.inventory import load_inventory
+from rpycdl.scheduler import procs
+from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
+from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.scheduler.locks import Place
+from rpycdl.scheduler.shares import GPURequest, ShareRules
+from rpycdl.security.auth import Identity
+from rpycdl.server import child, orphans, request, runner
+from rpycdl.server.context import Limits, ServerContext
+from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
+from rpycdl.states import JobState
+from rpycdl.wire import codec
+
+MODULE = SUPERVISOR_MODULE
+"""What a supervisor runs (`python -m`): how a server tells supervisors from what dead jobs left."""
+
+GO = b"go"
+END_RETRY = 1.0
+"""Seconds between tries to record a job's end while the ledger cannot be written (a full disk)."""
+
+
+# -- the connection process's side ------------------------------------------------------------
+
+
+def hand_over(context: ServerContext, checked: request.JobRequest,
+              container: dict[str, Any] | None = None) -> JobRecord:
+    """Accept a detached job: write its files, take its place in line, start its supervisor, record it.
+    Returns its ledger row once the supervisor owns it.
+
+    Args:
+        context: the accepting server's.
+        checked: the request (`detached`), with its payload `body`, or its container.
+        container: the container request as the client gave it (image, command, env, workdir,
+            mounts), which the supervisor checks again.
+
+    Raises:
+        InvalidRequestError: the user has an unfinished job of that name.
+        LimitError: the queue is full, or no process could be started.
+    """
+    record = JobFlow.new_record(context, checked)
+    if checked.name is not None:
+        existing = context.ledger.find(checked.name, checked.owner.user)
+        if existing is not None and not existing.state.finished and existing.name == checked.name:
+            raise _duplicate(checked.name, existing)
+    check_queue_limits(context, checked, record.job_id)
+    context.files.create(record.job_id, _spec(context, checked, container), checked.body)
+    try:
+        place = context.locks.enqueue(need_of(context, record), queue_info(context, record, checked))
+        try:
+            pid, go = _spawn(context.state_dir, record.job_id, place)
+        finally:
+            os.close(place.fifo_fd)  # the supervisor holds the place now (or nobody: it is dropped)
+        record.owner_pid, record.owner_start = procs.identify(pid)
+        try:
+            context.ledger.save(record)  # InvalidRequestError if a submission of the same name won the race
+            child.write_all(go, GO)
+        finally:
+            os.close(go)  # without GO, the supervisor leaves at once
+    except BaseException:
+        context.files.remove(record.job_id)
+        raise
+    return record
+
+
+def _duplicate(name: str, existing: JobRecord) -> InvalidRequestError:
+    return InvalidRequestError(f"you already have an unfinished job named {name!r} ({existing.job_id}, "
+                               f"{existing.state.value}): use another --name, or cancel it first")
+
+
+def _spec(context: ServerContext, checked: request.JobRequest, container: dict[str, Any] | None) -> dict[str, Any]:
+    """What the supervisor needs to run the job as the accepting server would."""
+    return {"server": {"name": context.name, "aliases": list(context.aliases), "inventory": context.inventory.spec,
+                       "lock_dir": context.lock_dir, "server_id": context.server_id, "host": context.host,
+                       "port": context.port, "framework_version": context.framework_version,
+                       "limits": context.limits.to_dict(), "shares": {"unit": context.shares.unit,
+                                                                      "allowance": context.shares.allowance}},
+            "request": {"ngpus": checked.gpu_request.ngpus, "share_bytes": checked.gpu_request.share_bytes,
+                        "user": checked.owner.user, "verified": checked.owner.verified, "client": checked.client,
+                        "timeout": checked.timeout, "queue_timeout": checked.queue_timeout, "name": checked.name,
+                        "command": None if checked.command is None else list(checked.command),
+                        "container": container}}
+
+
+def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
+    """Start the supervisor, in a session of its own, with the place's descriptor; returns its pid
+    and the pipe to send it GO on. It is this process's own child (orphans), not a leftover."""
+    go_r, go_w = os.pipe()
+    pid = orphans.fork("the job's supervisor", (go_r, go_w))
+    if pid == 0:
+        try:
+            os.setsid()  # no signal for the server's session or group reaches it
+            os.close(go_w)
+            for fd in (go_r, place.fifo_fd):
+                os.set_inheritable(fd, True)
+            os.execv(sys.executable, [sys.executable, "-m", MODULE, state_dir, job_id, str(place.ticket),
+                                      str(place.fifo_fd), str(go_r)])
+        finally:
+            os._exit(127)
+    orphans.let_go(pid)
+    os.close(go_r)
+    return pid, go_w
+
+
+# -- the supervisor's side -------------------------------------------------------------------
+
+
+class Supervised:
+    """A detached job's jobflow.Link: no client; its outcome goes to its result file."""
+
+    def __init__(self, context: ServerContext, record: JobRecord) -> None:
+        self._context, self._record = context, record
+
+    def socket_fds(self) -> list[int]:
+        return []
+
+    def serve_client(self) -> None:
+        pass
+
+    def push(self, receive: Any, layout: codec.Layout, fd: int) -> int:
+        raise RuntimeError("a detached job's result has no client to go to")
+
+    def take_spare(self) -> runner.JobProcess | None:
+        return None
+
+    def defer(self, end: Any) -> None:
+        end()
+
+    def keep(self, outcome: bytes) -> int | None:
+        return self._context.files.store_result(self._record.job_id, outcome)
+
+
+def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
+    server = spec["server"]
+    return ServerContext(name=server["name"], aliases=tuple(server["aliases"]),
+                         inventory=load_inventory(server["inventory"]), lock_dir=server["lock_dir"],
+                         state_dir=state_dir, server_id=server["server_id"], host=server["host"],
+                         port=server["port"], framework_version=server["framework_version"],
+                         limits=Limits(**server["limits"]), shares=ShareRules(**server["shares"]))
+
+
+def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:
+    asked = spec["request"]
+    container = None
+    if asked["container"] is not None:
+        from rpycdl.server import containers  # docker is only needed by servers that run containers
+
+        raw = asked["container"]
+        container = containers.check_job(raw["image"], raw["command"], env=raw["env"], workdir=raw["workdir"],
+                                         mounts=raw["mounts"])
+    return request.JobRequest(
+        GPURequest(asked["ngpus"], asked["share_bytes"]), Identity(asked["user"], asked["verified"]), asked["client"],
+        body=body, container=container, command=None if asked["command"] is None else tuple(asked["command"]),
+        timeout=asked["timeout"], queue_timeout=asked["queue_timeout"], name=asked["name"], detached=True,
+        output=request.Output(write, write))
+
+
+def supervise(state_dir: str, job_id: str, place: Place, go_fd: int) -> int:
+    """Run one detached job to its end (the supervisor's life); returns the process's exit code."""
+    with os.fdopen(go_fd, "rb") as go:
+        told = go.read(len(GO))
+    if told != GO:  # the submission broke off (a name taken meanwhile, the connection process died)
+        ledger = Ledger(state_dir)
+        record = ledger.get(job_id)
+        if record is None:  # never recorded: nothing of it may stay
+            JobFiles(state_dir).remove(job_id)
+        elif (record.owner_pid, record.owner_start) == procs.myself():
+            ledger.end(job_id, JobState.FAILED, "its submission broke off before it was confirmed")
+        return 1
+    try:
+        spec = JobFiles(state_dir).spec(job_id)
+        context = _context(spec, state_dir)
+        record = context.ledger.get(job_id)
+        assert record is not None, "the ledger lost a row it had when GO was sent"
+    except (OSError, ValueError, KeyError, TypeError, AssertionError, RpycdlError) as exc:
+        Ledger(state_dir).end(job_id, JobState.FAILED, f"its supervisor could not start: {exc}", type(exc).__name__)
+        return 1
+    log = LogWriter(context.files.path(job_id, "log"), context.limits.max_log)
+
+    def write(text: str) -> None:
+        try:
+            log.write(text)
+        finally:
+            record.log_bytes = log.size
+
+    try:
+        checked = _request(spec, context.files.payload(job_id), write)
+        JobFlow(context, checked, Supervised(context, record), lambda: None, record=record, place=place).run()
+    except (RpycdlError, EOFError):
+        pass  # the ledger says how it ended
+    except Exception:  # the ledger refused the end (a full disk), or a bug: the end is recorded below
+        traceback.print_exc()
+    finally:
+        log.close()
+        context.files.drop_payload(job_id)
+    _record_end(context, record)
+    return 0
+
+
+def _record_end(context: ServerContext, record: JobRecord) -> None:
+    """Make sure the ledger tells how the job ended, however long a full disk refuses it: the job is over
+    and its GPUs are free; only its row waits (a finished row is never written twice)."""
+    if not record.state.finished:  # the flow broke off unexpectedly (a bug): say so rather than LOST
+        record.state, record.error = JobState.FAILED, record.error or "its supervisor failed (see the server's log)"
+        record.ended = record.ended or time.time()
+    while True:
+        try:
+            context.ledger.save(record)
+            return
+        except sqlite3.Error:
+            time.sleep(END_RETRY)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rpycdl.server.supervisor STATE_DIR JOB_ID TICKET FIFO_FD GO_FD`."""
+    state_dir, job_id, ticket, fifo_fd, go_fd = argv if argv is not None else sys.argv[1:]
+    child.name_process("rpycdl-superv")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is not for detached jobs
+    return supervise(state_dir, job_id, Place(int(ticket), int(fifo_fd)), int(go_fd))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Detached and attached jobs at once, from 8 processes against two servers sharing a lock and a state
+directory, with cancels from every side (issue 15). Afterwards, from outside: the ledger agrees with
+what every client saw, every job is in one final state, no job ran twice, and no GPU was granted to
+two jobs at once (each job takes an exclusive flock of a witness file per GPU it was given)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import multiprocessing
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rpycdl
+
+CTX = multiprocessing.get_context("fork")
+WORKERS = 8
+DURATION = 12.0  # seconds each worker submits and cancels
+MOST_UNFINISHED = 3  # detached jobs a worker has in flight at once
+OUTCOME_STATES = {"ok": "SUCCEEDED", "JobCancelledError": "CANCELLED", "QueueTimeoutError": "FAILED"}
+
+
+def make_witness() -> Callable[[dict[str, Any]], str]:
+    """The job every worker sends: it locks a witness file per granted GPU (a second holder finds it
+    locked: a violation), notes that it ran, holds a moment and returns its job id."""
+
+    def witness(args: dict[str, Any]) -> str:
+        import fcntl
+        import os
+        import time
+
+        job_id = os.environ["RPYCDL_JOB_ID"]
+        held = []
+        for uuid in os.environ["RPYCDL_GPU_UUIDS"].split(","):
+            fd = os.open(os.path.join(args["dir"], f"{uuid}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                with open(os.path.join(args["dir"], "violations"), "a") as out:
+                    out.write(f"{job_id} found {uuid} held\n")
+            held.append(fd)
+        with open(os.path.join(args["dir"], "runs"), "a") as out:
+            out.write(f"{job_id} {args['token']}\n")
+        time.sleep(args["hold"])
+        return job_id
+
+    return witness
+
+
+def _worker(port_list: list[int], directory: str, number: int, out: Any) -> None:
+    """Attached jobs in one thread; detached submits and cancels (of its own detached and attached jobs)
+    in another; then the final state each detached job reached, as this client saw it."""
+    user = f"worker{number}"
+    rng = random.Random(number)
+    witness = make_witness()
+    attached: collections.Counter[str] = collections.Counter()
+    tokens: dict[str, str] = {}  # attached job token -> outcome
+    detached: dict[str, str | None] = {}  # job id -> state a cancel found it in (None: not cancelled)
+    deadline = time.monotonic() + DURATION
+
+    def connect() -> rpycdl.Connection:
+        conn = rpycdl.connect(host="127.0.0.1", port=rng.choice(port_list))
+        conn.root.identify(user)
+        return conn
+
+    def attach() -> None:
+        conn = connect()
+        while time.monotonic() < deadline:
+            token = f"{user}-{len(tokens)}"
+            args = {"dir": directory, "hold": rng.uniform(0.02, 0.3), "token": token}
+            try:
+                conn.root.run_code(witness, args, ngpus=rng.choice([1, 1, 2]), queue_timeout=rng.choice([None, 1.0]))
+                outcome = "ok"
+            except (rpycdl.JobCancelledError, rpycdl.QueueTimeoutError) as exc:
+                outcome = type(exc).__name__
+            attached[outcome] += 1
+            tokens[token] = outcome
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    conn = connect()
+    while time.monotonic() < deadline:
+        unfinished = [job_id for job_id in detached if not conn.root.job(job_id).status().finished]
+        roll = rng.random()
+        if len(unfinished) < MOST_UNFINISHED and roll < 0.6:
+            args = {"dir": directory, "hold": rng.uniform(0.02, 0.5), "token": f"{user}-d{len(detached)}"}
+            name = rng.choice([None, f"n{len(detached)}"])
+            job = conn.root.submit(witness, args, ngpus=rng.choice([1, 2]), name=name)
+            detached[job.id] = None
+        elif unfinished and roll < 0.8:
+            job_id = rng.choice(unfinished)
+            detached[job_id] = conn.root.cancel(job_id)
+        else:
+            mine = conn.root.jobs(users=[user], states=["PENDING", "RUNNING"])
+            live = [row["job_id"] for row in mine if not row["detached"]]
+            if live:
+                conn.root.cancel(rng.choice(live))
+        time.sleep(rng.uniform(0, 0.05))
+    thread.join()
+    seen = {}
+    for job_id, cancelled in detached.items():
+        status = rpycdl.job(job_id, host="127.0.0.1", port=rng.choice(port_list)).wait(60)
+        seen[job_id] = {"state": status.state.value, "cancelled_when": cancelled}
+    out.put((user, dict(attached), tokens, seen))
+
+
+def _ledger_rows(state_dir: Path) -> list[dict[str, Any]]:
+    """Every row of the ledger, read as an outsider (SQLite, read-only)."""
+    with contextlib.closing(sqlite3.connect(f"file:{state_dir / 'ledger.sqlite3'}?mode=ro", uri=True)) as db:
+        db.row_factory = sqlite3.Row
+        return [dict(row) for row in db.execute("SELECT * FROM jobs")]
+
+
+@pytest.mark.slow
+def test_eight_clients_submitting_and_cancelling_against_two_servers(cluster, tmp_path):
+    ports = [cluster.add_server("pytorch", "fake:2")[1] for _ in range(2)]
+    witness_dir = tmp_path / "witness"
+    witness_dir.mkdir()
+    out = CTX.Queue()
+    workers = [CTX.Process(target=_worker, args=(ports, str(witness_dir), n, out), daemon=True) for n in range(WORKERS)]
+    for worker in workers:
+        worker.start()
+    try:
+        reports = {user: (attached, tokens, seen) for user, attached, tokens, seen in
+                   (out.get(timeout=DURATION + 120) for _ in workers)}
+    finally:
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+    assert all(worker.exitcode == 0 for worker in workers), [worker.exitcode for worker in workers]
+
+    violations = witness_dir / "violations"
+    assert not violations.exists(), "a GPU was granted to two jobs at once:\n" + violations.read_text()
+    runs = collections.Counter(line.split()[0] for line in (witness_dir / "runs").read_text().splitlines())
+    assert not [job for job, count in runs.items() if count > 1], f"jobs that ran twice: {runs.most_common(3)}"
+    token_of = dict(line.split() for line in (witness_dir / "runs").read_text().splitlines())
+
+    rows = {row["job_id"]: row for row in _ledger_rows(Path(cluster.lock_dir) / "state")}
+    assert not [row for row in rows.values() if row["state"] in ("PENDING", "RUNNING")], "unfinished rows remain"
+    assert {row["user"] for row in rows.values()} == set(reports)
+    submitted = 0
+    for user, (attached, tokens, seen) in reports.items():
+        mine = [row for row in rows.values() if row["user"] == user]
+        # Detached: the ledger says what the client saw; only a cancel ends one otherwise than SUCCEEDED, and
+        # a job a cancel found unfinished may still have ended first.
+        for job_id, view in seen.items():
+            row, cancel = rows[job_id], view["cancelled_when"]
+            assert row["detached"] and row["state"] == view["state"], (job_id, row["state"], view)
+            either = {"CANCELLED", "SUCCEEDED"}
+            allowed = {None: {"SUCCEEDED"}, "PENDING": either, "RUNNING": either}.get(cancel, {cancel})
+            assert row["state"] in allowed, (job_id, view)
+            assert runs[job_id] == (row["state"] == "SUCCEEDED") or row["state"] == "CANCELLED", (job_id, view)
+        submitted += len(seen)
+        assert {row["job_id"] for row in mine if row["detached"]} == set(seen), user
+        # Attached: as many rows in each final state as the client saw outcomes of each kind.
+        states = collections.Counter(row["state"] for row in mine if not row["detached"])
+        expected = collections.Counter({OUTCOME_STATES[outcome]: count for outcome, count in attached.items()})
+        assert states == expected, (user, states, attached)
+        for job_id, token in token_of.items():  # those that ran: their row says how the client saw them end
+            if token in tokens:
+                assert rows[job_id]["state"] == OUTCOME_STATES[tokens[token]], (job_id, token, tokens[token])
+    assert submitted >= WORKERS * 3, f"only {submitted} detached jobs: the test tested little"
+    assert sum(sum(attached.values()) for attached, _, _ in reports.values()) >= WORKERS * 5
+    cancelled = [row for row in rows.values() if row["state"] == "CANCELLED"]
+    assert any(row["detached"] for row in cancelled) and any(not row["detached"] for row in cancelled), \
+        "the test should cancel detached and attached jobs"
+    print(json.dumps(collections.Counter((row["detached"], row["state"]) for row in rows.values()).most_common()))

@@ -1,0 +1,414 @@
+"""The job ledger (rpycdl.scheduler.ledger) on real SQLite files: rows, guarded transitions, names,
+cancels, deletes, prunes, queries, the ledgers it refuses, forks, and a property test against a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sqlite3
+import stat
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rpycdl.errors import InvalidRequestError, LedgerError
+from rpycdl.scheduler.ledger import LIVE, MIGRATIONS, UNFINISHED, JobRecord, JobState, Ledger, new_job_id
+
+FINAL = [state for state in JobState if state.finished]
+
+
+@pytest.fixture
+def ledger(tmp_path) -> Ledger:
+    return Ledger(tmp_path / "state")
+
+
+def job(**fields) -> JobRecord:
+    fields.setdefault("job_id", new_job_id())
+    return JobRecord(server_id="server-1", client="127.0.0.1:40000", ngpus=1, **fields)
+
+
+def statements(ledger: Ledger) -> list[str]:
+    """The statements the ledger's connection in this process runs from now on (SQLite's trace)."""
+    ledger.count()  # opens it
+    seen: list[str] = []
+    ledger._conn.set_trace_callback(seen.append)
+    return seen
+
+
+def test_a_row_keeps_every_field(ledger):
+    record = JobRecord(
+        job_id=new_job_id(), server_id="srv-7", client="10.0.0.2:5555", ngpus=2, share_bytes=1024**3,
+        state=JobState.RUNNING, owner_pid=123, owner_start=456, pgid=789, leader_start=1011,
+        gpu_uuids=["GPU-a", "GPU-b"], submitted=1000.5, started=1001.25, ended=1002.75, error="boom",
+        error_type="ValueError", exit_code=3, user="alice", user_verified=True, name="train", detached=True,
+        kind="command", service="pytorch", server="gpu1:18861",
+        request={"timeout": 60.0, "command": ["python", "-c", "print('é')"], "env": {"A": None}},
+        log_bytes=77, result_bytes=88, cancel_requested=False)
+    defaults = JobRecord(job_id="x", server_id="", client="", ngpus=0)
+    unset = [f.name for f in dataclasses.fields(JobRecord)
+             if getattr(record, f.name) == getattr(defaults, f.name) and f.name != "cancel_requested"]
+    assert not unset, f"give these fields a value of their own: {unset}"
+    assert ledger.save(record)
+    assert ledger.get(record.job_id) == record
+    assert JobRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+    assert record.to_dict()["state"] == "RUNNING"
+    assert JobRecord.from_dict({**record.to_dict(), "added_by_a_newer_rpycdl": 1}) == record
+    assert ledger.get("nosuchjob") is None
+    assert ledger.count() == 1
+    assert LIVE == f"state IN ({', '.join(repr(state.value) for state in UNFINISHED)})"
+
+
+def test_a_finished_record_gets_an_end_time(ledger):
+    record = job(state=JobState.FAILED)
+    before = time.time()
+    assert ledger.save(record)
+    assert before <= record.ended <= time.time()
+    assert ledger.get(record.job_id).ended == record.ended
+
+
+def test_a_finished_row_never_changes(ledger):
+    record = job(state=JobState.RUNNING)
+    assert ledger.save(record)
+    record.state, record.exit_code = JobState.SUCCEEDED, 0
+    assert ledger.save(record)
+    stored = ledger.get(record.job_id)
+    for late in (JobState.RUNNING, JobState.FAILED, JobState.SUCCEEDED):
+        assert not ledger.save(dataclasses.replace(record, state=late, error="late", log_bytes=5))
+    assert not ledger.end(record.job_id, JobState.LOST, "swept")
+    assert ledger.request_cancel(record.job_id) == stored
+    assert ledger.get(record.job_id) == stored
+
+
+def test_the_sweep_or_the_owner_wins_and_each_knows(ledger):
+    record = job(state=JobState.RUNNING)
+    ledger.save(record)
+    assert ledger.end(record.job_id, JobState.LOST, "its supervisor died", "JobLostError")
+    assert not ledger.save(dataclasses.replace(record, state=JobState.SUCCEEDED))  # the owner lost
+    swept = ledger.get(record.job_id)
+    assert (swept.state, swept.error, swept.error_type) == (JobState.LOST, "its supervisor died", "JobLostError")
+    assert swept.ended is not None
+    assert not ledger.end(record.job_id, JobState.FAILED, "again")
+    assert not ledger.end("nosuchjob", JobState.FAILED, "gone")
+    with pytest.raises(ValueError, match="final state"):
+        ledger.end(record.job_id, JobState.RUNNING, "")
+
+
+def test_an_unfinished_name_is_one_users_once(ledger):
+    first = job(user="alice", name="train")
+    assert ledger.save(first)
+    assert ledger.save(first)  # its own name again
+    second = job(user="alice", name="train")
+    with pytest.raises(InvalidRequestError) as refused:
+        ledger.save(second)
+    assert "'train'" in str(refused.value) and first.job_id in str(refused.value)
+    assert "use another --name, or cancel it" in str(refused.value)
+    assert ledger.get(second.job_id) is None
+    assert ledger.save(job(user="bob", name="train"))  # another user's
+    assert ledger.save(job(user="alice")) and ledger.save(job(user="alice"))  # unnamed
+    assert ledger.save(job(user="alice", name="train", state=JobState.FAILED))  # a finished one
+    ledger.end(first.job_id, JobState.CANCELLED, "by alice")
+    assert ledger.save(second)  # the name is free again
+
+
+def test_find_by_id_then_the_unfinished_then_the_latest_of_a_name(ledger):
+    old = job(user="alice", name="n", state=JobState.SUCCEEDED, submitted=100.0)
+    live = job(user="alice", name="n", state=JobState.RUNNING, submitted=200.0)
+    newer = job(user="alice", name="n", state=JobState.FAILED, submitted=300.0)
+    for record in (old, live, newer):
+        ledger.save(record)
+    assert ledger.find("n", "alice").job_id == live.job_id
+    assert ledger.find(old.job_id, "bob").job_id == old.job_id  # an id is anyone's
+    ledger.end(live.job_id, JobState.CANCELLED, "")
+    assert ledger.find("n", "alice").job_id == newer.job_id
+    assert ledger.find("n", "bob") is None
+    assert ledger.find("nosuchjob", "alice") is None
+
+
+def test_a_cancel_request_marks_only_unfinished_rows_and_stays(ledger):
+    assert ledger.request_cancel("nosuchjob") is None
+    record = job(state=JobState.PENDING)
+    ledger.save(record)
+    assert not ledger.cancel_requested(record.job_id)
+    assert ledger.request_cancel(record.job_id) == record  # as it was
+    assert ledger.cancel_requested(record.job_id)
+    record.state = JobState.RUNNING
+    assert ledger.save(record)  # record.cancel_requested is False: save() never clears the flag
+    assert ledger.cancel_requested(record.job_id) and ledger.get(record.job_id).cancel_requested
+    assert ledger.request_cancel(record.job_id).cancel_requested
+    done = job(state=JobState.SUCCEEDED)
+    ledger.save(done)
+    assert ledger.request_cancel(done.job_id) == done
+    assert not ledger.cancel_requested(done.job_id)
+    assert not ledger.cancel_requested("nosuchjob")
+
+
+def test_delete_takes_only_finished_rows(ledger):
+    live, done = job(state=JobState.RUNNING), job(state=JobState.TIMED_OUT)
+    ledger.save(live)
+    ledger.save(done)
+    with pytest.raises(InvalidRequestError, match=f"job {live.job_id} is RUNNING: cancel it first"):
+        ledger.delete(live.job_id)
+    assert ledger.delete(done.job_id) == done
+    assert ledger.get(done.job_id) is None and ledger.get(live.job_id) is not None
+    assert ledger.delete(done.job_id) is None
+
+
+def test_prune_removes_old_finished_rows_in_short_transactions(ledger):
+    old = [job(state=JobState.SUCCEEDED, submitted=10.0, ended=50.0 + i) for i in range(10)]
+    recent = [job(state=JobState.FAILED, submitted=10.0, ended=500.0 + i) for i in range(3)]
+    live = [job(state=state, submitted=1.0) for state in UNFINISHED]
+    for record in old + recent + live:
+        ledger.save(record)
+    seen = statements(ledger)
+    assert sorted(ledger.prune(100.0, batch=3)) == sorted(record.job_id for record in old)
+    assert seen.count("BEGIN IMMEDIATE") == 4  # 3 + 3 + 3 + 1
+    assert {r.job_id for r in ledger.query()} == {r.job_id for r in recent + live}
+    assert ledger.prune(100.0) == []
+
+
+def test_query_filters_newest_first(ledger):
+    now = time.time()
+    rows = {
+        "a1": job(user="alice", state=JobState.SUCCEEDED, submitted=now - 5000, ended=now - 4000),
+        "a2": job(user="alice", state=JobState.RUNNING, submitted=now - 4500),
+        "b1": job(user="bob", state=JobState.FAILED, submitted=now - 3000, ended=now - 100),
+        "b2": job(user="bob", state=JobState.PENDING, submitted=now - 50),
+        "c1": job(user="carol", state=JobState.CANCELLED, submitted=now - 40, ended=now - 30),
+    }
+    for record in rows.values():
+        ledger.save(record)
+    names = {record.job_id: name for name, record in rows.items()}
+
+    def query(**kwargs) -> list[str]:
+        return [names[record.job_id] for record in ledger.query(**kwargs)]
+
+    assert query() == ["c1", "b2", "b1", "a2", "a1"]
+    assert query(limit=2) == ["c1", "b2"]
+    assert query(users=["alice", "carol"]) == ["c1", "a2", "a1"]
+    assert query(users=[]) == []
+    assert query(states=[JobState.RUNNING, JobState.FAILED]) == ["b1", "a2"]
+    assert query(since=now - 3000) == ["c1", "b2", "b1"]
+    assert query(active_or_ended_since=now - 1000) == ["c1", "b2", "b1", "a2"]
+    assert query(active_or_ended_since=now - 1000, users=["alice", "bob"], states=list(FINAL)) == ["b1"]
+    assert query(active_or_ended_since=now - 1000, since=now - 4600, limit=3) == ["c1", "b2", "b1"]
+    assert [r.job_id for r in ledger.unfinished()] == [rows["a2"].job_id, rows["b2"].job_id]
+
+
+def test_a_missing_ledger_is_never_started_over_a_history(tmp_path):
+    state = tmp_path / "state"
+    (state / "jobs" / "0123456789ab").mkdir(parents=True)
+    (state / "jobs" / "0123456789ab" / "log").write_text("hello\n")
+    with pytest.raises(LedgerError, match="missing") as refused:
+        Ledger(state)
+    assert str(state / Ledger.FILE) in str(refused.value)
+    assert not (state / Ledger.FILE).exists()
+    empty = tmp_path / "empty"
+    (empty / "jobs").mkdir(parents=True)  # directories with nothing in them are no history
+    assert Ledger(empty).count() == 0
+
+
+def test_a_corrupted_ledger_is_refused(tmp_path):
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / Ledger.FILE).write_bytes(os.urandom(8192))
+    with pytest.raises(LedgerError, match="corrupted") as refused:
+        Ledger(tmp_path / "garbage")
+    assert str(tmp_path / "garbage" / Ledger.FILE) in str(refused.value)
+    damaged = Ledger(tmp_path / "damaged")
+    for i in range(300):
+        damaged.save(job(state=JobState.SUCCEEDED, request={"pad": "x" * 200}, submitted=float(i)))
+    damaged.close()  # the last connection: its pages go from the WAL to the file
+    with open(damaged.path, "r+b") as file:
+        file.seek(3 * 4096)
+        file.write(os.urandom(4 * 4096))
+    with pytest.raises(LedgerError, match="corrupted") as refused:
+        Ledger(tmp_path / "damaged")
+    assert str(damaged.path) in str(refused.value)
+
+
+def test_a_ledger_of_a_newer_rpycdl_is_refused(tmp_path):
+    path = Ledger(tmp_path).path
+    with sqlite3.connect(path) as db:
+        db.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    db.close()
+    with pytest.raises(LedgerError, match="written by a newer rpycdl") as refused:
+        Ledger(tmp_path)
+    assert str(path) in str(refused.value)
+
+
+def test_a_new_ledger_is_writable_by_every_user_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        ledger = Ledger(tmp_path / "state")
+        ledger.save(job())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o777
+    for suffix in ("", "-wal", "-shm"):
+        assert stat.S_IMODE(Path(f"{ledger.path}{suffix}").stat().st_mode) == 0o666, suffix
+    assert Ledger(tmp_path / "state").ledger_id == ledger.ledger_id
+    assert len(ledger.ledger_id) == 32
+
+
+def _locks_held_on(path: Path) -> int:
+    """How many fcntl locks this process holds on `path` (Linux's /proc/locks)."""
+    inode = f":{os.stat(path).st_ino} "
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines()
+               if f" {os.getpid()} " in line and inode in line)
+
+
+def _child(ledger: Ledger, record: JobRecord) -> None:
+    code = 1
+    try:
+        record.state = JobState.SUCCEEDED
+        assert ledger.save(record)
+        assert ledger.get(record.job_id).state == JobState.SUCCEEDED
+        assert _locks_held_on(ledger.path) > 0, "the child's connection must take its own locks"
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def test_a_forked_child_uses_the_ledger_with_a_connection_of_its_own(ledger):
+    """Forks while another thread of the parent writes: each child writes through a connection of its
+    own, and the parent goes on (os.fork closes the parent's connection, under its lock)."""
+    stop = threading.Event()
+    written: list[bool] = []
+
+    def write() -> None:
+        while not stop.is_set():
+            written.append(ledger.save(job(state=JobState.RUNNING)))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(5):
+            record = job(state=JobState.RUNNING)
+            assert ledger.save(record)
+            pid = os.fork()
+            if pid == 0:
+                _child(ledger, record)
+            assert os.waitpid(pid, 0)[1] == 0
+            assert ledger.get(record.job_id).state == JobState.SUCCEEDED
+    finally:
+        stop.set()
+        writer.join()
+    assert written and all(written)
+    assert _locks_held_on(ledger.path) > 0
+    with sqlite3.connect(ledger.path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()
+
+
+# -- a property test against a model ----------------------------------------------------------------
+
+SLOTS = 5
+"""Job ids the operations pick from, so that they meet the same rows."""
+
+operation = st.one_of(
+    st.tuples(st.just("save"), st.integers(0, SLOTS - 1), st.sampled_from(list(JobState)),
+              st.sampled_from(["alice", "bob"]), st.sampled_from([None, "a", "b"]), st.integers(0, 9)),
+    st.tuples(st.just("end"), st.integers(0, SLOTS - 1), st.sampled_from(FINAL)),
+    st.tuples(st.just("cancel"), st.integers(0, SLOTS - 1)),
+    st.tuples(st.just("delete"), st.integers(0, SLOTS - 1)),
+    st.tuples(st.just("prune"), st.integers(0, 10)),
+    st.tuples(st.just("query"), st.none() | st.sets(st.sampled_from(["alice", "bob", "carol"])),
+              st.none() | st.sets(st.sampled_from(list(JobState))), st.none() | st.integers(0, SLOTS),
+              st.none() | st.integers(0, 10), st.none() | st.integers(0, SLOTS)),
+)
+
+
+class Model:
+    """What the ledger should hold: rows by id, as JobRecords."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.rows: dict[str, JobRecord] = {}
+        self.frozen: dict[str, JobRecord] = {}  # finished rows as they were when first seen finished
+
+    def save(self, slot: int, state: JobState, user: str, name: str | None, when: int) -> None:
+        record = job(job_id=f"job{slot}", state=state, user=user, name=name, submitted=float(slot),
+                     ended=float(when) if state.finished else None)
+        old = self.rows.get(record.job_id)
+        clash = [other for other in self.rows.values() if other.job_id != record.job_id and not state.finished
+                 and name is not None and (other.user, other.name) == (user, name) and not other.state.finished]
+        if (old is None or not old.state.finished) and clash:
+            with pytest.raises(InvalidRequestError, match=clash[0].job_id):
+                self.ledger.save(record)
+            return
+        assert self.ledger.save(record) == (old is None or not old.state.finished)
+        if old is None or not old.state.finished:
+            record.cancel_requested = old is not None and old.cancel_requested
+            self.rows[record.job_id] = record
+
+    def end(self, slot: int, state: JobState) -> None:
+        old = self.rows.get(f"job{slot}")
+        changed = old is not None and not old.state.finished
+        assert self.ledger.end(f"job{slot}", state, "swept", "LostError") == changed
+        if changed:
+            self.rows[old.job_id] = dataclasses.replace(old, state=state, error="swept", error_type="LostError",
+                                                        ended=self.ledger.get(old.job_id).ended)
+
+    def cancel(self, slot: int) -> None:
+        old = self.rows.get(f"job{slot}")
+        assert self.ledger.request_cancel(f"job{slot}") == old
+        if old is not None and not old.state.finished:
+            self.rows[old.job_id] = dataclasses.replace(old, cancel_requested=True)
+
+    def delete(self, slot: int) -> None:
+        old = self.rows.get(f"job{slot}")
+        if old is not None and not old.state.finished:
+            with pytest.raises(InvalidRequestError, match="cancel it first"):
+                self.ledger.delete(old.job_id)
+            return
+        assert self.ledger.delete(f"job{slot}") == old
+        self.rows.pop(f"job{slot}", None)
+
+    def prune(self, cut: int) -> None:
+        gone = {job_id for job_id, row in self.rows.items() if row.state.finished and row.ended < cut}
+        assert set(self.ledger.prune(float(cut), batch=2)) == gone
+        for job_id in gone:
+            del self.rows[job_id]
+
+    def query(self, users, states, since, recent, limit) -> None:
+        expected = sorted((row for row in self.rows.values()
+                           if (users is None or row.user in users) and (states is None or row.state in states)
+                           and (since is None or row.submitted >= since)
+                           and (recent is None or not row.state.finished or row.ended >= recent)),
+                          key=lambda row: -row.submitted)[:limit]
+        got = self.ledger.query(users=None if users is None else sorted(users),
+                                states=None if states is None else list(states), since=since,
+                                active_or_ended_since=recent, limit=limit)
+        assert got == expected
+
+    def check(self) -> None:
+        stored = self.ledger.query()
+        assert {row.job_id: row for row in stored} == self.rows
+        names = [(row.user, row.name) for row in stored if not row.state.finished and row.name is not None]
+        assert len(names) == len(set(names)), "two unfinished jobs of one name"
+        for row in stored:
+            if row.state.finished:
+                assert self.frozen.setdefault(row.job_id, row) == row, "a finished row changed"
+        self.frozen = {job_id: row for job_id, row in self.frozen.items() if job_id in self.rows}
+        assert [row.job_id for row in self.ledger.unfinished()] == sorted(
+            job_id for job_id, row in self.rows.items() if not row.state.finished)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(operation, max_size=30))
+def test_any_sequence_of_operations_keeps_the_invariants(operations):
+    with tempfile.TemporaryDirectory() as state:
+        ledger = Ledger(state)
+        model = Model(ledger)
+        for name, *args in operations:
+            getattr(model, name)(*args)
+            model.check()
+        ledger.close()
