@@ -1,4 +1,4 @@
-"""Chaos for promises 1 and 3: clients, a killer, an independent observer of /proc, and the end check."""
+"""Chaos for promises 1, 3 and 8: clients, a killer, an independent observer of /proc, and the end check."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ CHILDREN: dict[str, tuple[float, list[str]]] = {  # kind: (weight, argv); "{pyth
     "stubborn_python": (0.15, ["{python}", "-I", "-S", "-c", STUBBORN_PYTHON]),
 }
 
-CONN_KILLS = ("conn_after_grant", "conn", "orphan_conn")
+CONN_KILLS = ("conn_after_grant", "conn", "orphan_conn", "supervisor")
 KILLS: dict[str, float] = {  # the killer's actions and their weights
     "conn_after_grant": 3.0,  # kill -9 a job's connection process as soon as the job has a child
     "conn": 1.5,  # kill -9 the connection process of a running job
@@ -57,6 +57,7 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
     "children_kill": 1.5,  # kill -9 some of a job's children and grandchildren
     "children_term": 1.5,  # SIGTERM them (some ignore it)
     "client": 0.3,  # kill -9 a client, start another
+    "supervisor": 0.5,  # kill -9 the supervisor of a running detached job (which makes it LOST)
 }
 
 
@@ -71,6 +72,7 @@ class ChaosSettings:
     server_args: tuple[str, ...] = ()
     requests: tuple[dict[str, Any], ...] = REQUESTS  # run_code keywords, drawn at random
     queue_timeout: float = 3.0
+    detached: float = 0.3  # the share of requests submitted as detached jobs
     hold: tuple[float, float] = (0.02, 0.25)  # seconds a job runs
     children: tuple[int, int] = (1, 2)  # children a job starts
     kill_every: tuple[float, float] = (0.02, 0.08)  # seconds between the killer's actions
@@ -264,6 +266,10 @@ def make_job() -> Callable[[dict[str, Any]], str]:
         with open("/proc/self/stat", "rb") as stat:
             fields = stat.read().rpartition(b")")[2].split()
         job_id = os.environ["RPYCDL_JOB_ID"]
+        try:  # a job runs once: a second run finds its mark
+            os.close(os.open(os.path.join(args["reports"], f"{job_id}.ran"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            open(os.path.join(args["reports"], f"{job_id}.twice"), "w").close()
         report = {"job_id": job_id, "pid": os.getpid(), "ppid": int(fields[1]), "pgrp": int(fields[2]),
                   "start": int(fields[19]), "uuids": os.environ["RPYCDL_GPU_UUIDS"].split(","),
                   "memory": int(os.environ.get(args["memory_var"], 0)), "time": time.time()}
@@ -294,9 +300,14 @@ def client_main(run_dir: str, seed: int) -> None:
         while True:
             conn = conn or _connect(Path(run_dir, "ports.json"), rng)
             try:
-                conn.root.run_code(job, _job_args(config, rng), queue_timeout=config["queue_timeout"],
-                                   **rng.choice(config["requests"]))
-                outcome = "ok"
+                request = {"queue_timeout": config["queue_timeout"], **rng.choice(config["requests"])}
+                if rng.random() < config["detached"]:
+                    submitted = conn.root.submit(job, _job_args(config, rng), **request)
+                    Path(run_dir, "submitted", submitted.id).touch()  # its id came back: it must end recorded
+                    outcome = f"detached {submitted.wait(config['queue_timeout'] + 5).state.value}"
+                else:
+                    conn.root.run_code(job, _job_args(config, rng), **request)
+                    outcome = "ok"
             except rpycdl.RpycdlError as exc:
                 outcome = type(exc).__name__
             except Exception as exc:  # noqa: BLE001 - its connection process or server died: connect again
@@ -774,7 +785,8 @@ class Killer:
         self._actions: dict[str, Callable[[], int]] = {
             "conn_after_grant": self._conn_after_grant, "conn": self._conn, "orphan_conn": self._orphan_conn,
             "job": self._job, "children_kill": lambda: self._children(signal.SIGKILL, "children_kill"),
-            "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client}
+            "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client,
+            "supervisor": self._supervisor}
 
     def run(self, until: float) -> None:
         kinds = [kind for kind, _ in self.settings.kills]
@@ -836,10 +848,17 @@ class Killer:
                 orphans.append(report)
         return self._kill_conn(self.rng.choice(orphans), "orphan_conn") if orphans else 0
 
+    def _supervisor(self) -> int:
+        """The supervisor of a running detached job."""
+        running = [r for r in self._running() if read_comm(r.ppid) == "rpycdl-superv"]
+        return self._kill_conn(self.rng.choice(running), "supervisor") if running else 0
+
     def _kill_conn(self, report: Report, kind: str) -> int:
-        """kill -9 the parent of a job process, if that is still a connection process of this run."""
+        """kill -9 the parent of a job process, if that is still a connection process (or, for the kind
+        "supervisor", a detached job's supervisor) of this run."""
         stat = read_stat(report.pid)
-        if not alive(stat, report.start) or read_comm(stat.ppid) != "rpycdl-conn":
+        owner = "rpycdl-superv" if kind == "supervisor" else "rpycdl-conn"
+        if not alive(stat, report.start) or read_comm(stat.ppid) != owner:
             return 0
         conn = read_stat(stat.ppid)
         if conn is None or not signal_process(stat.ppid, conn.start, signal.SIGKILL):
@@ -847,12 +866,9 @@ class Killer:
         return self._note(kind, stat.ppid, report.job_id, self._record(report.job_id))
 
     def _record(self, job: str) -> str:
-        """What the job's record in the lock directory says of it: its state and process group."""
-        try:
-            record = json.loads((self.lock_dir / "jobs" / f"{job}.json").read_text())
-        except (OSError, ValueError):
-            return "no record"
-        return f"record {record.get('state')}, group {record.get('pgid')}"
+        """What the job's row in the ledger says of it: its state and process group."""
+        rows = ledger_rows(self.lock_dir, "job_id = ?", (job,))
+        return f"record {rows[0]['state']}, group {rows[0]['pgid']}" if rows else "no record"
 
     def _job(self) -> int:
         running = self._running()
@@ -915,16 +931,20 @@ def job_processes(reports: dict[str, Report], token: bytes) -> list[str]:
     return found
 
 
-def live_records(lock_dir: Path) -> list[str]:
-    """Rows of the job ledger (read as an outsider: SQLite, read-only) that still say PENDING or RUNNING."""
+def ledger_rows(lock_dir: Path, where: str = "1", params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    """Rows of the job ledger, read as an outsider (SQLite, read-only)."""
     ledger = lock_dir / "state" / "ledger.sqlite3"
     if not ledger.exists():
         return []
     with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True, timeout=10)) as db:
-        rows = db.execute("SELECT job_id, state, server_id, owner_pid, pgid FROM jobs "
-                          "WHERE state IN ('PENDING', 'RUNNING') ORDER BY job_id").fetchall()
-    return [f"{job_id} {state} (server {server}, owner process {owner}, group {pgid})"
-            for job_id, state, server, owner, pgid in rows]
+        db.row_factory = sqlite3.Row
+        return [dict(row) for row in db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY job_id", params)]
+
+
+def live_records(lock_dir: Path) -> list[str]:
+    """Rows of the job ledger that still say PENDING or RUNNING."""
+    return [f"{row['job_id']} {row['state']} (server {row['server_id']}, owner process {row['owner_pid']}, group "
+            f"{row['pgid']})" for row in ledger_rows(lock_dir, "state IN ('PENDING', 'RUNNING')")]
 
 
 LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files")
@@ -1045,6 +1065,9 @@ class ChaosResult:
     records: dict[str, dict[str, Any]]
     status_late: list[dict[str, Any]]  # StatusWatch.late
     status_looks: int
+    submitted: set[str]  # ids of detached jobs whose submit returned
+    twice: list[str]  # jobs that ran more than once
+    job_files: Path  # the state directory's jobs/
 
     def problems(self) -> list[str]:
         """Broken promises, each with its figures."""
@@ -1067,13 +1090,33 @@ class ChaosResult:
         if self.ending.late is not None:
             found.append(f"promise 3: not clean {GRACE:g} s after the last kill ({self.ending.describe()}): "
                          f"{self.ending.late.describe()}")
+        return found + self.lost()
+
+    def lost(self) -> list[str]:
+        """Promise 8: every detached job whose submit returned an id ended, once, recorded; LOST only if
+        its supervisor was killed; a result kept for each that succeeded."""
+        found = [f"promise 8: job {job} ran twice ({self._story(job)})" for job in self.twice]
+        rows = self.records
+        found += [f"promise 8: detached job {job} has no row in the ledger" for job in self.submitted - set(rows)]
+        supervised = {k.job for k in self.kill_log if k.kind == "supervisor"}
+        for job in sorted(self.submitted & set(rows)):
+            row = rows[job]
+            if row["state"] in ("PENDING", "RUNNING"):
+                found.append(f"promise 8: detached job {job} never ended: {row['state']} ({self._story(job)})")
+            elif row["state"] == "LOST" and job not in supervised:
+                found.append(f"promise 8: detached job {job} LOST though its supervisor was not killed: "
+                             f"{row['error']} ({self._story(job)})")
+            elif row["state"] == "SUCCEEDED" and not (self.job_files / job / "result").is_file():
+                found.append(f"promise 8: detached job {job} SUCCEEDED without its result file")
         return found
 
     def tested(self) -> list[str]:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
         missing = [f"only {self.jobs} jobs ran"] if self.jobs < 50 else []
-        missing += [f"no {kind} kill" for kind in ("conn_after_grant", "conn", "job", "children_kill", "server")
-                    if not self.kills[kind]]
+        missing += [f"no {kind} kill" for kind in ("conn_after_grant", "conn", "job", "children_kill", "server",
+                                                   "supervisor") if not self.kills[kind]]
+        if len(self.submitted) < 10:
+            missing.append(f"only {len(self.submitted)} detached jobs were submitted")
         if not self.observer.get("shared_at_once"):
             missing.append("the observer never saw two shares on one GPU at once")
         if not self.observer.get("loops"):
@@ -1144,6 +1187,8 @@ class ChaosResult:
             f"chaos seed {self.settings.seed}: {self.seconds:.1f} s of chaos, {self.jobs} jobs started "
             f"(client outcomes: {dict(self.outcomes.most_common())})",
             f"kills: {dict(sorted(self.kills.items()))}; server restarts: {restarts}",
+            f"detached jobs: {len(self.submitted)} submitted, ended "
+            f"{dict(Counter(self.records[job]['state'] for job in self.submitted if job in self.records))}",
             f"observer: {self.observer.get('loops', 0)} looks, period mean {period.get('mean', 0):.2f} ms, "
             f"p50 {period.get('p50', 0):.2f} ms, p99 {period.get('p99', 0):.2f} ms, max {period.get('max', 0):.1f} ms; "
             f"jobs seen {self.observer.get('jobs', 0)}, most job processes at once "
@@ -1168,12 +1213,13 @@ class Chaos:
         self.lock_dir = Path(cluster.lock_dir)
         self.token = uuid.uuid4().hex
         self.rng = random.Random(settings.seed)
-        for sub in ("reports", "inbox-observer", "inbox-killer", "clients"):
+        for sub in ("reports", "inbox-observer", "inbox-killer", "clients", "submitted"):
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
         (run_dir / "client.json").write_text(json.dumps({
             "reports": str(run_dir / "reports"), "inboxes": [str(run_dir / "inbox-observer"),
                                                              str(run_dir / "inbox-killer")],
-            "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "hold": settings.hold,
+            "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "detached": settings.detached,
+            "hold": settings.hold,
             "children": settings.children, "requests": settings.requests}))
         self.servers = Servers(cluster, run_dir / "ports.json", settings)
         self.clients = Clients(run_dir, self.rng.randrange(1 << 30))
@@ -1210,17 +1256,19 @@ class Chaos:
         self.servers.wait_restarts()
         seconds = time.time() - started
         self.clients.kill_all()
+        deadline = time.monotonic() + self.settings.queue_timeout + 10  # detached jobs outlive their clients
+        while live_records(self.lock_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
         ending = self._wait_clean(time.time())
         self.status.stop()
         observed = self._stop_observer()
-        records = {}
-        for path in (self.lock_dir / "jobs").glob("*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                records[path.stem] = json.loads(path.read_text())
-        return ChaosResult(self.settings, started, seconds, len(read_reports(self.run_dir / "reports")),
-                           self.clients.outcomes(), self.killer.kills, self.killer.log,
-                           self.servers.killed + self.servers.live, observed, ending, records,
-                           self.status.late(observed.get("ended", {})), len(self.status.samples))
+        reports = self.run_dir / "reports"
+        return ChaosResult(self.settings, started, seconds, len(read_reports(reports)), self.clients.outcomes(),
+                           self.killer.kills, self.killer.log, self.servers.killed + self.servers.live, observed,
+                           ending, {row["job_id"]: row for row in ledger_rows(self.lock_dir)},
+                           self.status.late(observed.get("ended", {})), len(self.status.samples),
+                           set(os.listdir(self.run_dir / "submitted")), sorted(p.stem for p in reports.glob("*.twice")),
+                           self.lock_dir / "state" / "jobs")
 
     def _wait_clean(self, since: float) -> Ending:
         """Look until everything is clean, or PATIENCE ran out."""

@@ -1,4 +1,5 @@
-"""Promises 1 and 3 under chaos (issue 13): kills at random while clients run whole-GPU and shared jobs."""
+"""Promises 1, 3 and 8 under chaos (issues 13, 15): kills at random while clients run whole-GPU and shared jobs,
+attached and detached."""
 
 from __future__ import annotations
 
