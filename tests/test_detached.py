@@ -361,3 +361,14 @@ def test_finished_jobs_past_their_retention_are_removed_with_their_files(cluster
     wait_until(lambda: not folder.exists(), 5, "the job's files to be removed")
     with pytest.raises(rpycdl.InvalidRequestError, match="no job"):
         job.status()
+
+
+def test_the_detached_example_submits_walks_away_and_comes_back(cluster):
+    cluster.add_server("pytorch", "fake:1")
+    script = Path(__file__).parent.parent / "clients" / "detached.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RPYCDL_REGISTRY": cluster.registry_address})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("submitted job") and "epoch 1/5" in done.stdout and "epoch 5/5" in done.stdout
+    assert lines[-1].startswith("SUCCEEDED; it returned {'loss': 0.168")
