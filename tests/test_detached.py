@@ -151,6 +151,8 @@ def test_bad_requests_get_clear_errors_and_change_nothing(two, tmp_path):
         job.result(wait=False)
     with pytest.raises(rpycdl.JobNotFinishedError):
         job.result(timeout=0.2)
+    asked = time.monotonic()
+    assert job.wait(0).state is JobState.RUNNING and time.monotonic() - asked < 5  # at once, not after 10 s
     with pytest.raises(rpycdl.InvalidRequestError, match="RUNNING: cancel it first"):
         job.delete()
     for ref in ("nope", "0123456789ab", "../etc", 5, None):

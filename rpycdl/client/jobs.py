@@ -74,8 +74,8 @@ class Job:
         """Wait until the job has ended, or `timeout` seconds have passed; returns its status then."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = JOB_WAIT_MAX if deadline is None else max(0.0, deadline - time.monotonic())
-            self.info = self._call("job_wait", self.id, min(left, JOB_WAIT_MAX) or None)
+            left = JOB_WAIT_MAX if deadline is None else deadline - time.monotonic()
+            self.info = self._call("job_wait", self.id, min(left, JOB_WAIT_MAX)) if left > 0 else self.refresh()
             if JobState(self.info["state"]).finished or (deadline is not None and time.monotonic() >= deadline):
                 return _status(self.info)
 

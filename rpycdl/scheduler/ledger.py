@@ -4,7 +4,7 @@ mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container
 Schema (PRAGMA user_version counts the MIGRATIONS applied): `meta(key, value)` holds the ledger_id, a
 uuid made with the database; `jobs` has a column per JobRecord field, job_id its primary key, request
 and gpu_uuids as JSON text, booleans as 0/1, times in seconds since the epoch (`ended` set once the job
-finished). Indexes: submitted (newest first, `since`), ended (the default view, prune), (state,
+finished). Indexes: submitted (newest first, `since`), (ended, submitted) (the default view, prune), (state,
 submitted) (unfinished rows and state filters, cheap whatever the history), (user, submitted), (user,
 name) for find, and (user, name) UNIQUE among unfinished rows: one live job of a name per user.
 
@@ -30,7 +30,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ MIGRATIONS = [
         service TEXT NOT NULL, server TEXT NOT NULL, request TEXT NOT NULL, log_bytes INTEGER NOT NULL,
         result_bytes INTEGER, cancel_requested INTEGER NOT NULL DEFAULT 0);
     CREATE INDEX jobs_submitted ON jobs (submitted);
-    CREATE INDEX jobs_ended ON jobs (ended);
+    CREATE INDEX jobs_ended ON jobs (ended, submitted);
     CREATE INDEX jobs_state ON jobs (state, submitted);
     CREATE INDEX jobs_user ON jobs (user, submitted);
     CREATE INDEX jobs_name ON jobs (user, name) WHERE name IS NOT NULL;
@@ -112,8 +112,8 @@ class JobRecord:
     cancel_requested: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as JSON-able values, its state as its string."""
-        return {**asdict(self), "state": self.state.value}
+        """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""
+        return {**{name: getattr(self, name) for name in _FIELDS}, "state": self.state.value}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobRecord:
@@ -121,7 +121,8 @@ class JobRecord:
         return cls(**{key: data[key] for key in COLUMNS if key in data}, state=JobState(data["state"]))
 
 
-COLUMNS = tuple(column.name for column in dataclasses.fields(JobRecord) if column.name != "state")
+_FIELDS = tuple(column.name for column in dataclasses.fields(JobRecord))
+COLUMNS = tuple(name for name in _FIELDS if name != "state")
 _SELECT = f"SELECT state, {', '.join(COLUMNS)} FROM jobs"
 _WRITTEN = [column for column in ("state", *COLUMNS) if column != "cancel_requested"]
 _UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c for c in _WRITTEN)}) "
@@ -331,7 +332,8 @@ class Ledger:
         if since is not None:
             where.append(f"{plus}submitted >= ?")
             params.append(since)
-        sql = f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY {plus}submitted DESC LIMIT ?"
+        chosen = f"SELECT rowid FROM jobs WHERE {' AND '.join(where)} ORDER BY {plus}submitted DESC LIMIT ?"
+        sql = f"{_SELECT} WHERE rowid IN ({chosen}) ORDER BY submitted DESC"  # sorts ids, then reads rows
         with self._db() as db:
             return [_from_row(row) for row in db.execute(sql, (*params, -1 if limit is None else limit))]
 

@@ -182,7 +182,7 @@ class JobCalls:
 
 def _answer(make: Callable[[], Any]) -> bytes:
     try:
-        return codec.encode_ok(make())
+        return codec.encode_data(make())  # rows and ids: plain data
     except RpycdlError as exc:
         return codec.encode_error(exc, tb="")
 

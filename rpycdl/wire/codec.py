@@ -216,6 +216,12 @@ def encode_ok(value: Any) -> bytes:
     return encode_value(value)[0]
 
 
+def encode_data(value: Any) -> bytes:
+    """Serialise plain data a server answers with (dicts, lists, strings, numbers, None, bytes) with the
+    standard pickler, which is many times faster than dill's and which decode_outcome reads alike."""
+    return OK + pickle.dumps(value, protocol=5)
+
+
 def encode_error(exc: BaseException, tb: str | None = None) -> bytes:
     """Serialise an exception with its formatted traceback."""
     if tb is None:

@@ -62,3 +62,10 @@ def test_a_value_that_cannot_be_pickled_becomes_an_error_outcome():
     assert not codec.succeeded(outcome) and not buffers
     with pytest.raises(TypeError, match="could not be serialised"):
         codec.decode_outcome(outcome)
+
+
+def test_plain_data_a_server_answers_with_decodes_like_any_value():
+    rows = [{"job_id": "abc", "state": "RUNNING", "request": {"timeout": 1.5, "command": ["a"]}, "result_bytes": None,
+             "raw": b"\x00\xff", "ok": True}]
+    assert codec.decode_outcome(codec.encode_data(rows)) == rows
+    assert codec.succeeded(codec.encode_data(rows))
