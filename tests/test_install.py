@@ -98,6 +98,13 @@ def test_a_client_only_install_runs_jobs_without_the_server_and_site_packages(tm
                               "--", "sh", "-c", "exit 3"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                              env=env)
     assert command.returncode == 3, command.stderr  # rpycdl run is the client's too
+    flags = ["--host", "127.0.0.1", "--port", port]
+    submitted = subprocess.run([str(python), "-m", "rpycdl", "submit", "pytorch", "-q", *flags, "--", "sh", "-c",
+                                "exit 4"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert submitted.returncode == 0, submitted.stderr  # and so are detached jobs
+    waited = subprocess.run([str(python), "-m", "rpycdl", "wait", submitted.stdout.strip(), *flags], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert waited.returncode == 4, waited.stderr
     serve = subprocess.run([str(python), "-m", "rpycdl", "serve", "--service", "pytorch", "--gpus", "fake:1"],
                            capture_output=True, text=True, timeout=60, env=env)
     assert serve.returncode == 1 and "pip install 'rpycdl[server]'" in serve.stderr, serve.stderr
