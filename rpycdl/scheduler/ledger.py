@@ -162,7 +162,8 @@ class Ledger:
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
-        shared_dir(self.state_dir)
+        if not self.state_dir.is_dir():  # an existing one keeps its mode: a site may restrict it to a group
+            shared_dir(self.state_dir)
         if not self.path.exists():
             history = sorted(entry.name for entry in self.state_dir.iterdir() if _holds(entry))
             if history:

@@ -412,3 +412,11 @@ def test_any_sequence_of_operations_keeps_the_invariants(operations):
             getattr(model, name)(*args)
             model.check()
         ledger.close()
+
+
+def test_an_existing_state_directory_keeps_the_mode_its_site_gave_it(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o2770)  # a group's, so that other local users cannot read the jobs' files
+    Ledger(state).save(job())
+    assert stat.S_IMODE(state.stat().st_mode) == 0o2770
