@@ -9,8 +9,8 @@ CLIENT = [
 ]
 """`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""
 
-SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535"]
-"""`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML) and the demo."""
+SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535", "prometheus-client>=0.20", "starlette>=0.37", "uvicorn>=0.29"]
+"""`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML), `rpycdl monitor` (metrics over HTTP) and the demo."""
 
 SITE = ["docker>=7.0", "cryptography>=41"]
 """`rpycdl[site]`: `rpycdl up`/`down`, job containers of the generic server, `rpycdl certs`."""

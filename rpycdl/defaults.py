@@ -11,6 +11,9 @@ REGISTRY_PORT = 18811
 SERVER_PORT = 18861
 """First port a server tries when none is given."""
 
+MONITOR_PORT = 18870
+"""TCP port of `rpycdl monitor` (clear of DCGM's exporter, 9400, and the node exporter, 9100)."""
+
 LOCK_DIR = os.path.join(tempfile.gettempdir(), "rpycdl-locks")
 """Directory shared by every server on a host: GPU locks, the waiting queue, job records."""
 

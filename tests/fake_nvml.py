@@ -53,7 +53,14 @@ class Device:
     used: int = 0
     bus_id: str = "00000000:07:00.0"
     lost: bool = False
+    utilization: int = 0  # percent of the last sample period its kernels ran
     processes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes used (None: not available)
+
+
+@dataclass
+class Utilization:
+    gpu: int
+    memory: int
 
 
 @dataclass
@@ -168,10 +175,13 @@ class Driver:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list[ProcessInfo]:  # noqa: N802
         return [ProcessInfo(pid, used) for pid, used in self._device(handle).processes.items()]
 
+    def nvmlDeviceGetUtilizationRates(self, handle: Handle) -> Utilization:  # noqa: N802
+        return Utilization(gpu=self._device(handle).utilization, memory=0)
+
 
 FUNCTIONS = ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
              "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo",
-             "nvmlDeviceGetPciInfo", "nvmlDeviceGetComputeRunningProcesses")
+             "nvmlDeviceGetPciInfo", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetUtilizationRates")
 
 
 def make_nvml(devices: list[Device] | int = 2, *, init_error: int | None = None,

@@ -149,6 +149,17 @@ def test_nvml_memory_used_is_queried_live(legacy_bytes):
     assert nvml.driver.calls.count("nvmlInit") == nvml.driver.calls.count("nvmlShutdown") == 3
 
 
+def test_nvml_utilization_is_queried_live_and_unknown_where_it_fails():
+    nvml = make_nvml(_devices())
+    inventory = NvmlInventory(nvml=nvml)
+    uuids = [gpu.uuid for gpu in inventory.gpus()]
+    nvml.driver.devices[0].utilization = 87
+    nvml.driver.devices[2].lost = True
+    assert inventory.utilization() == {uuids[0]: 0.87, uuids[1]: 0.0, uuids[2]: None}
+    assert FakeInventory("fake:2").utilization() == {gpu.uuid: None for gpu in FakeInventory("fake:2").gpus()}
+    assert nvml.driver.init_count == 0
+
+
 @pytest.mark.parametrize("code, text", [(NVML_ERROR_LIBRARY_NOT_FOUND, "NVML Shared Library Not Found"),
                                         (NVML_ERROR_DRIVER_NOT_LOADED, "Driver Not Loaded")])
 def test_nvml_init_failure_gives_no_inventory_error_with_a_hint(code, text):

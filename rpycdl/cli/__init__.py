@@ -12,12 +12,13 @@ import sys
 from typing import Any
 
 from rpycdl import __version__
-from rpycdl.cli import jobs, run, serving, status
+from rpycdl.cli import jobs, monitor, run, serving, status
 from rpycdl.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, exit_code, os_error
 from rpycdl.errors import RpycdlError
 from rpycdl.site import cli as site_cli
 
-COMMANDS = {**serving.COMMANDS, **status.COMMANDS, **run.COMMANDS, **jobs.COMMANDS, **site_cli.COMMANDS}
+COMMANDS = {**serving.COMMANDS, **monitor.COMMANDS, **status.COMMANDS, **run.COMMANDS, **jobs.COMMANDS,
+            **site_cli.COMMANDS}
 
 INTERRUPTED = {"run": "interrupted: the job is cancelled", "demo": "interrupted: the servers and the registry stopped",
                "submit": "interrupted: the job may have been submitted (see rpycdl jobs)",
@@ -42,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=description, parents=[verbose], **options)
 
     serving.add_commands(command)
+    monitor.add_commands(command)
     status.add_commands(command)
     run.add_commands(command)
     jobs.add_commands(command)

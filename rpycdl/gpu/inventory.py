@@ -54,6 +54,15 @@ class Inventory:
         """Bytes each process uses on the GPU right now, by pid; None where the query failed."""
         raise NotImplementedError
 
+    def utilization(self) -> dict[str, float | None]:
+        """The share of the last sample period each GPU's kernels ran (0 to 1) by UUID; None where
+        unknown (a simulated GPU, a failed query)."""
+        return {gpu.uuid: None for gpu in self.gpus()}
+
+    def use_lock_dir(self, lock_dir: str | os.PathLike[str]) -> None:
+        """Read what the jobs of the host's lock directory do on these GPUs (simulated GPUs keep their
+        memory use there; a driver needs nothing)."""
+
 
 class FakeInventory(Inventory):
     """A simulated inventory: `fake:4` or `fake:2x16GiB`.
@@ -61,7 +70,7 @@ class FakeInventory(Inventory):
     UUIDs are fixed by index, so every server given the same spec on one host (one lock
     directory) shares the same simulated GPUs, like containers sharing real ones. Jobs on
     simulated GPUs "allocate" memory with simulate_memory(), which records it under
-    `state_dir` (the server sets it to <lock dir>/simulated-gpus): the per-process figures
+    `state_dir` (<lock dir>/simulated-gpus: use_lock_dir): the per-process figures
     a driver would report."""
 
     simulated = True
@@ -85,6 +94,9 @@ class FakeInventory(Inventory):
 
     def gpus(self) -> list[GPU]:
         return list(self._gpus)
+
+    def use_lock_dir(self, lock_dir: str | os.PathLike[str]) -> None:
+        self.state_dir = Path(lock_dir) / "simulated-gpus"
 
     def memory_used(self) -> dict[str, int | None]:
         return {gpu.uuid: sum(self.process_memory(gpu.uuid).values()) for gpu in self._gpus}
@@ -155,6 +167,19 @@ class NvmlInventory(Inventory):
                 except Exception:
                     used[gpu.uuid] = None
             return used
+
+        return self._ask(query, {gpu.uuid: None for gpu in self._gpus})
+
+    def utilization(self) -> dict[str, float | None]:
+        def query(nvml: ModuleType) -> dict[str, float | None]:
+            rates: dict[str, float | None] = {}
+            for gpu in self._gpus:
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode())
+                    rates[gpu.uuid] = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+                except Exception:
+                    rates[gpu.uuid] = None
+            return rates
 
         return self._ask(query, {gpu.uuid: None for gpu in self._gpus})
 

@@ -370,6 +370,17 @@ class Ledger:
         with self._db() as db:
             return db.execute("SELECT count(*) FROM jobs").fetchone()[0]
 
+    def count_by_state(self) -> dict[JobState, int]:
+        """How many jobs the ledger holds in each state (every state, 0 for none)."""
+        with self._db() as db:
+            counted = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
+        return {state: counted.get(state.value, 0) for state in JobState}
+
+    def ended_since(self, since: float) -> list[JobRecord]:
+        """The jobs that ended at or after `since`, in the order they ended."""
+        with self._db() as db:
+            return [_from_row(row) for row in db.execute(f"{_SELECT} WHERE ended >= ? ORDER BY ended", (since,))]
+
 
 def _one(db: sqlite3.Connection, where: str, *params: Any) -> JobRecord | None:
     row = db.execute(f"{_SELECT} WHERE {where}", params).fetchone()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rpycdl.defaults import (
@@ -19,7 +18,7 @@ from rpycdl.defaults import (
     MAX_QUEUED_PER_USER,
     MAX_RESULT,
 )
-from rpycdl.gpu.inventory import GPU, FakeInventory, Inventory
+from rpycdl.gpu.inventory import GPU, Inventory
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import Ledger
@@ -70,8 +69,7 @@ class ServerContext:
         self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
         self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
         self.files = JobFiles(self.state_dir)
-        if isinstance(self.inventory, FakeInventory):
-            self.inventory.state_dir = Path(self.lock_dir) / "simulated-gpus"
+        self.inventory.use_lock_dir(self.lock_dir)
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "aliases": list(self.aliases), "host": self.host, "port": self.port,

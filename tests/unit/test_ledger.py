@@ -420,3 +420,13 @@ def test_an_existing_state_directory_keeps_the_mode_its_site_gave_it(tmp_path):
     os.chmod(state, 0o2770)  # a group's, so that other local users cannot read the jobs' files
     Ledger(state).save(job())
     assert stat.S_IMODE(state.stat().st_mode) == 0o2770
+
+
+def test_counts_by_state_and_the_jobs_ended_since(ledger):
+    for state, ended in ((JobState.SUCCEEDED, 100.0), (JobState.FAILED, 200.0), (JobState.SUCCEEDED, 300.0),
+                         (JobState.RUNNING, None)):
+        ledger.save(job(state=state, ended=ended, submitted=50.0))
+    counts = ledger.count_by_state()
+    assert counts[JobState.SUCCEEDED] == 2 and counts[JobState.FAILED] == 1 and counts[JobState.RUNNING] == 1
+    assert counts[JobState.LOST] == 0 and set(counts) == set(JobState)
+    assert [record.ended for record in ledger.ended_since(200.0)] == [200.0, 300.0]

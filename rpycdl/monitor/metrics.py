@@ -1,0 +1,144 @@
+"""The host's metrics for Prometheus: a collector that reads the lock directory, the job ledger and the
+GPUs when it is scraped (prometheus_client's custom collector; nothing is hand-written exposition).
+
+It takes no lock a grant waits on: the lock directory's snapshot probes with F_GETLK, which takes
+nothing, and the ledger is read in WAL mode, which never blocks a writer. Labels stay bounded: GPUs,
+services and states; a job id appears only on `rpycdl_gpu_holder_info`, one series per current holder.
+The histograms and the counter count the jobs that ended since the monitor started.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from rpycdl.gpu.inventory import Inventory
+from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.scheduler.locks import GPULockManager
+
+BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, math.inf)
+"""Upper bounds of the queue wait and run time histograms, in seconds (a second to a day)."""
+
+LATE_COMMIT = 300.0
+"""Seconds of ends read again at each scrape: a job's end may be committed after a later one's."""
+
+MEMORY_STOP = "GPUMemoryExceededError"
+"""The error type of a job the watchdog stopped for using more GPU memory than its share."""
+
+
+class _Histogram:
+    """Counts of one histogram's observations by bucket, their sum."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(BUCKETS)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[next(index for index, bound in enumerate(BUCKETS) if seconds <= bound)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, int]]:
+        cumulative, out = 0, []
+        for bound, count in zip(BUCKETS, self.counts, strict=True):
+            cumulative += count
+            out.append((floatToGoString(bound), cumulative))  # "1.0", "+Inf": as prometheus_client's own
+        return out
+
+
+class HostCollector(Collector):
+    """The metrics of one host: its GPUs (`inventory`), their grants and queue (`lock_dir`), its jobs
+    (the ledger of `state_dir`)."""
+
+    def __init__(self, inventory: Inventory, lock_dir: str, state_dir: str) -> None:
+        self.inventory = inventory
+        inventory.use_lock_dir(lock_dir)
+        self.locks = GPULockManager(lock_dir)
+        self.ledger = Ledger(state_dir)
+        self._lock = threading.Lock()
+        self._since = time.time()  # ends counted from here on
+        self._counted: dict[str, float] = {}  # ids of the ends read within LATE_COMMIT of the newest
+        self._waits: dict[str, _Histogram] = {}
+        self._runs: dict[str, _Histogram] = {}
+        self._stops: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.locks.snapshot()
+        yield from self._gpus(snapshot["held"])
+        waiting = GaugeMetricFamily("rpycdl_queue_waiting_requests", "Requests waiting for GPUs, by service",
+                                    labels=["service"])
+        for service, count in Counter(waiter.get("server", "") for waiter in snapshot["queue"]).items():
+            waiting.add_metric([service], count)
+        yield waiting
+        jobs = GaugeMetricFamily("rpycdl_jobs", "Jobs in the host's ledger, by state", labels=["state"])
+        for state, count in self.ledger.count_by_state().items():
+            jobs.add_metric([state.value], count)
+        yield jobs
+        yield from self._ended()
+
+    def _gpus(self, held: dict[str, list[dict[str, Any]]]) -> Iterator[Metric]:
+        labels = ["gpu", "uuid"]
+        info = GaugeMetricFamily("rpycdl_gpu_info", "A GPU of the host (always 1)", labels=[*labels, "model"])
+        total = GaugeMetricFamily("rpycdl_gpu_memory_total_bytes", "GPU memory", labels=labels)
+        used = GaugeMetricFamily("rpycdl_gpu_memory_used_bytes", "GPU memory in use (NVML)", labels=labels)
+        granted = GaugeMetricFamily("rpycdl_gpu_memory_granted_bytes", "GPU memory granted to jobs: all of it "
+                                    "for a whole-GPU grant, the sum of the shares otherwise", labels=labels)
+        busy = GaugeMetricFamily("rpycdl_gpu_utilization_ratio", "Share of the last sample period the GPU's "
+                                 "kernels ran, 0 to 1 (NVML)", labels=labels)
+        holders = GaugeMetricFamily("rpycdl_gpu_holder_info", "A job holding the GPU or a share of it (always 1)",
+                                    labels=[*labels, "job", "user", "kind"])
+        in_use, rates = self.inventory.memory_used(), self.inventory.utilization()
+        for gpu in self.inventory.gpus():
+            index, holding = [str(gpu.index), gpu.uuid], held.get(gpu.uuid, [])
+            info.add_metric([*index, gpu.name], 1)
+            total.add_metric(index, gpu.memory_total)
+            if in_use.get(gpu.uuid) is not None:
+                used.add_metric(index, in_use[gpu.uuid])
+            if rates.get(gpu.uuid) is not None:
+                busy.add_metric(index, rates[gpu.uuid])
+            whole = any(not holder.get("share_bytes") for holder in holding)
+            granted.add_metric(index, gpu.memory_total if whole else sum(h["share_bytes"] for h in holding))
+            for holder in holding:
+                kind = "share" if holder.get("share_bytes") else "whole"
+                holders.add_metric([*index, holder.get("job_id", ""), holder.get("user", ""), kind], 1)
+        yield from (info, total, used, granted, busy, holders)
+
+    def _ended(self) -> Iterator[Metric]:
+        """The histograms of queue wait and run time, and the watchdog's stops, of the jobs that ended
+        since the monitor started, by service."""
+        with self._lock:
+            for record in self.ledger.ended_since(max(self._since, max(self._counted.values(), default=0.0)
+                                                      - LATE_COMMIT)):
+                if record.job_id not in self._counted:
+                    self._count(record)
+            newest = max(self._counted.values(), default=0.0)
+            self._counted = {job: ended for job, ended in self._counted.items() if ended >= newest - LATE_COMMIT}
+            waits = HistogramMetricFamily("rpycdl_job_queue_wait_seconds", "How long ended jobs waited for their "
+                                          "GPUs, by service", labels=["service"])
+            runs = HistogramMetricFamily("rpycdl_job_run_seconds", "How long ended jobs ran, by service",
+                                         labels=["service"])
+            for family, histograms in ((waits, self._waits), (runs, self._runs)):
+                for service, histogram in sorted(histograms.items()):
+                    family.add_metric([service], histogram.buckets(), histogram.total)
+            stops = CounterMetricFamily("rpycdl_gpu_memory_stops", "Jobs the watchdog stopped for using more GPU "
+                                        "memory than their share, by service", labels=["service"])
+            for service, count in sorted(self._stops.items()):
+                stops.add_metric([service], count)
+        yield from (waits, runs, stops)
+
+    def _count(self, record: JobRecord) -> None:
+        self._counted[record.job_id] = record.ended or 0.0
+        if record.started is not None:
+            self._waits.setdefault(record.service, _Histogram()).observe(record.started - record.submitted)
+            self._runs.setdefault(record.service, _Histogram()).observe((record.ended or record.started)
+                                                                        - record.started)
+        if record.error_type == MEMORY_STOP:
+            self._stops[record.service] = self._stops.get(record.service, 0) + 1
+

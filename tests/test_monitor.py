@@ -1,0 +1,136 @@
+"""`rpycdl monitor` against real servers on simulated GPUs: known grants, shares, a queue and ended jobs,
+checked metric by metric from a real scrape over HTTP, parsed by prometheus_client's parser."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers import gate_job, open_gate, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from rpycdl import JobState
+from rpycdl.site.local import start
+from rpycdl.units import GiB
+
+UUIDS = [f"GPU-00000000-0000-4000-8000-{index:012d}" for index in range(2)]
+
+
+@pytest.fixture
+def monitor(cluster) -> Iterator[str]:
+    """A monitor of the cluster's lock directory on a free port; its base URL."""
+    process = start(["monitor", "--gpus", "fake:2", "--lock-dir", cluster.lock_dir, "--port", "0"])
+    try:
+        yield "http://127.0.0.1:" + process.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
+    finally:
+        process.stop()
+
+
+def scrape(base: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of /metrics by name: (labels, value) pairs."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")
+        text = response.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def value(samples: dict[str, Any], name: str, **labels: str) -> float | None:
+    """The value of the one sample of `name` whose labels include `labels` (None: no such sample)."""
+    found = [number for got, number in samples.get(name, []) if labels.items() <= got.items()]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_path):
+    conn = connect(cluster.add_server("pytorch", "fake:2")[1])
+    conn.root.identify("alice")
+    whole_gate, share_gate = str(tmp_path / "whole"), str(tmp_path / "share")
+    whole = conn.root.submit(gate_job(whole_gate), 1, ngpus=1)
+    wait_until(lambda: whole.status().state is JobState.RUNNING, 10, "the whole-GPU job to run")
+    share = conn.root.submit(gate_job(share_gate), 2, gpu_memory="4GiB")
+    wait_until(lambda: share.status().state is JobState.RUNNING, 10, "the share to run")
+    waiting = conn.root.submit(gate_job(whole_gate), 3, ngpus=2)
+    wait_until(lambda: waiting.status().ahead == 0, 10, "the two-GPU job to wait")
+    held = {uuid: i for i, uuid in enumerate(UUIDS)}
+    whole_gpu = held[whole.refresh()["gpu_uuids"][0]]
+    share_gpu = 1 - whole_gpu
+
+    samples = scrape(monitor)
+    for index, uuid in enumerate(UUIDS):
+        assert value(samples, "rpycdl_gpu_info", gpu=str(index), uuid=uuid, model="Simulated GPU") == 1
+        assert value(samples, "rpycdl_gpu_memory_total_bytes", uuid=uuid) == 16 * GiB
+        assert value(samples, "rpycdl_gpu_memory_used_bytes", uuid=uuid) == 0
+        assert value(samples, "rpycdl_gpu_utilization_ratio", uuid=uuid) is None  # simulated: unknown
+    assert value(samples, "rpycdl_gpu_memory_granted_bytes", gpu=str(whole_gpu)) == 16 * GiB
+    assert value(samples, "rpycdl_gpu_memory_granted_bytes", gpu=str(share_gpu)) == 4 * GiB
+    assert value(samples, "rpycdl_gpu_holder_info", gpu=str(whole_gpu), job=whole.id, user="alice (unverified)",
+                 kind="whole") == 1
+    assert value(samples, "rpycdl_gpu_holder_info", gpu=str(share_gpu), job=share.id, kind="share") == 1
+    assert len(samples["rpycdl_gpu_holder_info"]) == 2
+    assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") == 1
+    assert value(samples, "rpycdl_jobs", state="RUNNING") == 2 and value(samples, "rpycdl_jobs", state="PENDING") == 1
+    assert "rpycdl_job_run_seconds_count" not in samples  # nothing ended yet
+
+    open_gate(whole_gate)
+    open_gate(share_gate)
+    for job in (whole, share, waiting):
+        assert job.wait(10).state is JobState.SUCCEEDED
+    assert conn.root.run_code(lambda x: x, 7) == 7  # an attached job counts as well
+    wait_until(lambda: value(scrape(monitor), "rpycdl_job_run_seconds_count", service="pytorch") == 4, 5,
+               "the four ended jobs to be counted")
+    samples = scrape(monitor)
+    assert value(samples, "rpycdl_jobs", state="SUCCEEDED") == 4 and value(samples, "rpycdl_jobs", state="RUNNING") == 0
+    assert value(samples, "rpycdl_job_queue_wait_seconds_count", service="pytorch") == 4
+    assert value(samples, "rpycdl_job_queue_wait_seconds_bucket", service="pytorch", le="+Inf") == 4
+    assert value(samples, "rpycdl_job_queue_wait_seconds_bucket", service="pytorch", le="1.0") >= 3  # at once
+    assert 0 < value(samples, "rpycdl_job_run_seconds_sum", service="pytorch") < 60
+    assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") is None
+    assert all(value(samples, "rpycdl_gpu_memory_granted_bytes", uuid=uuid) == 0 for uuid in UUIDS)
+    assert scrape(monitor) == samples  # counted once, however often it is scraped
+
+
+def test_simulated_memory_in_use_shows_as_used(cluster, connect, monitor, tmp_path):
+    conn = connect(cluster.add_server("pytorch", "fake:2")[1])
+    gate = str(tmp_path / "gate")
+
+    def hold(args: Any) -> None:
+        import os
+        import time
+
+        import rpycdl
+
+        rpycdl.simulate_memory(3 * 1024**3)
+        while not os.path.exists(args):
+            time.sleep(0.01)
+
+    job = conn.root.submit(hold, gate, gpu_memory="4GiB")
+    uuid = wait_until(lambda: job.refresh()["gpu_uuids"], 10, "the share")[0]
+    wait_until(lambda: value(scrape(monitor), "rpycdl_gpu_memory_used_bytes", uuid=uuid) == 3 * GiB, 10,
+               "the job's memory to show")
+    open_gate(gate)
+    assert job.wait(10).state is JobState.SUCCEEDED
+
+
+def test_health_and_what_is_not_there(monitor):
+    with urllib.request.urlopen(f"{monitor}/healthz", timeout=10) as response:
+        assert response.status == 200 and response.read() == b"ok\n"
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{monitor}/nothing", timeout=10)
+    assert missing.value.code == 404
+
+
+def test_a_monitor_on_a_public_address_needs_insecure(lock_dir):
+    refused = subprocess.run([sys.executable, "-m", "rpycdl", "monitor", "--gpus", "fake:1", "--lock-dir", lock_dir,
+                              "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "not loopback" in refused.stderr and "--insecure" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
