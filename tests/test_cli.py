@@ -24,7 +24,8 @@ import rpycdl
 from rpycdl import cli
 from rpycdl.cli.common import EXIT_JOB_TIMEOUT, EXIT_QUEUE_TIMEOUT
 
-SUBCOMMANDS = ["registry", "serve", "status", "jobs", "cancel", "run", "demo", "selftest", "certs"]
+SUBCOMMANDS = ["registry", "serve", "monitor", "status", "jobs", "cancel", "run", "submit", "logs", "wait", "result",
+               "delete", "demo", "selftest", "certs"]
 ME = f"{getpass.getuser()} (unverified)"
 """How a server without authentication names the user of these tests."""
 

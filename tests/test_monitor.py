@@ -3,11 +3,13 @@ checked metric by metric from a real scrape over HTTP, parsed by prometheus_clie
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,3 +136,11 @@ def test_a_monitor_on_a_public_address_needs_insecure(lock_dir):
     assert refused.returncode == 2 and "not loopback" in refused.stderr and "--insecure" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
 
+
+def test_the_demo_starts_a_monitor_beside_its_server():
+    demo = subprocess.run([sys.executable, "-m", "rpycdl", "demo", "--gpus", "fake:1", "--client",
+                           str(Path(__file__).parent.parent / "clients" / "detached.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert re.search(r"^rpycdl demo: monitor on http://127\.0\.0\.1:\d+ \(/metrics, /healthz\)", demo.stdout, re.M)
+    assert "SUCCEEDED; it returned" in demo.stdout

@@ -214,7 +214,7 @@ def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    require_extra("server", "fasteners", "pynvml")
+    require_extra("server", "fasteners", "pynvml", "prometheus_client", "starlette", "uvicorn")
     from rpycdl.gpu.inventory import load_inventory
     from rpycdl.site.local import LocalCluster
 
@@ -232,7 +232,9 @@ def _demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as lock_dir, LocalCluster(lock_dir) as cluster:
         print(f"rpycdl demo: registry on udp {cluster.registry_address}")
         _, port = cluster.add_server("pytorch", gpus)
-        print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}; running {args.client}\n", flush=True)
+        print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}")
+        print(f"rpycdl demo: monitor on {cluster.add_monitor(gpus)[1]} (/metrics, /healthz); running {args.client}\n",
+              flush=True)
         env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
         # In a session of its own, so that Ctrl-C reaches the demo, which stops it without its traceback.
         code = subprocess.call([sys.executable, args.client], env=env, start_new_session=True)

@@ -132,6 +132,12 @@ class LocalCluster:
             time.sleep(0.05)
         return process, port
 
+    def add_monitor(self, inventory: str | None) -> tuple[Process, str]:
+        """Start `rpycdl monitor` of the lock directory on a free loopback port; returns it and its URL."""
+        process = self._start(["monitor", "--lock-dir", self.lock_dir, "--port", "0",
+                               *(["--gpus", inventory] if inventory else [])])
+        return process, process.wait_for(r"on (http://127\.0\.0\.1:\d+)/metrics").group(1)
+
     def close(self) -> None:
         """Stop the servers and the registry, and the detached jobs of their state directories, which
         would outlive them."""
