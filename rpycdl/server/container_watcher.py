@@ -1,6 +1,8 @@
-"""A job container's watcher, `python -m rpycdl.server.container_watcher CONNECTION_PID CONTAINER_ID`,
-in a session of its own: it removes the container once the connection process running its job has
-died (the connection process kills the watcher when it removes the container itself)."""
+"""A job container's watcher, `python -m rpycdl.server.container_watcher OWNER_PID CONTAINER_ID`,
+in a session of its own: it removes the container once the process running its job has died: the
+connection process of an attached job, the supervisor of a detached one (rpycdl.server.supervisor),
+never the connection process that accepted a submission, which leaves at once. The owner kills the
+watcher when it removes the container itself."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ import select
 import sys
 
 
-def watch(connection_pid: int, container_id: str) -> None:
-    """Remove the job container `container_id` once the process `connection_pid` has died."""
+def watch(owner_pid: int, container_id: str) -> None:
+    """Remove the job container `container_id` once the process `owner_pid` has died."""
     with contextlib.suppress(ProcessLookupError):
-        pidfd = os.pidfd_open(connection_pid)
+        pidfd = os.pidfd_open(owner_pid)
         select.select([pidfd], [], [])
     import docker.errors  # only now: the server parent imports this module to recognise watchers
 

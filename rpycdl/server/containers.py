@@ -3,11 +3,13 @@ choice, with exactly its GPUs, its output streamed, removed however it ends.
 
 Job containers carry their owner server id, their job id and the lock directory whose GPU locks
 they run under, so orphans (a job container whose job no longer holds a GPU lock, because the
-connection process that ran it was killed) can be found and removed. Each has a watcher,
-`python -m rpycdl.server.container_watcher CONNECTION_PID CONTAINER_ID`, in a session of its own: if the
-connection process running the job dies, the watcher removes the container at once. Job
-containers left by a server killed whole (watchers included) are removed when a generic server
-starts again, and by every container job that starts.
+process that ran it was killed) can be found and removed. The process that runs a container job
+(run_job_container) holds its GPU locks and owns its container: the connection process of an
+attached job, the supervisor of a detached one (rpycdl.server.supervisor), which outlives its client
+and its server. Each container has a watcher, `python -m rpycdl.server.container_watcher OWNER_PID
+CONTAINER_ID`, in a session of its own: if that owner dies, the watcher removes the container at
+once. Job containers left by a server killed whole (watchers included) are removed when a generic
+server starts again, and by every container job that starts.
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ def run_job_container(
     env = {**spec.env, **(extra_env or {}), **gpu_environment(uuids)}
     labels = {LABEL_ROLE: "job", LABEL_OWNER: owner, LABEL_JOB: job_id, LABEL_LOCK_DIR: lock_dir}
     container = _create(client, spec, uuids, simulated=simulated, env=env, labels=labels)
+    # watched: this process, which holds the job's GPU locks (a detached job's supervisor, not the
+    # connection process that accepted it and has left)
     watcher = subprocess.Popen([sys.executable, "-m", container_watcher.__name__, str(os.getpid()), container.id],
                                start_new_session=True, stdin=subprocess.DEVNULL)
     output = _Output({1: on_stdout, 2: on_stderr})
