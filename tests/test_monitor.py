@@ -3,12 +3,17 @@ checked metric by metric from a real scrape over HTTP, parsed by prometheus_clie
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ from helpers import gate_job, open_gate, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rpycdl import JobState
+from rpycdl.monitor import web as monitor_web
 from rpycdl.site.local import start
 from rpycdl.units import GiB
 
@@ -144,3 +150,47 @@ def test_the_demo_starts_a_monitor_beside_its_server():
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert re.search(r"^rpycdl demo: monitor on http://127\.0\.0\.1:\d+ \(/metrics, /healthz\)", demo.stdout, re.M)
     assert "SUCCEEDED; it returned" in demo.stdout
+
+
+def _raw(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_slow_greedy_and_oversized_clients_stall_neither_others_nor_grants(cluster, connect, monitor):
+    conn = connect(cluster.add_server("pytorch", "fake:2")[1])
+    slow = [_raw(monitor) for _ in range(300)]  # slowloris: headers begun, never finished
+    for sock in slow:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+    for size, refusal in ((100_000, b"HTTP/1.1 431"), (4_000_000, b"HTTP/1.1 400")):
+        oversized = _raw(monitor)
+        with contextlib.suppress(ConnectionError):  # it may hang up before reading all of it
+            oversized.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
+        assert oversized.recv(64).startswith(refusal), f"a header of {size} bytes must be refused"
+        oversized.close()
+
+    def burst() -> int:  # 40 clients at once, 50 requests each over keep-alive
+        def client(_: int) -> int:
+            http = HTTPConnection(monitor.removeprefix("http://"), timeout=30)
+            codes = []
+            for _ in range(50):
+                http.request("GET", "/metrics")
+                response = http.getresponse()
+                response.read()
+                codes.append(response.status)
+            http.close()
+            return codes.count(200)
+
+        with ThreadPoolExecutor(40) as pool:
+            return sum(pool.map(client, range(40)))
+
+    with ThreadPoolExecutor(1) as pool:
+        burst_done = pool.submit(burst)
+        assert conn.root.run_code(lambda x: x + 1, 1, ngpus=2) == 2  # a grant, while the monitor is flooded
+        assert value(scrape(monitor), "rpycdl_gpu_memory_total_bytes", gpu="0") == 16 * GiB  # another client
+        assert burst_done.result(timeout=120) == 2000
+    time.sleep(monitor_web.REQUEST_DEADLINE + 1)
+    closed = sum(1 for sock in slow if not sock.recv(1))  # the server hung up on each of them
+    assert closed == len(slow)
+    for sock in slow:
+        sock.close()

@@ -3,7 +3,11 @@ uvicorn, bounded against slow and greedy clients."""
 
 from __future__ import annotations
 
+import asyncio
+import resource
 import socket
+import time
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -13,31 +17,89 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-MAX_CONCURRENCY = 64
-"""Requests served at once; more get 503 at once rather than queueing behind a slow scrape."""
+SCRAPE_REUSE = 1.0
+"""Seconds a collection is served again: a burst of scrapes costs one collection a second, not one each."""
+
+REQUEST_DEADLINE = 5.0
+"""Seconds a connection has to send each request's headers (uvicorn has no such limit: a client sending
+a byte at a time would hold its connection for ever)."""
 
 KEEP_ALIVE = 5
 """Seconds an idle HTTP connection is kept open."""
 
+MAX_HEADERS = 16 * 1024
+"""Bytes of a request's headers: more gets 431; more than that still while they arrive (h11 buffers at most
+this much of an incomplete request, and asyncio reads 256 KiB at a time) gets 400 and the connection
+closed. So a connection costs at most a read's worth of memory, whatever it sends."""
 
-def create_app(collector: Collector) -> Starlette:
+
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection that does not send a request's headers within
+    REQUEST_DEADLINE of connecting or of its previous response. It relies on H11Protocol's `cycle`
+    (a new one per request) and its hooks; tests/test_monitor.py's slow clients fail if they change."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline = self.loop.call_later(REQUEST_DEADLINE, self._expired)
+
+    def _expired(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers came in time
+            self._deadline.cancel()
+
+    def on_response_complete(self) -> None:
+        self._deadline.cancel()  # the next request on this connection has a deadline of its own
+        self._deadline = self.loop.call_later(REQUEST_DEADLINE, self._expired)
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline.cancel()
+        super().connection_lost(exc)
+
+
+def create_app(collector: Collector) -> ASGIApp:
     """The monitor's web application over `collector`."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    latest: dict[str, Any] = {"at": -SCRAPE_REUSE, "body": b""}
+    collecting = asyncio.Lock()
 
     async def metrics(request: Request) -> Response:
-        body = await run_in_threadpool(generate_latest, registry)  # reads files: off the event loop
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        async with collecting:  # one collection at a time; those who waited for it get it too
+            if time.monotonic() - latest["at"] >= SCRAPE_REUSE:
+                latest["body"] = await run_in_threadpool(generate_latest, registry)  # reads files: off the loop
+                latest["at"] = time.monotonic()
+        return Response(latest["body"], media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok\n")
 
-    return Starlette(routes=[Route("/metrics", metrics), Route("/healthz", healthz)])
+    routes = Starlette(routes=[Route("/metrics", metrics), Route("/healthz", healthz)])
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and sum(len(key) + len(value) for key, value in scope["headers"]) > MAX_HEADERS:
+            await PlainTextResponse("request headers too large\n", status_code=431)(scope, receive, send)
+        else:
+            await routes(scope, receive, send)
+
+    return app
 
 
-def serve(app: Starlette, sock: socket.socket) -> None:
-    """Serve `app` on the bound socket `sock` until interrupted."""
-    config = uvicorn.Config(app, log_level="warning", limit_concurrency=MAX_CONCURRENCY,
-                            timeout_keep_alive=KEEP_ALIVE, access_log=False)
+def serve(app: ASGIApp, sock: socket.socket) -> None:
+    """Serve `app` on the bound socket `sock` until interrupted, with as many descriptors as the system
+    allows this process (a burst of connections then meets REQUEST_DEADLINE, not the descriptor limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    config = uvicorn.Config(app, http=DeadlineProtocol, log_level="warning", timeout_keep_alive=KEEP_ALIVE,
+                            h11_max_incomplete_event_size=MAX_HEADERS, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
