@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -198,6 +199,10 @@ def run_selftest(report_path: str | None = None) -> int:
                      lambda: _torch_oom(port))
         report.check("a job allocating past its gpus=0.25 grant outside PyTorch is stopped by the watchdog",
                      lambda: _watchdog_stops(port))
+        report.check("a detached PyTorch job runs to its end and its result is kept", lambda: _detached(port))
+        monitor = cluster.add_monitor("nvml")[1]
+        report.check("the monitor's /metrics shows NVML's memory and utilisation of every GPU",
+                     lambda: _monitor_sees_nvml(monitor, gpus))
     report.say(f"{len(report.lines) - 1 - report.failed} passed, {report.failed} failed")
     if report_path:
         with open(report_path, "w", encoding="utf-8") as out:
@@ -284,3 +289,32 @@ def _watchdog_stops(port: int) -> str:
     said = [line.removeprefix("method: ") for line in out.getvalue().splitlines() if line.startswith("method: ")]
     assert said, f"the job was stopped before it allocated: {stopped}"
     return f"{said[0]}; stopped: {stopped}"
+
+
+def _detached(port: int) -> str:
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        job = conn.root.submit(_torch_job, None, ngpus=1, name="selftest")
+    job = rpycdl.job(job.id, host="127.0.0.1", port=port)  # found again over a new connection
+    status = job.wait(120)
+    assert status.state is rpycdl.JobState.SUCCEEDED, status
+    seen = job.result()
+    assert seen["count"] == 1 and seen["granted"].endswith(seen["uuid"].removeprefix("GPU-")), seen
+    return f"job {job.id} {status.state.value}, saw {seen['uuid']}"
+
+
+def _monitor_sees_nvml(url: str, gpus: list[GPU]) -> str:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+
+    def by_uuid(name: str) -> dict[str, float]:
+        return {sample.labels["uuid"]: sample.value for sample in families[name].samples}
+
+    total, used = by_uuid("rpycdl_gpu_memory_total_bytes"), by_uuid("rpycdl_gpu_memory_used_bytes")
+    busy = by_uuid("rpycdl_gpu_utilization_ratio")
+    for gpu in gpus:
+        assert total.get(gpu.uuid) == gpu.memory_total, (gpu, total)
+        assert 0 <= used.get(gpu.uuid, -1) <= gpu.memory_total, (gpu, used)
+        assert 0 <= busy.get(gpu.uuid, -1) <= 1, (gpu, busy)
+    return "; ".join(f"{g.index}: {used[g.uuid] / 2**30:.2f} GiB used, {busy[g.uuid]:.0%} busy" for g in gpus)
