@@ -125,6 +125,7 @@ CONFIG_FILE = "~/.config/rpycdl/credentials.toml"
 """The client's credentials file (`secret_file`, `tls_cert`, `tls_key`, `tls_ca`, `registry`)."""
 
 ENV_GPUS = "RPYCDL_GPUS"
+ENV_NVML_MODULE = "RPYCDL_NVML_MODULE"  # a module to use instead of pynvml: a stand-in that plays a driver
 ENV_LOCK_DIR = "RPYCDL_LOCK_DIR"
 ENV_STATE_DIR = "RPYCDL_STATE_DIR"
 ENV_REGISTRY = "RPYCDL_REGISTRY"

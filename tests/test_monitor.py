@@ -4,6 +4,8 @@ checked metric by metric from a real scrape over HTTP, parsed by prometheus_clie
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
 import socket
 import subprocess
@@ -194,3 +196,31 @@ def test_slow_greedy_and_oversized_clients_stall_neither_others_nor_grants(clust
     assert closed == len(slow)
     for sock in slow:
         sock.close()
+
+
+def test_nvml_memory_in_use_and_utilisation_come_from_the_driver(cluster, tmp_path):
+    state = tmp_path / "driver.json"
+
+    def driver(used: list[int], busy: list[int]) -> None:
+        state.write_text(json.dumps([{"uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "total": 80 * GiB, "used": u,
+                                      "utilization": b, "bus_id": f"00000000:{7 + i:02X}:00.0"}
+                                     for i, (uuid, u, b) in enumerate(zip(UUIDS, used, busy, strict=True))]))
+
+    driver([5 * GiB, 0], [87, 0])
+    env = {"RPYCDL_NVML_MODULE": "fake_nvml_driver", "FAKE_NVML_STATE": str(state),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    process = start(["monitor", "--gpus", "nvml", "--lock-dir", cluster.lock_dir, "--port", "0"], env=env)
+    try:
+        base = "http://127.0.0.1:" + process.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
+        samples = scrape(base)
+        assert value(samples, "rpycdl_gpu_info", gpu="1", uuid=UUIDS[1], model="NVIDIA H100 80GB HBM3") == 1
+        assert value(samples, "rpycdl_gpu_memory_total_bytes", uuid=UUIDS[0]) == 80 * GiB
+        assert value(samples, "rpycdl_gpu_memory_used_bytes", uuid=UUIDS[0]) == 5 * GiB
+        assert value(samples, "rpycdl_gpu_utilization_ratio", uuid=UUIDS[0]) == 0.87
+        assert value(samples, "rpycdl_gpu_utilization_ratio", uuid=UUIDS[1]) == 0
+        driver([5 * GiB, 30 * GiB], [87, 45])  # a job started on GPU 1
+        wait_until(lambda: value(scrape(base), "rpycdl_gpu_memory_used_bytes", uuid=UUIDS[1]) == 30 * GiB, 5,
+                   "the driver's new figures")
+        assert value(scrape(base), "rpycdl_gpu_utilization_ratio", uuid=UUIDS[1]) == 0.45
+    finally:
+        process.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
-from rpycdl.defaults import ENV_GPUS, ENV_SIMULATED_GPUS
+from rpycdl.defaults import ENV_GPUS, ENV_NVML_MODULE, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
@@ -122,8 +123,8 @@ class NvmlInventory(Inventory):
 
     def __init__(self, nvml: ModuleType | None = None) -> None:
         if nvml is None:
-            try:
-                import pynvml as nvml  # nvidia-ml-py
+            try:  # nvidia-ml-py, or what $RPYCDL_NVML_MODULE names (a stand-in playing a driver, for tests)
+                nvml = importlib.import_module(os.environ.get(ENV_NVML_MODULE) or "pynvml")
             except ImportError as exc:  # a client-only install
                 raise NoInventoryError(f"pynvml is not installed ({exc}): pip install 'rpycdl[server]'") from exc
         self._nvml = nvml
