@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start the rpycdl registry and service containers on this host.
+# Start the rpycdl registry, service containers and monitor on this host.
 set -euo pipefail
 
 usage() {
@@ -15,6 +15,13 @@ process namespace (--pid host): every server sharing a lock directory must see t
 every job on the host, to check that nothing of a crashed job still runs before its GPUs are
 granted again, and for the memory watchdog, which reads the host pids NVML reports.
 
+Then the host's monitor (rpycdl-monitor: `rpycdl monitor`, from the first server's image) is
+started beside them, and its address printed: it serves the GPUs, grants, queue and jobs of the
+lock directory for Prometheus (/metrics; /healthz for the engine's health check), published on
+127.0.0.1 only (on --host only with --insecure: it has no authentication, and the metrics name
+users and jobs). It shares the lock directory and the host's pids, and reads real GPUs through
+NVML only (the driver's utility capability: it never initialises CUDA).
+
 Starting again is harmless: a container that runs already is left as it is, a stale one of the
 same name (created, exited) is replaced. If a container cannot start, the engine's error is
 printed and every container this run started is removed again (exit code 1).
@@ -28,7 +35,8 @@ Options:
   --host ADDR           address the servers listen on and clients are handed
                         (default: 127.0.0.1; anything else also needs --insecure)
   --insecure            let servers listen on a non-loopback address without authentication:
-                        whoever reaches them can run code there
+                        whoever reaches them can run code there; the monitor is published on
+                        --host too, instead of 127.0.0.1
   --secret-file FILE    shared secret the servers require (see rpycdl serve --secret-file)
   --tls-cert FILE, --tls-key FILE, --tls-ca FILE
                         mutual TLS: the servers' certificate and key, and the CA of the
@@ -42,6 +50,7 @@ Options:
   --user UID[:GID]      user the servers run as (default: the image's, uid 1000); every
                         server sharing a lock directory must run as the same user
   --shm-size SIZE       shared memory per server, for data loaders (default: 8g)
+  --monitor-port PORT   host port of the monitor, 0 to start none (default: 18870)
   --no-ulimits          keep the engine's ulimits instead of asking for memlock=-1, stack=64 MiB;
                         an engine that refuses them (rootless or sandboxed ones: "error setting
                         rlimit") gets its own anyway, and a line says so
@@ -51,7 +60,8 @@ Options:
 The deeplearning server also gets the Docker engine's socket ($DOCKER_HOST if it is unix://PATH,
 else /var/run/docker.sock), to run jobs in their own containers (whoever can use it is root on
 this host: give it only to a trusted network).
-Stop everything with scripts/stop_servers.sh; check with `rpycdl status --registry HOST:PORT`.
+Stop everything, the monitor too, with scripts/stop_servers.sh; check with
+`rpycdl status --registry HOST:PORT`.
 USAGE
 }
 
@@ -64,6 +74,7 @@ GPUS=all
 LOCK_DIR=/tmp/rpycdl-locks
 RUN_AS=""
 SHM_SIZE=8g
+MONITOR_PORT=18870
 ULIMITS=(--ulimit memlock=-1 --ulimit stack=67108864)
 DRY_RUN=0
 SPECS=()
@@ -80,6 +91,7 @@ while [ $# -gt 0 ]; do
         --lock-dir) LOCK_DIR=$2; shift 2 ;;
         --user) RUN_AS=$2; shift 2 ;;
         --shm-size) SHM_SIZE=$2; shift 2 ;;
+        --monitor-port) MONITOR_PORT=$2; shift 2 ;;
         --no-ulimits) ULIMITS=(); shift ;;
         --dry-run) DRY_RUN=1; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -90,6 +102,10 @@ done
 [ ${#SPECS[@]} -gt 0 ] || { usage >&2; exit 2; }
 [[ $REGISTRY =~ ^[A-Za-z0-9.-]+:[0-9]+$ ]] || { echo "--registry must be HOST:PORT" >&2; exit 2; }
 [[ $PORT =~ ^[0-9]+$ ]] || { echo "--port must be a number" >&2; exit 2; }
+if ! [[ $MONITOR_PORT =~ ^[0-9]{1,5}$ && $MONITOR_PORT -le 65535 ]]; then
+    echo "--monitor-port must be a TCP port, or 0 for no monitor" >&2
+    exit 2
+fi
 [[ $GPUS == all || $GPUS =~ ^fake:[0-9]+(x[0-9A-Za-z.]+)?$ ]] || { echo "--gpus must be all or fake:N" >&2; exit 2; }
 [[ $LOCK_DIR == /* ]] || { echo "--lock-dir must be an absolute path" >&2; exit 2; }
 credential_options=()
@@ -106,6 +122,14 @@ done
 if [[ ${#CREDENTIALS[@]} == 0 && $INSECURE == 0 && $HOST != 127.* && $HOST != localhost && $HOST != ::1 ]]; then
     echo "servers on $HOST need authentication: --tls-cert/--tls-key/--tls-ca or --secret-file (or --insecure)" >&2
     exit 2
+fi
+loopback=0
+[[ $HOST != 127.* && $HOST != localhost && $HOST != ::1 ]] || loopback=1
+MONITOR_HOST=127.0.0.1  # the monitor has no authentication, and its metrics name users and jobs
+[[ $INSECURE == 0 || $loopback == 1 ]] || MONITOR_HOST=$HOST
+if [[ $MONITOR_PORT != 0 && $INSECURE == 0 && $loopback == 0 ]]; then
+    echo "the monitor listens on 127.0.0.1 only: it has no authentication, and its metrics name users and jobs" \
+         "(--insecure publishes it on $HOST too)" >&2
 fi
 
 # shellcheck source=common.sh
@@ -211,3 +235,40 @@ for spec in "${SPECS[@]}"; do
         launch "$name" "${common[@]}" "${options[@]}" "${image[@]}" || fail
     fi
 done
+
+# monitor_url HOST PORT: the address the monitor is published at.
+monitor_url() {
+    if [[ $1 == *:* ]]; then echo "http://[$1]:$2/metrics"; else echo "http://$1:$2/metrics"; fi
+}
+
+if [ "$MONITOR_PORT" != 0 ]; then
+    if keep rpycdl-monitor; then  # it keeps the address it was published at
+        read -r bound_host bound_port < <(docker container inspect --format \
+            '{{range $p, $b := .HostConfig.PortBindings}}{{range $b}}{{.HostIp}} {{.HostPort}}{{end}}{{end}}' \
+            rpycdl-monitor) || true
+        echo "monitor on $(monitor_url "${bound_host:-0.0.0.0}" "$bound_port")"
+    else
+        # `rpycdl monitor` listens on every address of its own network; the engine publishes it on MONITOR_HOST
+        # alone. It reads real GPUs through NVML only: the driver's utility capability mounts no CUDA library.
+        publish=$MONITOR_HOST
+        [[ $publish != *:* ]] || publish="[$publish]"
+        health="import urllib.request; urllib.request.urlopen('http://127.0.0.1:$MONITOR_PORT/healthz', timeout=5)"
+        monitor=(--label rpycdl.role=monitor --pid host -v "$LOCK_DIR:$LOCK_DIR"
+                 -p "$publish:$MONITOR_PORT:$MONITOR_PORT" --health-cmd "python3 -c \"$health\""
+                 --health-interval 10s --health-timeout 5s --health-retries 3 --health-start-period 10s)
+        [ -z "$RUN_AS" ] || monitor+=(--user "$RUN_AS")
+        inventory=$GPUS
+        if [ "$GPUS" = all ]; then
+            monitor+=(--gpus "all,capabilities=utility" -e NVIDIA_DRIVER_CAPABILITIES=utility)
+            inventory=nvml
+        fi
+        monitor_image="rpycdl-${first%%:*}:$( [[ $first == *:* ]] && echo "${first#*:}" || echo latest)"
+        if ! launch rpycdl-monitor --detach --pull never --restart unless-stopped "${monitor[@]}" \
+                --entrypoint rpycdl "$monitor_image" monitor --host 0.0.0.0 --insecure --port "$MONITOR_PORT" \
+                --lock-dir "$LOCK_DIR" --gpus "$inventory"; then
+            echo "cannot start the monitor: --monitor-port picks another port, 0 starts none" >>"$ERRORS"
+            fail
+        fi
+        echo "monitor on $(monitor_url "$MONITOR_HOST" "$MONITOR_PORT")"
+    fi
+fi

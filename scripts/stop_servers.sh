@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Stop and remove the rpycdl containers of this host: servers, the registry, then job containers.
+# Stop and remove the rpycdl containers of this host: servers, the monitor, the registry, then job containers.
 set -euo pipefail
 
 usage() {
     cat <<'USAGE'
 Usage: scripts/stop_servers.sh [--timeout SECONDS] [--dry-run]
 
-Stop the server containers (SIGTERM, then SIGKILL after --timeout, default 10 s) and the
-registry that scripts/start_servers.sh or `rpycdl up` started, then remove any job container
-the generic server left. Containers are found by their rpycdl.role label.
+Stop the server containers (SIGTERM, then SIGKILL after --timeout, default 10 s), the monitor
+and the registry that scripts/start_servers.sh or `rpycdl up` started, then remove any job
+container the generic server left. Containers are found by their rpycdl.role label.
 USAGE
 }
 
@@ -26,7 +26,7 @@ done
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 
-for role in server registry job; do
+for role in server monitor registry job; do
     mapfile -t ids < <(docker ps -aq --filter "label=rpycdl.role=$role")
     [ ${#ids[@]} -gt 0 ] || continue
     [ "$role" = job ] || run docker stop -t "$TIMEOUT" "${ids[@]}"

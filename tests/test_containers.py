@@ -1,5 +1,5 @@
 """Framework containers against a real Docker engine: images, versions, shared locks, starting and stopping
-them (rpycdl up/down, scripts/start_servers.sh), job containers.
+them and the host's monitor (rpycdl up/down, scripts/start_servers.sh), job containers.
 
 The images come from .ci/docker.sh (a debootstrapped base without any framework, so the
 versions are announced from the build argument). Without an engine or the images these
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from helpers import running, wait_until
 import rpycdl
 from rpycdl import JobState, registry
 from rpycdl.errors import ContainerError
-from rpycdl.site.up import UpConfig, down, up
+from rpycdl.site.up import UpConfig, _monitor_options, down, monitor_url, up
 
 pytestmark = pytest.mark.docker
 
@@ -105,11 +107,13 @@ def _wait(condition: Callable[[], Any], what: str, timeout: float = READY) -> An
 @pytest.fixture
 def containers_up(engine: Any, shared_locks: str) -> Iterator[Callable[..., str]]:
     """up(*specs): `rpycdl.site.up.up` with a registry container on a free port, fake:4, the
-    shared lock directory; waits until every server registered; returns the registry address."""
+    shared lock directory, no monitor unless monitor_port=; waits until every server registered; returns
+    the registry address."""
     started: list[Any] = []
 
     def start(*specs: str, **options: Any) -> str:
         address = f"127.0.0.1:{_free_udp_port()}"
+        options.setdefault("monitor_port", 0)
         config = UpConfig(specs=list(specs), registry=address, port=0, inventory="fake:4", lock_dir=shared_locks,
                           shm_size="256m", ulimits=[], **options)  # no refused start: the fallback has its test
         started.extend(up(config, engine))
@@ -248,6 +252,131 @@ def test_start_script_dry_run_prints_the_docker_commands() -> None:
     assert "--gpus all" not in out  # simulated: no GPU access asked of the engine
     generic = next(line for line in lines if "rpycdl-deeplearning:latest" in line)
     assert ":/var/run/docker.sock" in generic and "--pid host" in generic
+    monitor = next(line for line in lines if "--name rpycdl-monitor " in line)
+    for option in ("--label rpycdl.role=monitor", "--pid host", "-v /tmp/x-locks:/tmp/x-locks", "--pull never",
+                   "--restart unless-stopped", "-p 127.0.0.1:18870:18870", "--health-cmd python3",
+                   "http://127.0.0.1:18870/healthz", "--entrypoint rpycdl rpycdl-pytorch:2.5 monitor --host 0.0.0.0 "
+                   "--insecure --port 18870 --lock-dir /tmp/x-locks --gpus fake:4"):
+        assert option in monitor, option
+    for option in ("--network host", "--gpus all", "--ulimit", "NVIDIA"):  # its own network; no GPU access asked
+        assert option not in monitor, option
+    assert lines.index(monitor) > lines.index(generic) and lines[-1] == "monitor on http://127.0.0.1:18870/metrics"
+
+
+def test_start_script_dry_run_of_the_monitor_on_gpus_another_port_or_none() -> None:
+    """Real GPUs: the monitor gets NVML alone (the driver's utility capability), never counted as a CUDA user;
+    --monitor-port moves it, 0 starts none; --insecure publishes it on --host."""
+    def dry_run(*args: str) -> list[str]:
+        return subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--lock-dir",
+                               "/tmp/x-locks", *args, "pytorch"], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+
+    lines = dry_run("--monitor-port", "19999")
+    monitor = next(line for line in lines if "--name rpycdl-monitor " in line)
+    for option in (r"--gpus all\,capabilities=utility", "-e NVIDIA_DRIVER_CAPABILITIES=utility",
+                   "-p 127.0.0.1:19999:19999", "--port 19999 --lock-dir /tmp/x-locks --gpus nvml"):
+        assert option in monitor, option
+    assert lines[-1] == "monitor on http://127.0.0.1:19999/metrics"
+    assert not [line for line in dry_run("--monitor-port", "0") if "monitor" in line]
+    lines = dry_run("--host", "10.0.0.5", "--insecure", "--gpus", "fake:1")
+    assert "-p 10.0.0.5:18870:18870" in next(line for line in lines if "--name rpycdl-monitor " in line)
+    assert lines[-1] == "monitor on http://10.0.0.5:18870/metrics"
+    refused = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--monitor-port", "70000",
+                              "pytorch"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--monitor-port must be a TCP port" in refused.stderr
+
+
+def test_the_monitor_containers_options(tmp_path: Path) -> None:
+    """rpycdl up's monitor, as the engine is asked for it: NVML only on real GPUs, loopback unless --insecure."""
+    gpus = _monitor_options(UpConfig(specs=["pytorch"], lock_dir="/srv/locks", user="1001"), "token")
+    assert gpus["command"] == ["monitor", "--host", "0.0.0.0", "--insecure", "--port", "18870", "--lock-dir",
+                               "/srv/locks", "--gpus", "nvml"]
+    (request,) = gpus["device_requests"]
+    assert request["Count"] == -1 and request["Capabilities"] == [["gpu", "utility"]]
+    assert gpus["environment"] == {"NVIDIA_DRIVER_CAPABILITIES": "utility"}  # NVML, no CUDA library mounted
+    assert gpus["ports"] == {"18870/tcp": ("127.0.0.1", 18870)} and gpus["pid_mode"] == "host"
+    assert gpus["volumes"] == {"/srv/locks": {"bind": "/srv/locks", "mode": "rw"}} and gpus["user"] == "1001"
+    assert gpus["labels"]["rpycdl.role"] == "monitor" and "network_mode" not in gpus
+    assert gpus["healthcheck"]["test"][:2] == ["CMD", "python3"] and "/healthz" in gpus["healthcheck"]["test"][-1]
+    fake = _monitor_options(UpConfig(specs=["jax"], inventory="fake:2", monitor_port=19000), "token")
+    assert fake["command"][-2:] == ["--gpus", "fake:2"] and "device_requests" not in fake and "environment" not in fake
+    assert fake["ports"] == {"19000/tcp": ("127.0.0.1", 19000)}
+    public = _monitor_options(UpConfig(specs=["jax"], host="10.0.0.5", insecure=True), "token")
+    assert public["ports"] == {"18870/tcp": ("10.0.0.5", 18870)}
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    authenticated = UpConfig(specs=["jax"], host="10.0.0.5", secret_file=str(secret))
+    assert _monitor_options(authenticated, "token")["ports"] == {"18870/tcp": ("127.0.0.1", 18870)}
+    with pytest.raises(rpycdl.InvalidRequestError, match="--monitor-port"):
+        up(UpConfig(specs=["jax"], monitor_port=70000), client=object())  # type: ignore[arg-type]
+
+
+# -- the host's monitor beside the servers ----------------------------------------------------------
+
+
+def _fetch(port: int, path: str) -> str | None:
+    """The body of http://127.0.0.1:PORT/PATH; None while nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+def _samples(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(name + "{")]
+
+
+def test_rpycdl_up_starts_the_hosts_monitor_which_shows_the_gpus_and_a_jobs_grant(cleaned: Any,
+                                                                                   shared_locks: str) -> None:
+    port = _free_tcp_port()
+    address = f"127.0.0.1:{_free_udp_port()}"
+    args = ["up", "--registry", address, "--port", "0", "--gpus", "fake:3", "--lock-dir", shared_locks,
+            "--shm-size", "64m", "--no-ulimits", "--monitor-port", str(port), "jax"]
+    started = _rpycdl(*args)
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.splitlines()[-1] == f"monitor on http://127.0.0.1:{port}/metrics", started.stdout
+    monitor = cleaned.containers.get("rpycdl-monitor")
+    host = monitor.attrs["HostConfig"]
+    assert monitor.labels["rpycdl.role"] == "monitor" and host["PidMode"] == "host"
+    assert host["PortBindings"] == {f"{port}/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(port)}]}
+    assert f"{shared_locks}:{shared_locks}:rw" in host["Binds"] and not host.get("DeviceRequests")
+    assert monitor.attrs["Config"]["Image"] == "rpycdl-jax:latest"
+    assert _wait(lambda: _fetch(port, "/healthz"), "the monitor to answer") == "ok\n"
+    health = monitor.attrs["Config"]["Healthcheck"]["Test"]
+    assert health[0] == "CMD" and monitor.exec_run(health[1:]).exit_code == 0  # the engine's check passes
+    gpus = _samples(_fetch(port, "/metrics") or "", "rpycdl_gpu_info")
+    assert len(gpus) == 3 and all('model="Simulated GPU"' in gpu for gpu in gpus), gpus
+
+    _wait(lambda: _registered("JAX", address), "JAX to register")
+    done = threading.Event()
+    results: list[Any] = []
+
+    def job() -> None:
+        with rpycdl.connect("jax", registry_address=address) as conn:
+            results.append(conn.root.run_code(lambda _: __import__("time").sleep(3) or 7, None, ngpus=2))
+        done.set()
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    try:
+        holders = _wait(lambda: _samples(_fetch(port, "/metrics") or "", "rpycdl_gpu_holder_info"), "the grant")
+        assert len(holders) == 2 and all('kind="whole"' in holder for holder in holders), holders
+        assert len({holder.split('job="')[1].split('"')[0] for holder in holders}) == 1  # one job, two GPUs
+    finally:
+        thread.join(30)
+    assert results == [7]
+    after = _wait(lambda: 'rpycdl_jobs{state="SUCCEEDED"} 1.0' in (text := _fetch(port, "/metrics") or "") and text,
+                  "the job's end in the ledger")
+    assert not _samples(after, "rpycdl_gpu_holder_info")
+
+    again = _rpycdl(*args)  # starting again leaves the one monitor as it is
+    assert again.returncode == 0 and "rpycdl-monitor runs already" in again.stderr, again.stderr
+    assert [c.id for c in cleaned.containers.list(filters={"label": "rpycdl.role=monitor"})] == [monitor.id]
+    removed = _rpycdl("down", "--timeout", "2")
+    assert removed.returncode == 0 and "removed rpycdl-monitor" in removed.stdout, removed.stdout
+    assert not cleaned.containers.list(all=True, filters={"label": "rpycdl.role"})
+    assert _fetch(port, "/healthz") is None
 
 
 def test_start_script_dry_run_prints_a_docker_hosts_commands_with_or_without_an_engine_here(tmp_path: Path) -> None:
@@ -319,9 +448,9 @@ def test_up_runs_the_servers_with_the_engines_ulimits_when_it_refuses_them(clean
     notes: list[str] = []
     address = f"127.0.0.1:{_free_udp_port()}"
     config = UpConfig(specs=["jax", "pytorch:2.5"], registry=address, port=0, inventory="fake:2", lock_dir=shared_locks,
-                      shm_size="64m")  # the default ulimits
+                      shm_size="64m", monitor_port=_free_tcp_port())  # the default ulimits
     started = up(config, RefusingEngine(_refuses_ulimits), say=notes.append)
-    assert [c.name for c in started] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5"]
+    assert [c.name for c in started] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5", "rpycdl-monitor"]
     (note,) = notes  # said once, for every server
     assert "refused the ulimits" in note and "(error setting rlimit type 8: operation not permitted)" in note
     assert "--no-ulimits" in note
@@ -337,20 +466,23 @@ def test_up_runs_the_servers_with_the_engines_ulimits_when_it_refuses_them(clean
 def test_up_twice_leaves_the_same_containers_and_replaces_stale_ones(cleaned: Any, shared_locks: str) -> None:
     address = f"127.0.0.1:{_free_udp_port()}"
     config = UpConfig(specs=["jax"], registry=address, port=0, inventory="fake:2", lock_dir=shared_locks,
-                      shm_size="64m", ulimits=[])
+                      shm_size="64m", ulimits=[], monitor_port=_free_tcp_port())
     up(config, cleaned)
     before = _rpycdl_containers(cleaned)
     notes: list[str] = []
     assert up(config, cleaned, say=notes.append) == []
-    assert _rpycdl_containers(cleaned) == before
-    assert [note.split(" (")[0] for note in notes] == ["rpycdl-registry runs already", "rpycdl-jax runs already"]
+    assert _rpycdl_containers(cleaned) == before  # one monitor still
+    assert [note.split(" (")[0] for note in notes] == ["rpycdl-registry runs already", "rpycdl-jax runs already",
+                                                       "rpycdl-monitor runs already"]
 
     cleaned.containers.get("rpycdl-jax").stop(timeout=2)  # exited
+    cleaned.containers.get("rpycdl-monitor").stop(timeout=2)
     cleaned.containers.create(BASE, ["true"], name="rpycdl-tensorflow", labels={"rpycdl.role": "server"})  # created
     started = up(UpConfig(**{**config.__dict__, "specs": ["jax", "tensorflow"]}), cleaned, say=notes.append)
-    assert [c.name for c in started] == ["rpycdl-jax", "rpycdl-tensorflow"]
+    assert [c.name for c in started] == ["rpycdl-jax", "rpycdl-tensorflow", "rpycdl-monitor"]
     after = _rpycdl_containers(cleaned)
     assert after["rpycdl-registry"] == before["rpycdl-registry"] and after["rpycdl-jax"][0] != before["rpycdl-jax"][0]
+    assert after["rpycdl-monitor"][0] != before["rpycdl-monitor"][0]
     assert all(status == "running" for _, status in after.values()), after
 
     # a server shares the host's pids: it sees the processes of every job of the host, this one too
@@ -361,28 +493,43 @@ def test_up_twice_leaves_the_same_containers_and_replaces_stale_ones(cleaned: An
 
 def test_up_removes_what_it_created_when_a_start_fails(cleaned: Any, shared_locks: str) -> None:
     config = UpConfig(specs=["jax", "pytorch:2.5"], registry=f"127.0.0.1:{_free_udp_port()}", port=0,
-                      inventory="fake:2", lock_dir=shared_locks, shm_size="64m", ulimits=[])
+                      inventory="fake:2", lock_dir=shared_locks, shm_size="64m", ulimits=[],
+                      monitor_port=_free_tcp_port())
     refusing = RefusingEngine(lambda attrs: "no room" if attrs["Name"] == "/rpycdl-pytorch-2.5" else None)
     with pytest.raises(rpycdl.RpycdlError, match="cannot start the containers: no room"):
         up(config, refusing)
     assert _rpycdl_containers(cleaned) == {}  # nothing started or created is left: a retry meets no name
-    assert [c.name for c in up(config, cleaned)] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5"]
+    refusing = RefusingEngine(lambda attrs: "port is already allocated" if attrs["Name"] == "/rpycdl-monitor" else None)
+    with pytest.raises(rpycdl.RpycdlError, match=r"monitor: port is already allocated \(--monitor-port picks"):
+        up(config, refusing)
+    assert _rpycdl_containers(cleaned) == {}  # the servers it started are gone again
+    assert [c.name for c in up(config, cleaned)] == ["rpycdl-registry", "rpycdl-jax", "rpycdl-pytorch-2.5",
+                                                     "rpycdl-monitor"]
     with pytest.raises(rpycdl.RpycdlError, match="no image rpycdl-nosuch:latest on this engine: build it"):
         up(UpConfig(**{**config.__dict__, "specs": ["nosuch"], "start_registry": False}), cleaned)
 
 
 def test_rpycdl_up_twice_and_down(cleaned: Any, shared_locks: str) -> None:
+    monitor = _free_tcp_port()
     args = ["up", "--registry", f"127.0.0.1:{_free_udp_port()}", "--port", "0", "--gpus", "fake:2",
-            "--lock-dir", shared_locks, "--shm-size", "64m", "jax"]
+            "--lock-dir", shared_locks, "--shm-size", "64m", "--monitor-port", str(monitor), "jax"]
     first = _rpycdl(*args)
     assert first.returncode == 0 and "started rpycdl-jax" in first.stdout, first.stderr
+    assert "started rpycdl-monitor" in first.stdout
+    assert first.stdout.endswith(f"monitor on http://127.0.0.1:{monitor}/metrics\n"), first.stdout
     assert all(line.startswith("rpycdl up: ") for line in first.stderr.splitlines()), first.stderr  # a fallback
     again = _rpycdl(*args)
-    assert again.returncode == 0 and again.stdout == "", again.stdout
+    assert again.returncode == 0 and again.stdout == f"monitor on http://127.0.0.1:{monitor}/metrics\n", again.stdout
     assert "rpycdl up: rpycdl-jax runs already" in again.stderr
+    assert "rpycdl up: rpycdl-monitor runs already" in again.stderr
+    other = _rpycdl(*args[:-3], "--monitor-port", "0", "jax")  # a monitor left running is said with its own address
+    assert other.returncode == 0 and other.stdout == f"monitor on http://127.0.0.1:{monitor}/metrics\n", other.stdout
+    assert [c.name for c in cleaned.containers.list(filters={"label": "rpycdl.role=monitor"})] == ["rpycdl-monitor"]
     removed = _rpycdl("down", "--timeout", "2")
     assert removed.returncode == 0 and "removed rpycdl-jax" in removed.stdout
+    assert "removed rpycdl-monitor" in removed.stdout
     assert _rpycdl_containers(cleaned) == {}
+    assert monitor_url(cleaned) is None
 
 
 def _rpycdl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -419,8 +566,10 @@ def test_start_script_falls_back_starts_again_harmlessly_and_cleans_up(cleaned: 
     wrapper.write_text(REFUSING_DOCKER.replace("REAL", real).replace("ENGINE_REFUSAL", ENGINE_REFUSAL))
     wrapper.chmod(0o755)
     env = {**os.environ, "PATH": f"{wrapper.parent}:{os.environ['PATH']}"}
+    monitor = _free_tcp_port()
     script = ["bash", str(REPO / "scripts/start_servers.sh"), "--registry", f"127.0.0.1:{_free_udp_port()}",
-              "--port", str(_free_tcp_port()), "--gpus", "fake:2", "--lock-dir", shared_locks, "--shm-size", "64m"]
+              "--port", str(_free_tcp_port()), "--gpus", "fake:2", "--lock-dir", shared_locks, "--shm-size", "64m",
+              "--monitor-port", str(monitor)]
 
     def start(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*script, *args], capture_output=True, text=True, timeout=120, env={**env, **extra})
@@ -433,23 +582,41 @@ def test_start_script_falls_back_starts_again_harmlessly_and_cleans_up(cleaned: 
     jax = cleaned.containers.get("rpycdl-jax")
     assert jax.status == "running" and not jax.attrs["HostConfig"]["Ulimits"]
     assert jax.attrs["HostConfig"]["PidMode"] == "host"
+    address = f"monitor on http://127.0.0.1:{monitor}/metrics"
+    assert first.stdout.splitlines()[-1] == address, first.stdout
+    watcher = cleaned.containers.get("rpycdl-monitor")
+    assert watcher.status == "running" and watcher.attrs["HostConfig"]["PidMode"] == "host"
+    _wait(lambda: _fetch(monitor, "/healthz") == "ok\n", "the monitor to answer")
 
     again = start("--no-registry", "jax")
     assert again.returncode == 0 and "rpycdl-jax runs already" in again.stderr, again.stderr
+    assert "rpycdl-monitor runs already" in again.stderr and again.stdout.splitlines()[-1] == address, again.stdout
     assert cleaned.containers.get("rpycdl-jax").id == jax.id
+    assert cleaned.containers.get("rpycdl-monitor").id == watcher.id
 
     jax.stop(timeout=2)
+    watcher.stop(timeout=2)
     stale = start("--no-registry", "jax")
     assert stale.returncode == 0 and "replacing the stale rpycdl-jax (exited)" in stale.stderr, stale.stderr
+    assert "replacing the stale rpycdl-monitor (exited)" in stale.stderr
     replaced = cleaned.containers.get("rpycdl-jax")
     assert replaced.id != jax.id and replaced.status == "running"
+    assert cleaned.containers.get("rpycdl-monitor").id != watcher.id
 
-    replaced.remove(force=True)
+    down(cleaned, timeout=2)
     failed = start("jax", REFUSE_NAME="rpycdl-jax")  # the registry starts, then the server cannot
     assert failed.returncode == 1 and "no room" in failed.stderr, failed.stderr
     assert "removing the containers this run started: rpycdl-registry" in failed.stderr
     assert _rpycdl_containers(cleaned) == {}  # nothing left: a retry meets no name
-    assert start("jax").returncode == 0 and set(_rpycdl_containers(cleaned)) == {"rpycdl-registry", "rpycdl-jax"}
+    failed = start("jax", REFUSE_NAME="rpycdl-monitor")  # the registry and the server start, then the monitor cannot
+    assert failed.returncode == 1 and "no room" in failed.stderr and "cannot start the monitor" in failed.stderr
+    assert "removing the containers this run started: rpycdl-registry rpycdl-jax" in failed.stderr
+    assert _rpycdl_containers(cleaned) == {}
+    assert start("jax").returncode == 0
+    assert set(_rpycdl_containers(cleaned)) == {"rpycdl-registry", "rpycdl-jax", "rpycdl-monitor"}
+    stopped = subprocess.run(["bash", str(REPO / "scripts/stop_servers.sh"), "--timeout", "2"], capture_output=True,
+                             text=True, timeout=60)
+    assert stopped.returncode == 0 and _rpycdl_containers(cleaned) == {}, stopped.stderr
 
 
 # -- jobs in their own container (the generic server, here on the host) --------------------

@@ -8,7 +8,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rpycdl.defaults import CA_DAYS, CONFIG_FILE, LOCK_DIR, REGISTRY_PORT, SERVER_CERT_DAYS, SERVER_PORT, USER_CERT_DAYS
+from rpycdl.defaults import (
+    CA_DAYS,
+    CONFIG_FILE,
+    LOCK_DIR,
+    MONITOR_PORT,
+    REGISTRY_PORT,
+    SERVER_CERT_DAYS,
+    SERVER_PORT,
+    USER_CERT_DAYS,
+)
 from rpycdl.errors import require_extra
 
 Command = Callable[..., argparse.ArgumentParser]
@@ -90,13 +99,15 @@ PID_HOST = ("Every server container shares the host's process namespace (--pid h
 
 
 def _container_commands(command: Command) -> None:
-    up = command("up", "start the registry and server containers (see scripts/start_servers.sh)",
+    up = command("up", "start the registry, server and monitor containers (see scripts/start_servers.sh)",
                  "Start a registry container and one server container per SERVICE[:VERSION] on this host's Docker "
                  "engine, from the images scripts/build_images.sh builds, on the host network, all sharing the "
-                 "lock directory. Starting again is harmless: a container that runs already is left as it is, a "
-                 "stale one (created, exited) is replaced. If the engine refuses the ulimits (rootless or "
-                 "sandboxed engines), the servers run with the engine's own, and a line says so. If a container "
-                 "cannot start, those this command created are removed again. " + PID_HOST)
+                 "lock directory, and the host's monitor (rpycdl monitor, from the first server's image), "
+                 "published on 127.0.0.1:--monitor-port; its address is printed. Starting again is harmless: a "
+                 "container that runs already is left as it is, a stale one (created, exited) is replaced. If the "
+                 "engine refuses the ulimits (rootless or sandboxed engines), the servers run with the engine's own, "
+                 "and a line says so. If a container cannot start, those this command created are removed again. "
+                 + PID_HOST)
     up.add_argument("specs", nargs="+", metavar="SERVICE[:VERSION]",
                     help="a server per spec, from image rpycdl-SERVICE:VERSION (default tag: latest)")
     up.add_argument("--registry", default=f"127.0.0.1:{REGISTRY_PORT}", metavar="HOST:PORT",
@@ -104,7 +115,9 @@ def _container_commands(command: Command) -> None:
     up.add_argument("--no-registry", action="store_true", help="do not start a registry container: use --registry's")
     up.add_argument("--host", default="127.0.0.1",
                     help="address servers listen on, handed to clients by the registry (default: %(default)s)")
-    up.add_argument("--insecure", action="store_true", help="let servers listen on a non-loopback address")
+    up.add_argument("--insecure", action="store_true",
+                    help="let servers listen on a non-loopback address, and publish the monitor (which has no "
+                         "authentication) on --host instead of 127.0.0.1")
     up.add_argument("--port", type=int, default=SERVER_PORT, help="first server port (default: %(default)s)")
     up.add_argument("--gpus", default="all", help="'all' (NVIDIA runtime) or fake:N (default: %(default)s)")
     up.add_argument("--lock-dir", default=LOCK_DIR, help="host lock directory (default: %(default)s)")
@@ -114,29 +127,36 @@ def _container_commands(command: Command) -> None:
     for name, what in (("cert", "the servers' TLS certificate"), ("key", "its key"),
                        ("ca", "the CA whose client certificates the servers accept")):
         up.add_argument(f"--tls-{name}", default=None, metavar="PATH", help=f"{what} (mounted read-only)")
+    up.add_argument("--monitor-port", type=int, default=MONITOR_PORT, metavar="PORT",
+                    help="host port of the monitor container, 0 to start none (default: %(default)s)")
     up.add_argument("--shm-size", default="8g", help="shared memory per server (default: %(default)s)")
     up.add_argument("--no-ulimits", action="store_true",
                     help="keep the engine's ulimits instead of asking for memlock=-1, stack=64 MiB (an engine that "
                          "refuses them gets its own anyway)")
-    down = command("down", "stop and remove every rpycdl container (servers, registry, jobs)",
-                   "Stop the server containers (SIGTERM, then SIGKILL after --timeout) and the registry that "
-                   "rpycdl up or scripts/start_servers.sh started, then remove them and any job container the "
+    down = command("down", "stop and remove every rpycdl container (servers, monitor, registry, jobs)",
+                   "Stop the server containers (SIGTERM, then SIGKILL after --timeout), the monitor and the registry "
+                   "that rpycdl up or scripts/start_servers.sh started, then remove them and any job container the "
                    "generic server left. Containers are found by their rpycdl.role label.")
     down.add_argument("--timeout", type=int, default=10, help="seconds to wait for a clean stop (default: %(default)s)")
 
 
 def _up(args: argparse.Namespace) -> int:
     require_extra("site", "docker")
-    from rpycdl.site.up import UpConfig, up
+    from rpycdl.site.docker import docker_client
+    from rpycdl.site.up import UpConfig, monitor_url, up
 
     config = UpConfig(specs=args.specs, registry=args.registry, start_registry=not args.no_registry, host=args.host,
                       insecure=args.insecure, port=args.port, inventory=args.gpus, lock_dir=args.lock_dir,
                       user=args.user, secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                      tls_ca=args.tls_ca, shm_size=args.shm_size)
+                      tls_ca=args.tls_ca, shm_size=args.shm_size, monitor_port=args.monitor_port)
     if args.no_ulimits:
         config.ulimits = []
-    for container in up(config, say=lambda line: print(f"rpycdl up: {line}", file=sys.stderr)):
+    client = docker_client()
+    for container in up(config, client, say=lambda line: print(f"rpycdl up: {line}", file=sys.stderr)):
         print(f"started {container.name} ({container.short_id})")
+    url = monitor_url(client, config.image_prefix)  # the one that runs: a monitor left running keeps its address
+    if url:
+        print(f"monitor on {url}")
     return 0
 
 

@@ -1,9 +1,11 @@
-"""The site's service containers: `rpycdl up` starts the registry and one server container per
-framework service (scripts/start_servers.sh is its shell twin), `rpycdl down` removes them all."""
+"""The site's service containers: `rpycdl up` starts the registry, one server container per
+framework service and the host's monitor (scripts/start_servers.sh is its shell twin), `rpycdl down`
+removes them all."""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import re
@@ -17,7 +19,7 @@ import docker.errors
 from docker.models.containers import Container
 from docker.types import DeviceRequest, Mount, Ulimit
 
-from rpycdl.defaults import LOCK_DIR, REGISTRY_PORT, SERVER_PORT
+from rpycdl.defaults import LOCK_DIR, MONITOR_PORT, REGISTRY_PORT, SERVER_PORT
 from rpycdl.errors import InvalidRequestError, RpycdlError
 from rpycdl.registry import parse_address
 from rpycdl.security.auth import is_loopback
@@ -50,6 +52,9 @@ class UpConfig:
             they must be readable by the servers' user (uid 1000 unless `user`).
         shm_size: shared memory for data loaders.
         image_prefix: images are IMAGE_PREFIX-SERVICE:TAG.
+        monitor_port: host port of the monitor container (`rpycdl monitor`, from the first server's
+            image), published on 127.0.0.1, or on `host` when `insecure` makes that non-loopback;
+            0 starts none.
     """
 
     specs: list[str]
@@ -67,6 +72,7 @@ class UpConfig:
     tls_ca: str | None = None
     shm_size: str = "8g"
     image_prefix: str = "rpycdl"
+    monitor_port: int = MONITOR_PORT
     ulimits: list[Ulimit] = field(default_factory=lambda: [
         Ulimit(name="memlock", soft=-1, hard=-1), Ulimit(name="stack", soft=67108864, hard=67108864)])
 
@@ -106,7 +112,8 @@ def engine_socket() -> str:
 
 def up(config: UpConfig, client: docker.DockerClient | None = None,
        say: Callable[[str], None] | None = None) -> list[Container]:
-    """Start the registry (if asked) and one server container per spec, on the host network.
+    """Start the registry (if asked) and one server container per spec, on the host network, then the
+    host's monitor (unless config.monitor_port is 0): see _monitor_options.
 
     Starting twice is harmless: a container of the same name that runs already is left as it is
     (and said), a stale one (created, exited) is replaced. If the engine refuses the ulimits
@@ -134,6 +141,8 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
         raise InvalidRequestError("name at least one server: SERVICE[:VERSION]")
     if config.inventory != "all" and not config.inventory.startswith("fake:"):
         raise InvalidRequestError(f"--gpus must be 'all' or fake:N, not {config.inventory!r}")
+    if not 0 <= config.monitor_port <= 65535:
+        raise InvalidRequestError(f"--monitor-port must be a TCP port, or 0 for no monitor, not {config.monitor_port}")
     reg_host, reg_port = parse_address(config.registry)
     credentials, credential_args = _credentials(config)
     prepare_lock_dir(config.lock_dir)
@@ -141,10 +150,13 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
     token = uuid.uuid4().hex[:12]
     started: list[Container | None] = []
     ulimits = list(config.ulimits)
+    first_image = f"{config.image_prefix}-{servers[0][0]}:{servers[0][1] or 'latest'}"  # every image has rpycdl[all]
+    if config.monitor_port and not config.insecure and not is_loopback(config.host):
+        say(f"the monitor listens on 127.0.0.1 only: it has no authentication, and its metrics name users and jobs "
+            f"(--insecure publishes it on {config.host} too)")
     try:
         if config.start_registry:
-            image = f"{config.image_prefix}-{servers[0][0]}:{servers[0][1] or 'latest'}"
-            started.append(_start(client, f"{config.image_prefix}-registry", image, say,
+            started.append(_start(client, f"{config.image_prefix}-registry", first_image, say,
                                   command=["registry", "--host", reg_host, "--port", str(reg_port)],
                                   entrypoint=["rpycdl"], labels={LABEL_ROLE: "registry", LABEL_UP: token}, **common))
         for offset, (service, version) in enumerate(servers):
@@ -156,6 +168,9 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
             container, ulimits = _start_server(client, name, f"{config.image_prefix}-{service}:{version or 'latest'}",
                                                say, ulimits=ulimits, options=options)
             started.append(container)
+        if config.monitor_port:
+            started.append(_start_monitor(client, f"{config.image_prefix}-monitor", first_image, say,
+                                          _monitor_options(config, token)))
     except BaseException as exc:  # remove what this call created, started or not
         for container in listed(client, f"{LABEL_UP}={token}"):
             remove(container)
@@ -177,6 +192,80 @@ def _start_server(client: docker.DockerClient, name: str, image: str, say: Calla
         say(f"the engine refused the ulimits memlock=-1, stack=64 MiB ({_engine_words(exc)}): the servers run "
             "with the engine's own instead (--no-ulimits skips asking)")
     return _start(client, name, image, say, ulimits=[], **options), []
+
+
+MONITOR_HEALTH_INTERVAL = 10.0
+"""Seconds between the engine's health checks of the monitor container (`docker ps` shows healthy or unhealthy)."""
+
+
+def monitor_health_command(port: int) -> str:
+    """The monitor container's health check: Python's own HTTP client fetching /healthz (images need not
+    have curl; every rpycdl image has python3). Any failure, a status that is not 2xx included, exits 1."""
+    return f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/healthz', timeout=5)"
+
+
+def monitor_host(config: UpConfig) -> str:
+    """The host address the monitor is published on: 127.0.0.1, unless --insecure makes --host non-loopback
+    (the monitor has no authentication, and its metrics name users and jobs)."""
+    return config.host if config.insecure and not is_loopback(config.host) else "127.0.0.1"
+
+
+def _monitor_options(config: UpConfig, token: str) -> dict[str, Any]:
+    """The docker SDK options of the monitor container, but its name.
+
+    `rpycdl monitor` listens on every address of the container's own network and the engine publishes
+    its port on monitor_host(config) only. It mounts the lock directory at the same path and shares the
+    host's pids (the lock directory's holder records carry them, and NVML reports them). On real GPUs
+    it gets NVML only: a device request for every GPU with the `utility` driver capability alone, and
+    NVIDIA_DRIVER_CAPABILITIES=utility, so no CUDA library is even mounted: it never holds a context.
+    """
+    port = config.monitor_port
+    options: dict[str, Any] = {
+        "entrypoint": ["rpycdl"],
+        "command": ["monitor", "--host", "0.0.0.0", "--insecure", "--port", str(port), "--lock-dir", config.lock_dir,
+                    "--gpus", "nvml" if config.inventory == "all" else config.inventory],
+        "labels": {LABEL_ROLE: "monitor", LABEL_UP: token}, "pid_mode": SERVER_PID_MODE,
+        "volumes": {config.lock_dir: {"bind": config.lock_dir, "mode": "rw"}},
+        "ports": {f"{port}/tcp": (monitor_host(config), port)},
+        "restart_policy": {"Name": "unless-stopped"},
+        "healthcheck": {"test": ["CMD", "python3", "-c", monitor_health_command(port)],
+                        "interval": int(MONITOR_HEALTH_INTERVAL * 1e9), "timeout": int(5e9), "retries": 3,
+                        "start_period": int(10e9)}}
+    if config.inventory == "all":
+        options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu", "utility"]])]
+        options["environment"] = {"NVIDIA_DRIVER_CAPABILITIES": "utility"}
+    if config.user:
+        options["user"] = config.user
+    return options
+
+
+def _start_monitor(client: docker.DockerClient, name: str, image: str, say: Callable[[str], None],
+                   options: dict[str, Any]) -> Container | None:
+    """Start the monitor container; an engine's refusal (its port taken, mostly) says what to do."""
+    try:
+        return _start(client, name, image, say, **options)
+    except docker.errors.APIError as exc:
+        raise RpycdlError(f"cannot start the monitor: {exc.explanation or exc} (--monitor-port picks another port, "
+                          "0 starts none)") from None
+
+
+def monitor_url(client: docker.DockerClient | None = None, prefix: str = "rpycdl") -> str | None:
+    """http://ADDR:PORT/metrics of the monitor container that runs on this engine, as published; None if none runs."""
+    client = client or docker_client()
+    try:
+        container = client.containers.get(f"{prefix}-monitor")
+    except docker.errors.NotFound:
+        return None
+    if container.status != "running":
+        return None
+    for bindings in (container.attrs["HostConfig"].get("PortBindings") or {}).values():
+        for binding in bindings or []:
+            address = binding.get("HostIp") or "0.0.0.0"
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(address).version == 6:
+                    address = f"[{address}]"
+            return f"http://{address}:{binding['HostPort']}/metrics"
+    return None
 
 
 SERVER_PID_MODE = "host"
@@ -271,10 +360,10 @@ def _server_name(prefix: str, service: str, version: str | None) -> str:
 
 
 def down(client: docker.DockerClient | None = None, timeout: int = STOP_TIMEOUT) -> list[str]:
-    """Stop and remove every rpycdl container of this engine: servers, registry, then jobs."""
+    """Stop and remove every rpycdl container of this engine: servers, the monitor, the registry, then jobs."""
     client = client or docker_client()
     removed = []
-    for role in ("server", "registry", "job"):
+    for role in ("server", "monitor", "registry", "job"):
         for container in listed(client, f"{LABEL_ROLE}={role}"):
             if role != "job":
                 with contextlib.suppress(docker.errors.NotFound):
