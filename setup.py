@@ -10,7 +10,8 @@ CLIENT = [
 """`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""
 
 SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535", "prometheus-client>=0.20", "starlette>=0.37", "uvicorn>=0.29"]
-"""`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML), `rpycdl monitor` (metrics over HTTP) and the demo."""
+"""`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML), `rpycdl monitor` (metrics and dashboard over HTTP) and the
+demo."""
 
 SITE = ["docker>=7.0", "cryptography>=41"]
 """`rpycdl[site]`: `rpycdl up`/`down`, job containers of the generic server, `rpycdl certs`."""
@@ -22,14 +23,14 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["rpycdl", "rpycdl.*"]),
-    package_data={"rpycdl": ["py.typed"]},
+    package_data={"rpycdl": ["py.typed"], "rpycdl.monitor": ["static/*"]},  # the monitor's dashboard
     python_requires=">=3.10",
     install_requires=CLIENT,
     extras_require={
         "server": SERVER,
         "site": SITE,
         "all": SERVER + SITE,
-        "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22"],
+        "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22", "selenium>=4"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

@@ -1,4 +1,4 @@
-"""`rpycdl monitor`: the host's metrics for Prometheus, over HTTP."""
+"""`rpycdl monitor`: the host's metrics for Prometheus and its dashboard, over HTTP."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ import socket
 import sys
 
 from rpycdl.cli.common import Command
-from rpycdl.defaults import ENV_GPUS, ENV_LOCK_DIR, LOCK_DIR, MONITOR_PORT, state_dir
+from rpycdl.defaults import ENV_GPUS, ENV_LOCK_DIR, ENV_SECRET_FILE, LOCK_DIR, MONITOR_PORT, state_dir
 from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 
 
 def add_commands(command: Command) -> None:
     monitor = command(
-        "monitor", "serve the host's metrics for Prometheus (/metrics) and a health check (/healthz)",
+        "monitor", "serve the host's metrics for Prometheus (/metrics), a dashboard (/) and a health check "
+        "(/healthz)",
         "Serve, over HTTP, what every server and container of this host shares: its GPUs (memory total, used\n"
         "and granted, utilisation, holders), the queue, and the jobs of the ledger (by state; queue wait and\n"
         "run time histograms). One per host. It reads only: it takes no lock a grant waits on, and never\n"
-        "touches CUDA. Scrape it with Prometheus: see the README's metrics table.",
+        "touches CUDA. Scrape it with Prometheus: see the README's metrics table. Open / in a browser for\n"
+        "the dashboard: the GPUs, the queue and the recent jobs, live; /jobs/ID for a job, and with\n"
+        "--secret-file a detached job's live log, for whoever gives the secret.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     monitor.add_argument("--host", default="127.0.0.1",
                          help="address to listen on (default: %(default)s); another needs --insecure")
@@ -29,31 +32,42 @@ def add_commands(command: Command) -> None:
     monitor.add_argument("--lock-dir", default=None,
                          help=f"the servers' lock directory (default: ${ENV_LOCK_DIR}, else {LOCK_DIR})")
     monitor.add_argument("--state-dir", default=None, help="the servers' state directory (default: as theirs)")
+    monitor.add_argument("--secret-file", default=None, metavar="PATH",
+                         help="the site's shared secret (as `rpycdl serve --secret-file`, mode 600): the dashboard "
+                              "shows detached jobs' logs to whoever gives it; default "
+                              f"${ENV_SECRET_FILE}, else no logs")
     monitor.add_argument("--insecure", action="store_true",
-                         help="listen on a non-loopback address: anyone who reaches it reads the metrics")
+                         help="listen on a non-loopback address: anyone who reaches it reads the metrics and the "
+                              "dashboard (and a secret given for logs crosses the network in clear)")
 
 
 def _monitor(args: argparse.Namespace) -> int:
     require_extra("server", "fasteners", "pynvml", "prometheus_client", "starlette", "uvicorn")
     from rpycdl.gpu.inventory import load_inventory
+    from rpycdl.monitor import pages
+    from rpycdl.monitor.host import HostView
     from rpycdl.monitor.metrics import HostCollector
     from rpycdl.monitor.web import create_app, serve
-    from rpycdl.security.auth import is_loopback
+    from rpycdl.security.auth import is_loopback, load_secret
 
     if not is_loopback(args.host) and not args.insecure:
         raise InvalidRequestError(f"--host {args.host} is not loopback: the metrics name users and jobs; add "
                                   "--insecure to serve them to anyone who reaches this address")
     lock_dir = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
-    collector = HostCollector(load_inventory(args.gpus), lock_dir, args.state_dir or state_dir(lock_dir))
+    secret = load_secret(args.secret_file)
+    inventory, states = load_inventory(args.gpus), args.state_dir or state_dir(lock_dir)
+    collector = HostCollector(inventory, lock_dir, states)
+    dashboard = pages.routes(HostView(inventory, lock_dir, states), secret)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
         raise RpycdlError(f"cannot listen on tcp {args.host}:{args.port}: {exc.strerror or exc}; choose another "
                           "--port") from None
     port = sock.getsockname()[1]
-    print(f"rpycdl monitor on http://{args.host}:{port}/metrics (health: /healthz); lock directory {lock_dir}",
-          flush=True)
-    serve(create_app(collector), sock)
+    logs = "logs for the secret" if secret else "no logs: no --secret-file"
+    print(f"rpycdl monitor on http://{args.host}:{port}/metrics (health: /healthz; dashboard: /, {logs}); "
+          f"lock directory {lock_dir}", flush=True)
+    serve(create_app(collector, dashboard), sock)
     print("rpycdl monitor: stopped", file=sys.stderr)
     return 0
 

@@ -1,5 +1,5 @@
-"""The monitor's HTTP side: /metrics (Prometheus text format) and /healthz, a Starlette app served by
-uvicorn, bounded against slow and greedy clients."""
+"""The monitor's HTTP side: /metrics (Prometheus text format), /healthz and the dashboard's routes
+(rpycdl.monitor.pages), a Starlette app served by uvicorn, bounded against slow and greedy clients."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import resource
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -16,9 +17,11 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from rpycdl.monitor.host import SNAPSHOTS
 
 SCRAPE_REUSE = 1.0
 """Seconds a collection is served again: a burst of scrapes costs one collection a second, not one each."""
@@ -65,24 +68,28 @@ class DeadlineProtocol(H11Protocol):
         super().connection_lost(exc)
 
 
-def create_app(collector: Collector) -> ASGIApp:
-    """The monitor's web application over `collector`."""
+def create_app(collector: Collector, dashboard: Sequence[BaseRoute] = ()) -> ASGIApp:
+    """The monitor's web application over `collector`, with the `dashboard`'s routes (pages.routes)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     latest: dict[str, Any] = {"at": -SCRAPE_REUSE, "body": b""}
     collecting = asyncio.Lock()
 
+    def collect() -> bytes:
+        with SNAPSHOTS:  # the dashboard's readings take snapshots too, in other threads
+            return generate_latest(registry)
+
     async def metrics(request: Request) -> Response:
         async with collecting:  # one collection at a time; those who waited for it get it too
             if time.monotonic() - latest["at"] >= SCRAPE_REUSE:
-                latest["body"] = await run_in_threadpool(generate_latest, registry)  # reads files: off the loop
+                latest["body"] = await run_in_threadpool(collect)  # reads files: off the loop
                 latest["at"] = time.monotonic()
         return Response(latest["body"], media_type=CONTENT_TYPE_LATEST)
 
     async def healthz(request: Request) -> Response:
         return PlainTextResponse("ok\n")
 
-    routes = Starlette(routes=[Route("/metrics", metrics), Route("/healthz", healthz)])
+    routes = Starlette(routes=[Route("/metrics", metrics), Route("/healthz", healthz), *dashboard])
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and sum(len(key) + len(value) for key, value in scope["headers"]) > MAX_HEADERS:

@@ -1,0 +1,176 @@
+// rpycdl monitor: a job's page. Polls /api/jobs/<id> for its row until it ends, and follows a detached
+// job's log through /api/jobs/<id>/log?offset=N with the site's secret (kept for this tab only, in
+// sessionStorage). The log is bytes: decoded as a stream (a character cut between two reads stays whole)
+// and added as text nodes; the oldest are dropped past KEEP characters.
+"use strict";
+
+(() => {
+  const {el, bytes, duration, need, gpuList, when, clock, times, poll, FINISHED} = rpycdl;
+  const EVERY = 1500;  // ms between two readings of the job's row
+  const LOG_EVERY = 1000;  // ms between two readings of its log, once read to its end
+  const TAIL = 1024 * 1024;  // bytes of a long log shown at first: its end
+  const KEEP = 4 * 1024 * 1024;  // characters of log kept on the page
+  const SECRET = "rpycdl-monitor-secret";
+
+  const jobId = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop() || "");
+  const $ = (id) => document.getElementById(id);
+  $("job-id").textContent = jobId;
+  document.title = `rpycdl job ${jobId}`;
+
+  let job = null, logs = false, following = false, stopRow = null;
+
+  function row(label, value, id) {
+    if (value === null || value === undefined || value === "") return [];
+    return [el("dt", {text: label}), el("dd", {text: value, id: id ? `job-${id}` : undefined})];
+  }
+
+  function renderJob(data) {
+    clock.set(data.now);
+    job = data.job;
+    logs = data.logs;
+    const state = $("job-state");
+    state.textContent = job.state;
+    state.className = `state state-${job.state}`;
+    const [waited, ran] = times(job);
+    const asked = job.request || {};
+    const timeouts = [asked.timeout ? `timeout ${duration(asked.timeout)}` : "",
+                      asked.queue_timeout ? `queue timeout ${duration(asked.queue_timeout)}` : ""].filter(Boolean);
+    $("details").replaceChildren(
+      ...row("state", job.state + (job.cancel_requested && !FINISHED.has(job.state) ? " (cancel requested)" : ""),
+             "state-text"),
+      ...row("name", job.name),
+      ...row("user", job.user),
+      ...row("service", `${job.service}, on the server at ${job.server}`),
+      ...row("kind", `${job.kind === "call" ? "a function" : job.kind}, ` +
+                     (job.detached ? "detached" : `attached (from ${job.client})`)),
+      ...row("runs", job.what, "command"),
+      ...row("asked for", need(job.ngpus, job.share_bytes) + (timeouts.length ? `; ${timeouts.join(", ")}` : "")),
+      ...row("place in the queue", job.position ? `${job.position} (1: next)` : null),
+      ...row("GPUs", job.gpu_uuids.length
+        ? job.gpu_uuids.map((uuid, i) => `${gpuList([job.gpus[i]])}: ${uuid}`).join("\n") : null),
+      ...row("submitted", when(job.submitted)),
+      ...row("started", job.started ? when(job.started) : null),
+      ...row("ended", job.ended ? when(job.ended) : null),
+      ...row("waited", waited),
+      ...row("ran", job.started ? ran : null),
+      ...row("exit code", job.exit_code === null ? null : String(job.exit_code), "exit-code"),
+      ...row("error", job.error ? (job.error_type ? `${job.error_type}: ${job.error}` : job.error) : null, "error"),
+      ...row("result", job.result_bytes === null ? null : bytes(job.result_bytes)),
+    );
+    if (job.log_size !== null) $("log-size").textContent = bytes(job.log_size);
+    if (FINISHED.has(job.state) && stopRow) {
+      stopRow();  // a finished row never changes
+      stopRow = null;
+      rpycdl.status(`the job ended at ${when(job.ended)}`, false);
+    }
+    showLog();
+  }
+
+  function message(text) {
+    $("log-message").textContent = text;
+  }
+
+  function showLog() {
+    if (following) return;
+    if (!job.detached) {
+      message("An attached job's output went to its client: there is no log here.");
+    } else if (!logs) {
+      message("Logs are shown only when the monitor runs with --secret-file (the site's shared secret); " +
+              `otherwise read them with: rpycdl logs ${jobId}`);
+    } else if (sessionStorage.getItem(SECRET)) {
+      follow(sessionStorage.getItem(SECRET));
+    } else {
+      message("The log is shown to whoever gives the site's shared secret.");
+      $("secret-form").hidden = false;
+    }
+  }
+
+  function authorization(secret) {
+    // HTTP Basic, any user name: the secret's UTF-8 bytes, whatever characters it has
+    const encoded = new TextEncoder().encode(`rpycdl:${secret}`);
+    return `Basic ${btoa(String.fromCharCode(...encoded))}`;
+  }
+
+  async function follow(secret) {
+    following = true;
+    $("secret-form").hidden = true;
+    const pre = $("log"), header = authorization(secret);
+    const decoder = new TextDecoder("utf-8");
+    let offset = Math.max(0, (job.log_size || 0) - TAIL), kept = 0;
+    const partial = offset > 0;
+    message(partial ? `The log's last ${bytes(TAIL)}, then live; all of it: rpycdl logs ${jobId}` : "");
+    while (true) {
+      let response;
+      try {
+        response = await fetch(`/api/jobs/${encodeURIComponent(jobId)}/log?offset=${offset}`,
+                               {headers: {Authorization: header}, cache: "no-store"});
+      } catch (error) {
+        message(`cannot read the log: ${error.message}; trying again`);
+        await sleep(LOG_EVERY * 3);
+        continue;
+      }
+      if (response.status === 401 || response.status === 403) {
+        sessionStorage.removeItem(SECRET);
+        following = false;
+        pre.hidden = true;
+        $("log-controls").hidden = true;
+        message(`The log was refused: ${(await response.text()).trim()}`);
+        $("secret-form").hidden = !logs;
+        return;
+      }
+      if (!response.ok) {
+        message(`cannot read the log: ${response.status} ${(await response.text()).trim()}`);
+        following = false;
+        return;
+      }
+      const data = new Uint8Array(await response.arrayBuffer());
+      const next = Number(response.headers.get("X-Next-Offset"));
+      const size = Number(response.headers.get("X-Log-Size"));
+      const state = response.headers.get("X-Job-State");
+      pre.hidden = false;
+      $("log-controls").hidden = false;
+      const text = decoder.decode(data, {stream: true});
+      if (text) {
+        pre.append(document.createTextNode(text));
+        kept += text.length;
+        while (kept > KEEP && pre.firstChild) {  // the page keeps the log's end
+          kept -= pre.firstChild.textContent.length;
+          pre.firstChild.remove();
+        }
+        if ($("follow").checked) pre.scrollTop = pre.scrollHeight;
+      }
+      $("log-size").textContent = bytes(size);
+      offset = next;
+      if (offset < size) continue;  // more to read at once
+      if (FINISHED.has(state)) {
+        const rest = decoder.decode();
+        if (rest) pre.append(document.createTextNode(rest));
+        pre.dataset.complete = "true";
+        message(partial ? `The job ended (${state}); below is the end of its log; all of it: rpycdl logs ${jobId}`
+                        : `The job ended (${state}); below is all of its log.`);
+        return;
+      }
+      await sleep(LOG_EVERY);
+    }
+  }
+
+  function sleep(ms) {
+    return new Promise((resolve) => setTimeout(resolve, ms));
+  }
+
+  $("secret-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const secret = $("secret").value.trim();
+    if (!secret || !job) return;
+    sessionStorage.setItem(SECRET, secret);
+    $("secret").value = "";
+    follow(secret);
+  });
+
+  $("forget").addEventListener("click", () => {
+    sessionStorage.removeItem(SECRET);
+    location.reload();
+  });
+
+  stopRow = poll(`/api/jobs/${encodeURIComponent(jobId)}`, EVERY, renderJob);
+})();
