@@ -760,9 +760,15 @@ def test_orphans_of_a_killed_server_are_removed_when_a_server_starts_again(
 
 
 def _job_container(engine: Any, job_id: str, status: str = "running") -> Any:
-    """The job's container, if it is in `status`."""
-    return next((c for c in engine.containers.list(all=True, filters={"label": f"rpycdl.job={job_id}"})
-                 if c.status == status), None)
+    """The job's container, if it is in `status` (None, to look again, if one went between the engine's
+    listing and its inspection: the SDK's list is not atomic)."""
+    import docker
+
+    try:
+        return next((c for c in engine.containers.list(all=True, filters={"label": f"rpycdl.job={job_id}"})
+                     if c.status == status), None)
+    except docker.errors.NotFound:
+        return None
 
 
 def test_rpycdl_submit_of_a_container_returns_at_once_and_wait_exits_with_its_code(generic: rpycdl.Connection,
