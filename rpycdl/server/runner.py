@@ -223,7 +223,8 @@ class JobProcess:
         Args:
             env: variables set in the job process before the payload is unpickled.
             on_stdout, on_stderr: receive the job's output, as text, as it arrives.
-            on_start: called with the job process id (its group id too) once it runs.
+            on_start: called with the job process id (its group id too) just before the payload
+                is let go, so that whatever it records is there before the job can be seen running.
             timeout: seconds the job may run; past it the group is killed.
             watch_fds: other descriptors to watch (the client connection).
             on_watch: called when one is readable; may raise (client gone), which kills the job.
@@ -237,14 +238,14 @@ class JobProcess:
                 bounds the memory it takes here, and the option that sets it; a larger one ends the
                 job with LimitError.
         """
+        if on_start is not None:
+            on_start(self.pid)
         self._start(env, on_buffers is not None)
         streams: Streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
                             self._err: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
         handed = self._handing(streams, on_buffers) if on_buffers is not None else None
         result = _ResultPipe(self._res, handed, max_result)
         try:
-            if on_start is not None:
-                on_start(self.pid)
             ending, reason = self._wait(result, streams, timeout=timeout, watch_fds=watch_fds, on_watch=on_watch,
                                         stop=stop)
         finally:
