@@ -80,6 +80,10 @@ SUPERVISOR_MODULE = "rpycdl.server.supervisor"
 LEDGER_BUSY_TIMEOUT = 30.0
 """Seconds a ledger write waits for another process's write to end (they take milliseconds)."""
 
+REFUSAL_BUSY_TIMEOUT = 1.0
+"""Seconds counting a refused request waits for another process's ledger write: the refusal is not
+held up longer (the server's parent counts the connections it refuses between its forks)."""
+
 MAX_PAYLOAD = 8 * 1024**3
 """Largest call a server accepts, in bytes (`--max-payload`); a larger RPyC frame drops the connection."""
 

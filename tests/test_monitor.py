@@ -23,6 +23,7 @@ import pytest
 from helpers import gate_job, open_gate, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+import rpycdl
 from rpycdl import JobState
 from rpycdl.monitor import web as monitor_web
 from rpycdl.site.local import start
@@ -106,6 +107,66 @@ def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_pa
     assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") is None
     assert all(value(samples, "rpycdl_gpu_memory_granted_bytes", uuid=uuid) == 0 for uuid in UUIDS)
     assert scrape(monitor) == samples  # counted once, however often it is scraped
+
+
+def test_refused_requests_are_counted_by_service_and_reason(cluster, connect, monitor, tmp_path):
+    port = cluster.add_server("pytorch", "fake:2", "--max-queued", "1")[1]
+    secret = tmp_path / "secret"
+    secret.write_text("correct horse battery staple\n")
+    secret.chmod(0o600)
+    secured = cluster.add_server("secured", "fake:2", "--secret-file", str(secret))[1]
+    narrow = cluster.add_server("narrow", "fake:2", "--max-connections", "1")[1]
+    conn = connect(port)
+    conn.root.identify("alice")
+    assert "rpycdl_requests_refused_total" not in scrape(monitor)  # nothing refused yet: no series
+
+    with pytest.raises(rpycdl.InvalidRequestError, match="asked for 3 GPUs but this server has 2"):
+        conn.root.run_code(lambda x: x, 1, ngpus=3)
+    with pytest.raises(rpycdl.InvalidRequestError, match="asked for 3 GPUs"):
+        conn.root.submit(lambda x: x, 1, ngpus=3)
+    gate = str(tmp_path / "gate")
+    holder = conn.root.submit(gate_job(gate), 1, ngpus=2)
+    wait_until(lambda: holder.status().state is JobState.RUNNING, 10, "the job holding both GPUs to run")
+    with pytest.raises(rpycdl.QueueTimeoutError):  # a queue timeout is a job that failed, not a refusal
+        conn.root.run_code(lambda x: x, 2, queue_timeout=0.3)
+    waiting = conn.root.submit(gate_job(gate), 3, ngpus=1)
+    wait_until(lambda: waiting.status().ahead == 0, 10, "the second job to wait")
+    with pytest.raises(rpycdl.LimitError, match="queue is full"):  # one waits already: --max-queued 1
+        conn.root.submit(gate_job(gate), 4, ngpus=1)
+    with pytest.raises(rpycdl.LimitError, match="queue is full"):  # an attached request, as it would wait
+        connect(port).root.run_code(lambda x: x, 5)
+    mallory = connect(port)
+    mallory.root.identify("mallory")
+    with pytest.raises(rpycdl.NotAllowedError):
+        mallory.root.cancel(holder.id)
+    with pytest.raises(rpycdl.NotAllowedError):
+        mallory.root.job(holder.id).result(wait=False)
+    mallory.root.job(holder.id).status()  # anyone may see that it exists: no refusal
+    with pytest.raises(rpycdl.InvalidRequestError):  # no such job: a question answered, not a request refused
+        mallory.root.cancel("nosuchjob")
+    open_gate(gate)  # the servers share the host's GPUs: the next ones need them free
+    assert holder.wait(10).state is JobState.SUCCEEDED and waiting.wait(10).state is JobState.SUCCEEDED
+    with pytest.raises(rpycdl.AuthFailedError):
+        rpycdl.connect(host="127.0.0.1", port=secured)
+    with rpycdl.connect(host="127.0.0.1", port=secured, secret_file=str(secret)) as known:
+        assert known.root.run_code(lambda x: x, "in") == "in"
+    with rpycdl.connect(host="127.0.0.1", port=narrow) as first:
+        with pytest.raises(rpycdl.LimitError, match="--max-connections"):
+            rpycdl.connect(host="127.0.0.1", port=narrow)
+        assert first.root.run_code(lambda x: x, "served") == "served"
+
+    def refused() -> dict[tuple[str, str], float]:
+        return {(labels["service"], labels["reason"]): count
+                for labels, count in scrape(monitor).get("rpycdl_requests_refused_total", [])}
+
+    reasons = ("invalid", "limit", "connections", "auth", "not_allowed")
+    expected = {("pytorch", "invalid"): 2, ("pytorch", "limit"): 2, ("pytorch", "not_allowed"): 2,
+                ("secured", "auth"): 1, ("narrow", "connections"): 1}
+    every = {(service, reason): expected.get((service, reason), 0)
+             for service in ("pytorch", "secured", "narrow") for reason in reasons}
+    wait_until(lambda: refused() == every, 5, f"the refusals counted as {expected}")  # a scrape may be 1 s old
+    time.sleep(monitor_web.SCRAPE_REUSE)
+    assert refused() == every  # a fresh collection counts each once
 
 
 def test_simulated_memory_in_use_shows_as_used(cluster, connect, monitor, tmp_path):

@@ -3,8 +3,9 @@ GPUs when it is scraped (prometheus_client's custom collector; nothing is hand-w
 
 It takes no lock a grant waits on: the lock directory's snapshot probes with F_GETLK, which takes
 nothing, and the ledger is read in WAL mode, which never blocks a writer. Labels stay bounded: GPUs,
-services and states; a job id appears only on `rpycdl_gpu_holder_info`, one series per current holder.
-The histograms and the counter count the jobs that ended since the monitor started.
+services, states and reasons; a job id appears only on `rpycdl_gpu_holder_info`, one series per current
+holder. The histograms and the watchdog's counter count the jobs that ended since the monitor started;
+the refusals are the ledger's own counts, host-wide since it was made.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rpycdl.gpu.inventory import Inventory
-from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.scheduler.ledger import REFUSALS, JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
 
 BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, math.inf)
@@ -81,6 +82,13 @@ class HostCollector(Collector):
         for state, count in self.ledger.count_by_state().items():
             jobs.add_metric([state.value], count)
         yield jobs
+        refused = CounterMetricFamily("rpycdl_requests_refused", "Requests the host's servers refused, by service "
+                                      "and reason, since the ledger was made", labels=["service", "reason"])
+        counts = self.ledger.refusals()
+        for service in sorted({service for service, _ in counts}):  # every reason of a service: rate() sees the first
+            for reason in REFUSALS:
+                refused.add_metric([service, reason], counts.get((service, reason), 0))
+        yield refused
         yield from self._ended()
 
     def _gpus(self, held: dict[str, list[dict[str, Any]]]) -> Iterator[Metric]:

@@ -7,6 +7,8 @@ and gpu_uuids as JSON text, booleans as 0/1, times in seconds since the epoch (`
 finished). Indexes: submitted (newest first, `since`), (ended, submitted) (the default view, prune), (state,
 submitted) (unfinished rows and state filters, cheap whatever the history), (user, submitted), (user,
 name) for find, and (user, name) UNIQUE among unfinished rows: one live job of a name per user.
+`refusals(service, reason, count)` counts the requests the host's servers refused (count_refusal), one
+row per service and reason: a few rows, whatever the traffic.
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
 transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -34,12 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import LEDGER_BUSY_TIMEOUT
+from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
 from rpycdl.states import UNFINISHED, JobState
 
-__all__ = ["UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
+__all__ = ["REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
+
+log = logging.getLogger("rpycdl.ledger")
 
 LIVE = "state IN ('PENDING', 'RUNNING')"
 """The UNFINISHED rows, in the words of the unique index (the planner matches words)."""
@@ -64,8 +69,18 @@ MIGRATIONS = [
     CREATE UNIQUE INDEX jobs_unfinished_name ON jobs (user, name)
         WHERE name IS NOT NULL AND state IN ('PENDING', 'RUNNING');
     """,
+    """
+    CREATE TABLE refusals (service TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
+                           PRIMARY KEY (service, reason)) WITHOUT ROWID;
+    """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""
+
+
+REFUSALS = ("invalid", "limit", "connections", "auth", "not_allowed")
+"""Why a server refuses a request, the reasons count_refusal counts: a run or submit request it could
+never serve (InvalidRequestError), over a limit (LimitError: a full queue, --max-payload), a connection
+over --max-connections, an authentication that failed, a user acting on another's job (NotAllowedError)."""
 
 
 def new_job_id() -> str:
@@ -224,17 +239,23 @@ class Ledger:
             yield self._conn
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: it waits for the others' and blocks no reader."""
+    def _write(self, busy: float = LEDGER_BUSY_TIMEOUT) -> Iterator[sqlite3.Connection]:
+        """One write transaction: it waits for the others' (`busy` seconds at most) and blocks no reader."""
         with self._db() as db:
-            db.execute("BEGIN IMMEDIATE")
+            if busy != LEDGER_BUSY_TIMEOUT:
+                db.execute(f"PRAGMA busy_timeout = {int(busy * 1000)}")
             try:
-                yield db
-            except BaseException:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                except BaseException:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            finally:
+                if busy != LEDGER_BUSY_TIMEOUT:
+                    db.execute(f"PRAGMA busy_timeout = {int(LEDGER_BUSY_TIMEOUT * 1000)}")
 
     def close(self) -> None:
         """Close this process's connection (a later call opens another)."""
@@ -375,6 +396,25 @@ class Ledger:
         with self._db() as db:
             counted = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
         return {state: counted.get(state.value, 0) for state in JobState}
+
+    def count_refusal(self, service: str, reason: str) -> None:
+        """Count one request a server of `service` refused, for `reason` (one of REFUSALS). It never
+        raises, and waits REFUSAL_BUSY_TIMEOUT at most for another write: a refusal goes to its client
+        as it is, counted or not (a failure to count is logged)."""
+        try:
+            if reason not in REFUSALS:
+                raise ValueError(f"not a reason of REFUSALS: {reason!r}")
+            with self._write(REFUSAL_BUSY_TIMEOUT) as db:
+                db.execute("INSERT INTO refusals VALUES (?, ?, 1) ON CONFLICT (service, reason) DO UPDATE SET "
+                           "count = count + 1", (service, reason))
+        except Exception as exc:
+            log.warning("a refusal (%s, %s) was not counted in %s: %s", service, reason, self.path, exc)
+
+    def refusals(self) -> dict[tuple[str, str], int]:
+        """The requests the host's servers refused since the ledger was made, by (service, reason)."""
+        with self._db() as db:
+            return {(service, reason): count for service, reason, count in
+                    db.execute("SELECT service, reason, count FROM refusals")}
 
     def ended_since(self, since: float) -> list[JobRecord]:
         """The jobs that ended at or after `since`, in the order they ended."""

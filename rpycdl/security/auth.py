@@ -29,6 +29,7 @@ import os
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
@@ -182,11 +183,14 @@ def read_banner(sock: socket.socket, first: bytes = b"") -> set[str]:
 class ServerAuthenticator:
     """An RPyC server authenticator, run in the forked connection process: TLS (when the server
     has a certificate), then the shared secret (when it has one). Returns the Identity the
-    client certificate proves, or None (the client declares its user later)."""
+    client certificate proves, or None (the client declares its user later). `on_refused` is called
+    for each client it refuses (a silent one, or one that hangs up, included)."""
 
-    def __init__(self, tls_context: ssl.SSLContext | None, secret: bytes | None) -> None:
+    def __init__(self, tls_context: ssl.SSLContext | None, secret: bytes | None,
+                 on_refused: Callable[[], None] | None = None) -> None:
         self._tls = tls_context
         self._secret = secret
+        self._on_refused = on_refused
 
     @property
     def mode(self) -> str:
@@ -202,6 +206,8 @@ class ServerAuthenticator:
             if self._secret is not None:
                 _server_handshake(sock, self._secret)
         except (OSError, AuthFailedError) as exc:
+            if self._on_refused is not None:
+                self._on_refused()
             raise AuthenticationError(f"authentication failed: {exc}") from None
         return sock, identity
 

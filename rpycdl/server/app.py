@@ -3,6 +3,7 @@ forking server (inventory, lock directory, authentication, registration) and run
 
 from __future__ import annotations
 
+import functools
 import getpass
 import importlib.metadata
 import logging
@@ -123,9 +124,11 @@ def build_server(config: ServerConfig) -> DLServer:
     if config.registry != "none":
         registrar = registry_client(config.registry)
         registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
+    refused = functools.partial(context.ledger.count_refusal, context.name, "auth")  # in the connection process
     return DLServer(context, hostname=config.host, port=config.port, registrar=registrar,
                     auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"),
-                    authenticator=auth.ServerAuthenticator(tls_context, secret) if secret or tls_context else None)
+                    authenticator=auth.ServerAuthenticator(tls_context, secret, refused) if secret or tls_context
+                    else None)
 
 
 def serve(config: ServerConfig) -> None:

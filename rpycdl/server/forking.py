@@ -160,6 +160,7 @@ class DLServer(ForkingServer):
                       else "this server could not start a process for the connection")
             self.logger.warning("refused a connection: %s", reason)
             auth.refuse(sock, f"{reason}; try again later or another server")
+            self.context.ledger.count_refusal(self.context.name, "connections")
 
     def _fork_spare(self) -> int:
         """Fork a connection process that waits for a client with a spare job process forked

@@ -2,7 +2,9 @@
 (detached or attached, of any server sharing the state directory) its row, its log, waiting for its
 end, its result, cancelling and deleting it, and listing jobs. Everyone sees that a job exists and
 its state, as the queue shows; only its owner or an admin reads its log and result, cancels or
-deletes it. Every call answers outcome bytes (wire.codec), so that errors keep their types."""
+deletes it. Every call answers outcome bytes (wire.codec), so that errors keep their types. The host's
+ledger counts the requests refused (Ledger.count_refusal): a run or submit request as its error is
+answered (`refused`), a call about another user's job where it is found (`_find`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rpycdl.defaults import JOB_WAIT_MAX, JOBS_SHOWN, LOG_CHUNK, RECENT_JOBS
-from rpycdl.errors import InvalidRequestError, JobLostError, JobNotFinishedError, NotAllowedError, RpycdlError
+from rpycdl.errors import (
+    InvalidRequestError,
+    JobLostError,
+    JobNotFinishedError,
+    LimitError,
+    NotAllowedError,
+    RpycdlError,
+)
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.security import auth
 from rpycdl.server import request, status, supervisor
@@ -26,6 +35,9 @@ POLL = 0.05
 ENDED = {JobState.CANCELLED: "JobCancelledError", JobState.TIMED_OUT: "JobTimeoutError",
          JobState.LOST: "JobLostError"}
 """The error a job's result raises when it ended without an outcome of its own, by state."""
+
+REFUSED = ((InvalidRequestError, "invalid"), (LimitError, "limit"))
+"""The errors that refuse a run or submit request, with the reason the ledger counts them under."""
 
 
 class JobCalls:
@@ -46,7 +58,7 @@ class JobCalls:
             request.check_size(payload, "payload", self.context.limits.max_payload)
             return self._submit(args, kwargs, body=codec.check_payload(payload))
 
-        return _answer(submit)
+        return _answer(submit, self.context)
 
     def exposed_submit_command(self, argv: Any, *args: Any, **kwargs: Any) -> bytes:
         """Submit a command (a list of strings) as a detached job; options as for submit. It fails
@@ -56,7 +68,7 @@ class JobCalls:
             body = codec.check_payload(codec.encode_payload(run_command, list(command)))
             return self._submit(args, kwargs, body=body, command=command)
 
-        return _answer(submit)
+        return _answer(submit, self.context)
 
     def exposed_submit_container(self, image: str, command: Any, *args: Any, **kwargs: Any) -> bytes:
         """Submit a command in a container of its own as a detached job (the generic server; see
@@ -76,7 +88,7 @@ class JobCalls:
             checked = self._request(options, container=spec, detached=True, name=name)
             return _shown(self.context, supervisor.hand_over(self.context, checked, asked))
 
-        return _answer(submit)
+        return _answer(submit, self.context)
 
     def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], **job: Any) -> dict[str, Any]:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
@@ -174,17 +186,29 @@ class JobCalls:
         if record is None:
             raise InvalidRequestError(f"no job {ref!r} here: see `rpycdl jobs --all` for the jobs this host keeps")
         if mine and not me.admin and (record.user, record.user_verified) != (me.user, me.verified):
+            self.context.ledger.count_refusal(self.context.name, "not_allowed")  # the one place it is refused
             owner = auth.Identity(record.user, record.user_verified).label
             raise NotAllowedError(f"job {record.job_id} belongs to {owner} and you are {me.label}: only its owner "
                                   "or an admin can read its log and result, cancel or delete it")
         return record
 
 
-def _answer(make: Callable[[], Any]) -> bytes:
+def _answer(make: Callable[[], Any], submitted: ServerContext | None = None) -> bytes:
+    """What `make` returns (rows and ids: plain data), or its error; for a submit request, its server's
+    context (`submitted`): the refusal is counted."""
     try:
-        return codec.encode_data(make())  # rows and ids: plain data
+        return codec.encode_data(make())
     except RpycdlError as exc:
-        return codec.encode_error(exc, tb="")
+        return codec.encode_error(exc if submitted is None else refused(submitted, exc), tb="")
+
+
+def refused(context: ServerContext, exc: RpycdlError) -> RpycdlError:
+    """`exc`, the error a run or submit request is answered with, counted in the host's ledger if it
+    refuses the request (REFUSED); a job's own end (a timeout, a cancel) is not a refusal."""
+    reason = next((reason for kind, reason in REFUSED if isinstance(exc, kind)), None)
+    if reason is not None:
+        context.ledger.count_refusal(context.name, reason)
+    return exc
 
 
 def _count(value: Any, name: str) -> int:

@@ -19,7 +19,7 @@ from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.security import auth
 from rpycdl.server import request, runner, status
 from rpycdl.server.context import ServerContext
-from rpycdl.server.jobcalls import JobCalls
+from rpycdl.server.jobcalls import JobCalls, refused
 from rpycdl.server.jobflow import JobFlow, decode_bounded
 from rpycdl.wire import bulk, codec, netrefs
 
@@ -107,7 +107,7 @@ class GPUService(JobCalls, rpyc.Service):
             body = codec.check_payload(payload)
             return self._run(self._request(options, body=body, output=request.output(options)))
         except RpycdlError as exc:
-            return codec.encode_error(exc, tb="")
+            return codec.encode_error(refused(self.context, exc), tb="")
 
     def exposed_run_buffers(self, payload: bytes, layout: Any, send: Callable[[], None] | None,
                             receive: Callable[[Any], None], *args: Any, **kwargs: Any) -> bytes:
@@ -125,7 +125,7 @@ class GPUService(JobCalls, rpyc.Service):
             buffers = bulk.pull(self._conn, send, layout) if layout else []  # type: ignore[arg-type]
             return self._run(dataclasses.replace(checked, buffers=buffers))
         except RpycdlError as exc:
-            return codec.encode_error(exc, tb="")
+            return codec.encode_error(refused(self.context, exc), tb="")
 
     def exposed_run_code(self, fn: Any, args: Any = None, ngpus: Any = None, stdout: Any = None,
                          stderr: Any = None, **options: Any) -> Any:
@@ -133,13 +133,17 @@ class GPUService(JobCalls, rpyc.Service):
         options by name: timeout, queue_timeout, gpus, gpu_memory.
 
         Returns the job's value and raises its exception, as the original servers did."""
-        options = request.named(("timeout", "queue_timeout", "gpus", "gpu_memory"), (), options)
-        request.check_size(fn, "fn", self.context.limits.max_payload)
-        codec.check_pickle(fn, "fn")
-        args = netrefs.materialize(args, self.context.limits.max_payload)  # lists and dicts come by reference
-        body = dill.dumps((bytes(fn), args, True), recurse=True)
-        outcome = self._run(self._request({**options, "ngpus": ngpus}, body=body,
-                                          output=request.Output(request.writer(stdout), request.writer(stderr))))
+        try:
+            options = request.named(("timeout", "queue_timeout", "gpus", "gpu_memory"), (), options)
+            request.check_size(fn, "fn", self.context.limits.max_payload)
+            codec.check_pickle(fn, "fn")
+            args = netrefs.materialize(args, self.context.limits.max_payload)  # lists and dicts come by reference
+            body = dill.dumps((bytes(fn), args, True), recurse=True)
+            outcome = self._run(self._request({**options, "ngpus": ngpus}, body=body, output=request.Output(
+                request.writer(stdout), request.writer(stderr))))
+        except RpycdlError as exc:
+            refused(self.context, exc)
+            raise
         self.after_reply()  # the job is over: its GPUs go back before its value is made here
         return decode_bounded(outcome)
 
@@ -162,7 +166,7 @@ class GPUService(JobCalls, rpyc.Service):
             options["ngpus"] = 1 if options.get("ngpus") is None else options["ngpus"]
             return self._run(self._request(options, container=spec, output=request.output(options)))
         except RpycdlError as exc:
-            return codec.encode_error(exc, tb="")
+            return codec.encode_error(refused(self.context, exc), tb="")
 
     def exposed_gpu_status(self) -> str:
         """JSON: this server, each GPU with its holders and memory use, and the queue (status.gpu_status)."""

@@ -18,8 +18,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
-from rpycdl.scheduler.ledger import LIVE, MIGRATIONS, UNFINISHED, JobRecord, JobState, Ledger, new_job_id
+from rpycdl.scheduler.ledger import (
+    _UPSERT,
+    LIVE,
+    MIGRATIONS,
+    UNFINISHED,
+    JobRecord,
+    JobState,
+    Ledger,
+    _to_row,
+    new_job_id,
+)
 
 FINAL = [state for state in JobState if state.finished]
 
@@ -430,3 +441,87 @@ def test_counts_by_state_and_the_jobs_ended_since(ledger):
     assert counts[JobState.SUCCEEDED] == 2 and counts[JobState.FAILED] == 1 and counts[JobState.RUNNING] == 1
     assert counts[JobState.LOST] == 0 and set(counts) == set(JobState)
     assert [record.ended for record in ledger.ended_since(200.0)] == [200.0, 300.0]
+
+
+def test_refusals_are_counted_by_service_and_reason_in_one_statement_each(ledger, caplog):
+    assert ledger.refusals() == {}
+    for service, reason in [("pytorch", "invalid"), ("pytorch", "invalid"), ("pytorch", "limit"),
+                            ("tensorflow", "auth"), ("pytorch", "not_allowed"), ("tensorflow", "connections")]:
+        ledger.count_refusal(service, reason)
+    assert ledger.refusals() == {("pytorch", "invalid"): 2, ("pytorch", "limit"): 1, ("pytorch", "not_allowed"): 1,
+                                 ("tensorflow", "auth"): 1, ("tensorflow", "connections"): 1}
+    seen = statements(ledger)
+    ledger.count_refusal("pytorch", "limit")
+    assert [s for s in seen if not s.startswith("PRAGMA")] == [
+        "BEGIN IMMEDIATE", "INSERT INTO refusals VALUES ('pytorch', 'limit', 1) ON CONFLICT (service, reason) DO "
+        "UPDATE SET count = count + 1", "COMMIT"]
+    ledger.count_refusal("pytorch", "whatever")  # a bug of the caller's: logged, never raised, never a label
+    assert "not counted" in caplog.text and "whatever" in caplog.text
+    assert ledger.refusals()[("pytorch", "limit")] == 2 and len(ledger.refusals()) == 5
+
+
+def test_counting_a_refusal_never_raises_nor_waits_long_for_a_stuck_writer(ledger, caplog, tmp_path):
+    other = sqlite3.connect(ledger.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process in the middle of a write, for as long as it likes
+    try:
+        started = time.monotonic()
+        ledger.count_refusal("pytorch", "limit")
+        assert time.monotonic() - started < REFUSAL_BUSY_TIMEOUT + 1
+        assert "not counted" in caplog.text and "locked" in caplog.text
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    with ledger._db() as db:  # the other writes wait as long as ever
+        assert db.execute("PRAGMA busy_timeout").fetchone()[0] == LEDGER_BUSY_TIMEOUT * 1000
+    ledger.count_refusal("pytorch", "limit")
+    assert ledger.refusals() == {("pytorch", "limit"): 1}
+    broken = Ledger(tmp_path / "broken")
+    with broken._db() as db:
+        db.execute("DROP TABLE refusals")  # any other error of SQLite's
+    broken.count_refusal("pytorch", "auth")
+    assert "no such table: refusals" in caplog.text
+
+
+def test_refusals_counted_at_once_by_processes_and_threads_are_all_counted(ledger):
+    def count(times: int) -> None:
+        for _ in range(times):
+            ledger.count_refusal("pytorch", "connections")
+
+    pids = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                count(50)
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    threads = [threading.Thread(target=count, args=(50,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+    assert ledger.refusals() == {("pytorch", "connections"): 400}
+
+
+def test_a_version_1_ledger_gains_the_refusals_and_keeps_its_rows(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    record = job(state=JobState.SUCCEEDED, user="alice", name="train", ended=1000.0, request={"timeout": 5.0})
+    with sqlite3.connect(state / Ledger.FILE) as db:  # as rpycdl made it before the refusals were counted
+        db.executescript(MIGRATIONS[0])
+        db.execute("PRAGMA user_version = 1")
+        db.execute("INSERT INTO meta VALUES ('ledger_id', 'the-old-ledgers-id')")
+        db.execute(_UPSERT, _to_row(record))
+    db.close()
+    ledger = Ledger(state)
+    assert ledger.ledger_id == "the-old-ledgers-id"
+    assert ledger.get(record.job_id) == record and ledger.count() == 1
+    with ledger._db() as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 2
+        assert db.execute("SELECT name FROM sqlite_master WHERE name = 'refusals'").fetchone() == ("refusals",)
+    assert ledger.refusals() == {}
+    ledger.count_refusal("pytorch", "auth")
+    assert Ledger(state).refusals() == {("pytorch", "auth"): 1}  # opened again: nothing runs twice
+    assert Ledger(state).get(record.job_id) == record
