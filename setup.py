@@ -9,7 +9,7 @@ CLIENT = [
 ]
 """`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""
 
-SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535", "prometheus-client>=0.20", "starlette>=0.37", "uvicorn>=0.29"]
+SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535", "prometheus-client>=0.20", "starlette>=0.37", "uvicorn>=0.47"]
 """`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML), `rpycdl monitor` (metrics and dashboard over HTTP) and the
 demo."""
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.client import HTTPConnection
+from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,36 @@ def test_a_monitor_on_a_public_address_needs_insecure(lock_dir):
                               "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=30)
     assert refused.returncode == 2 and "not loopback" in refused.stderr and "--insecure" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_monitor_with_tls_serves_https_on_any_address(lock_dir, team):
+    cert, key, ca = (f"{team.dir}/{name}" for name in ("server-localhost.crt", "server-localhost.key", "ca.crt"))
+    base = ["monitor", "--gpus", "fake:1", "--lock-dir", lock_dir, "--host", "0.0.0.0", "--port", "0",
+            "--tls-cert", cert, "--tls-key", key]
+    half = subprocess.run([sys.executable, "-m", "rpycdl", *base[:-2]], capture_output=True, text=True, timeout=30)
+    assert half.returncode == 2 and "needs a certificate and its key; missing: key" in half.stderr
+
+    def scrape_tls(port: str, client: str | None = None) -> bytes:
+        context = ssl.create_default_context(cafile=ca)  # checks that the certificate names 127.0.0.1
+        if client is not None:
+            context.load_cert_chain(f"{team.dir}/user-{client}.crt", f"{team.dir}/user-{client}.key")
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=10, context=context) as response:
+            return response.read()
+
+    anyone = start(base)  # no --insecure needed: the metrics cross the network encrypted
+    mutual = start([*base, "--tls-ca", ca])
+    try:
+        port = anyone.wait_for(r"on https://0\.0\.0\.0:(\d+)/metrics").group(1)
+        assert b'rpycdl_gpu_info{gpu="0"' in scrape_tls(port)
+        with pytest.raises((OSError, HTTPException)):  # plain HTTP gets no answer
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10).read()
+        port = mutual.wait_for(r"on https://0\.0\.0\.0:(\d+)/metrics.*client certificates of").group(1)
+        assert b'rpycdl_gpu_info{gpu="0"' in scrape_tls(port, client="alice")
+        with pytest.raises((OSError, HTTPException)):  # urllib.error.URLError is an OSError
+            scrape_tls(port)  # no client certificate: refused
+    finally:
+        anyone.stop()
+        mutual.stop()
 
 
 def test_the_demo_starts_a_monitor_beside_its_server():

@@ -16,15 +16,15 @@ def add_commands(command: Command) -> None:
     monitor = command(
         "monitor", "serve the host's metrics for Prometheus (/metrics), a dashboard (/) and a health check "
         "(/healthz)",
-        "Serve, over HTTP, what every server and container of this host shares: its GPUs (memory total, used\n"
-        "and granted, utilisation, holders), the queue, and the jobs of the ledger (by state; queue wait and\n"
-        "run time histograms). One per host. It reads only: it takes no lock a grant waits on, and never\n"
-        "touches CUDA. Scrape it with Prometheus: see the README's metrics table. Open / in a browser for\n"
-        "the dashboard: the GPUs, the queue and the recent jobs, live; /jobs/ID for a job, and with\n"
-        "--secret-file a detached job's live log, for whoever gives the secret.",
+        "Serve, over HTTP (HTTPS with --tls-cert), what every server and container of this host shares: its\n"
+        "GPUs (memory total, used and granted, utilisation, holders), the queue, and the jobs of the ledger\n"
+        "(by state; queue wait and run time histograms; requests refused). One per host. It reads only: it\n"
+        "takes no lock a grant waits on, and never touches CUDA. Scrape it with Prometheus: see the README's\n"
+        "metrics table. Open / in a browser for the dashboard: the GPUs, the queue and the recent jobs, live;\n"
+        "/jobs/ID for a job, and with --secret-file a detached job's live log, for whoever gives the secret.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     monitor.add_argument("--host", default="127.0.0.1",
-                         help="address to listen on (default: %(default)s); another needs --insecure")
+                         help="address to listen on (default: %(default)s); another needs --tls-cert or --insecure")
     monitor.add_argument("--port", type=int, default=MONITOR_PORT, help="TCP port, 0 for any (default: %(default)s)")
     monitor.add_argument("--gpus", default=None, metavar="SPEC",
                          help=f"the host's GPUs, as the servers were given them: nvml or fake:N (default: ${ENV_GPUS}, "
@@ -36,9 +36,16 @@ def add_commands(command: Command) -> None:
                          help="the site's shared secret (as `rpycdl serve --secret-file`, mode 600): the dashboard "
                               "shows detached jobs' logs to whoever gives it; default "
                               f"${ENV_SECRET_FILE}, else no logs")
+    monitor.add_argument("--tls-cert", default=None, metavar="FILE",
+                         help="serve HTTPS with this certificate (rpycdl certs server); then --host may be any "
+                              "address without --insecure")
+    monitor.add_argument("--tls-key", default=None, metavar="FILE", help="its key (mode 600)")
+    monitor.add_argument("--tls-ca", default=None, metavar="FILE",
+                         help="also require a client certificate signed by this CA (rpycdl certs user; for "
+                              "Prometheus' tls_config): only the team's clients read the metrics and the dashboard")
     monitor.add_argument("--insecure", action="store_true",
-                         help="listen on a non-loopback address: anyone who reaches it reads the metrics and the "
-                              "dashboard (and a secret given for logs crosses the network in clear)")
+                         help="listen on a non-loopback address over plain HTTP: anyone who reaches it reads the "
+                              "metrics and the dashboard (and a secret given for logs crosses the network in clear)")
 
 
 def _monitor(args: argparse.Namespace) -> int:
@@ -49,10 +56,15 @@ def _monitor(args: argparse.Namespace) -> int:
     from rpycdl.monitor.metrics import HostCollector
     from rpycdl.monitor.web import create_app, serve
     from rpycdl.security.auth import is_loopback, load_secret
+    from rpycdl.security.tls import web_server_context
 
-    if not is_loopback(args.host) and not args.insecure:
-        raise InvalidRequestError(f"--host {args.host} is not loopback: the metrics name users and jobs; add "
-                                  "--insecure to serve them to anyone who reaches this address")
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        tls = web_server_context(args.tls_cert, args.tls_key, args.tls_ca)
+    elif not is_loopback(args.host) and not args.insecure:
+        raise InvalidRequestError(f"--host {args.host} is not loopback: the metrics name users and jobs; give "
+                                  "--tls-cert and --tls-key (and --tls-ca for client certificates), or add "
+                                  "--insecure to serve them over plain HTTP to anyone who reaches this address")
     lock_dir = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
     secret = load_secret(args.secret_file)
     inventory, states = load_inventory(args.gpus), args.state_dir or state_dir(lock_dir)
@@ -65,9 +77,10 @@ def _monitor(args: argparse.Namespace) -> int:
                           "--port") from None
     port = sock.getsockname()[1]
     logs = "logs for the secret" if secret else "no logs: no --secret-file"
-    print(f"rpycdl monitor on http://{args.host}:{port}/metrics (health: /healthz; dashboard: /, {logs}); "
-          f"lock directory {lock_dir}", flush=True)
-    serve(create_app(collector, dashboard), sock)
+    clients = ", client certificates of " + args.tls_ca if args.tls_ca else ""
+    print(f"rpycdl monitor on http{'s' if tls else ''}://{args.host}:{port}/metrics (health: /healthz; dashboard: "
+          f"/, {logs}{clients}); lock directory {lock_dir}", flush=True)
+    serve(create_app(collector, dashboard), sock, tls)
     print("rpycdl monitor: stopped", file=sys.stderr)
     return 0
 

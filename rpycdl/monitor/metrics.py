@@ -123,9 +123,8 @@ class HostCollector(Collector):
         since the monitor started, by service."""
         with self._lock:
             for record in self.ledger.ended_since(max(self._since, max(self._counted.values(), default=0.0)
-                                                      - LATE_COMMIT)):
-                if record.job_id not in self._counted:
-                    self._count(record)
+                                                      - LATE_COMMIT), known=self._counted):
+                self._count(record)
             newest = max(self._counted.values(), default=0.0)
             self._counted = {job: ended for job, ended in self._counted.items() if ended >= newest - LATE_COMMIT}
             waits = HistogramMetricFamily("rpycdl_job_queue_wait_seconds", "How long ended jobs waited for their "

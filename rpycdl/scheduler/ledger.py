@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,7 @@ class JobRecord:
 _FIELDS = tuple(column.name for column in dataclasses.fields(JobRecord))
 COLUMNS = tuple(name for name in _FIELDS if name != "state")
 _SELECT = f"SELECT state, {', '.join(COLUMNS)} FROM jobs"
+_JOB_ID = 1 + COLUMNS.index("job_id")
 _WRITTEN = [column for column in ("state", *COLUMNS) if column != "cancel_requested"]
 _UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c for c in _WRITTEN)}) "
            f"ON CONFLICT (job_id) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in _WRITTEN if c != 'job_id')} "
@@ -416,10 +417,13 @@ class Ledger:
             return {(service, reason): count for service, reason, count in
                     db.execute("SELECT service, reason, count FROM refusals")}
 
-    def ended_since(self, since: float) -> list[JobRecord]:
-        """The jobs that ended at or after `since`, in the order they ended."""
+    def ended_since(self, since: float, known: Container[str] = ()) -> list[JobRecord]:
+        """The jobs that ended at or after `since`, in the order they ended, but those whose ids are in
+        `known` (skipped before their rows are decoded: a caller re-reading a window pays little for
+        the rows it has)."""
         with self._db() as db:
-            return [_from_row(row) for row in db.execute(f"{_SELECT} WHERE ended >= ? ORDER BY ended", (since,))]
+            rows = db.execute(f"{_SELECT} WHERE ended >= ? ORDER BY ended", (since,))
+            return [_from_row(row) for row in rows if row[_JOB_ID] not in known]
 
 
 def _one(db: sqlite3.Connection, where: str, *params: Any) -> JobRecord | None:

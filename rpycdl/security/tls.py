@@ -22,14 +22,15 @@ ADMIN_UNIT = "rpycdl-admins"
 """Organisational unit of an admin's certificate (may cancel anyone's job)."""
 
 
-def _check_files(cert: str | None, key: str | None, ca: str | None, what: str) -> tuple[str, str, str]:
-    given = {"certificate": cert, "key": key, "CA certificate": ca}
+def _check_files(cert: str | None, key: str | None, ca: str | None, what: str,
+                 need_ca: bool = True) -> tuple[str, str, str]:
+    given = {"certificate": cert, "key": key, **({"CA certificate": ca} if need_ca or ca else {})}
     missing = [name for name, path in given.items() if not path]
     if missing:
-        raise InvalidRequestError(f"TLS for {what} needs a certificate, its key and the CA certificate; "
-                                  f"missing: {', '.join(missing)}")
+        needs = "a certificate, its key and the CA certificate" if need_ca else "a certificate and its key"
+        raise InvalidRequestError(f"TLS for {what} needs {needs}; missing: {', '.join(missing)}")
     for name, path in given.items():
-        if not os.path.isfile(path):
+        if not os.path.isfile(path):  # type: ignore[arg-type]
             raise InvalidRequestError(f"the {name} file {path} does not exist")
     check_private(key, "key file")  # type: ignore[arg-type]
     return cert, key, ca  # type: ignore[return-value]
@@ -45,7 +46,8 @@ def check_private(path: str, what: str) -> None:
         raise InvalidRequestError(f"the {what} {path} is readable by others: chmod 600 {path}")
 
 
-def _context(purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLContext:
+def _context(purpose: ssl.Purpose, cert: str, key: str, ca: str | None) -> ssl.SSLContext:
+    """A context presenting `cert`; with `ca`, requiring a peer certificate it signed."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if purpose is ssl.Purpose.CLIENT_AUTH
                              else ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -53,11 +55,12 @@ def _context(purpose: ssl.Purpose, cert: str, key: str, ca: str) -> ssl.SSLConte
         context.load_cert_chain(cert, key)
     except (ssl.SSLError, OSError) as exc:
         raise InvalidRequestError(f"cannot use the certificate {cert} with the key {key}: {exc}") from None
-    try:
-        context.load_verify_locations(cafile=ca)
-    except (ssl.SSLError, OSError) as exc:
-        raise InvalidRequestError(f"cannot read the CA certificate {ca}: {exc}") from None
-    context.verify_mode = ssl.CERT_REQUIRED
+    if ca is not None:
+        try:
+            context.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise InvalidRequestError(f"cannot read the CA certificate {ca}: {exc}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 
@@ -68,6 +71,16 @@ def server_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSL
         InvalidRequestError: a file is missing or unusable, or the key is readable by others.
     """
     return _context(ssl.Purpose.CLIENT_AUTH, *_check_files(cert, key, ca, "a server"))
+
+
+def web_server_context(cert: str | None, key: str | None, ca: str | None = None) -> ssl.SSLContext:
+    """The monitor's context (HTTPS): presents `cert`; with `ca`, requires a client certificate signed
+    by it (a scraper's, `rpycdl certs user`); without, any client may connect, as a browser does.
+
+    Raises:
+        InvalidRequestError: a file is missing or unusable, or the key is readable by others.
+    """
+    return _context(ssl.Purpose.CLIENT_AUTH, *_check_files(cert, key, ca, "the monitor", need_ca=False))
 
 
 def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSLContext:

@@ -440,7 +440,9 @@ def test_counts_by_state_and_the_jobs_ended_since(ledger):
     counts = ledger.count_by_state()
     assert counts[JobState.SUCCEEDED] == 2 and counts[JobState.FAILED] == 1 and counts[JobState.RUNNING] == 1
     assert counts[JobState.LOST] == 0 and set(counts) == set(JobState)
-    assert [record.ended for record in ledger.ended_since(200.0)] == [200.0, 300.0]
+    ended = ledger.ended_since(200.0)
+    assert [record.ended for record in ended] == [200.0, 300.0]
+    assert [record.ended for record in ledger.ended_since(0.0, known={ended[0].job_id})] == [100.0, 300.0]
 
 
 def test_refusals_are_counted_by_service_and_reason_in_one_statement_each(ledger, caplog):
