@@ -61,6 +61,16 @@ MAX_LOG = 1024**3
 MAX_RESULT = 1024**3
 """Largest result a detached job may store, in bytes (`--max-result`)."""
 
+MAX_WORKING_DIR = 2 * 1024**3
+"""Largest working directory a job may bring (`--max-working-dir`): its files' bytes, after .rpycdlignore."""
+
+WORKING_DIR_CACHE = 10 * 1024**3
+"""Bytes of working directories a state directory keeps by content hash (`--working-dir-cache`), so that
+the same directory is not sent twice; the least recently used go first."""
+
+WORKING_DIR_VARIABLE = "RPYCDL_WORKING_DIR"
+"""A job's working directory, unpacked for it alone: its current directory, first on its sys.path."""
+
 RECENT_JOBS = 24 * 3600.0
 """Seconds after its end that a job still shows in `rpycdl jobs` without --all."""
 

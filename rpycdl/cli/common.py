@@ -109,6 +109,14 @@ def size_flags(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--gpu-memory", default=None, metavar="SIZE", help="a share of one GPU by memory, such as 6GiB")
 
 
+def working_dir_flag(parser: argparse.ArgumentParser) -> None:
+    """--working-dir: a local directory the job runs in on the server (run and submit)."""
+    parser.add_argument("--working-dir", default=None, metavar="DIR",
+                        help="run the command in a copy of this local directory on the server (sent once per "
+                             "content, leaving out what its .rpycdlignore names; it is the job's current directory "
+                             "and first on its sys.path)")
+
+
 def need_text(ngpus: int, share_bytes: int) -> str:
     """What a request asks for, in words: '2 GPU(s)', 'all GPUs', or '4 GiB of one GPU'."""
     if share_bytes:

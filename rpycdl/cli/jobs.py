@@ -22,6 +22,7 @@ from rpycdl.cli.common import (
     report_unreached,
     server_flags,
     size_flags,
+    working_dir_flag,
 )
 from rpycdl.client import Job, connect, job
 from rpycdl.errors import InvalidRequestError, JobNotFinishedError, RpycdlError
@@ -102,6 +103,7 @@ def _add_submit(command: Command) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     submit.add_argument("service", help="service to run on (pytorch, ...; deeplearning with --image)")
     size_flags(submit)
+    working_dir_flag(submit)
     submit.add_argument("--name", default=None, help="a name to find the job by, unique among your unfinished jobs")
     submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the job after this long")
     submit.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
@@ -120,6 +122,8 @@ def _submit(args: argparse.Namespace) -> int:
     env = dict(item.partition("=")[::2] for item in args.env)
     if (args.env or args.workdir) and not args.image:
         raise InvalidRequestError("--env and --workdir go with --image")
+    if args.working_dir and args.image:
+        raise InvalidRequestError("--working-dir goes without --image: a container job's files come with its image")
     if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
         raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
@@ -132,7 +136,7 @@ def _submit(args: argparse.Namespace) -> int:
         else:
             submitted = conn.root.submit_command(args.argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                                  name=args.name, timeout=args.timeout,
-                                                 queue_timeout=args.queue_timeout)
+                                                 queue_timeout=args.queue_timeout, working_dir=args.working_dir)
         if args.quiet:
             print(submitted.id)
         else:

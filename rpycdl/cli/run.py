@@ -15,6 +15,7 @@ from rpycdl.cli.common import (
     Command,
     server_flags,
     size_flags,
+    working_dir_flag,
 )
 from rpycdl.client import connect
 from rpycdl.errors import InvalidRequestError, RpycdlError
@@ -30,7 +31,7 @@ RUN_EXIT_CODES = f"""exit codes:
   {EXIT_INTERRUPTED}   interrupted (Ctrl-C): the job was cancelled
 A command that itself exits with one of these codes looks the same: the last line on stderr tells.
 
-example: rpycdl run pytorch --gpu-memory 6GiB -- python train.py --lr 0.01"""
+example: rpycdl run pytorch --gpu-memory 6GiB --working-dir . -- python train.py --lr 0.01"""
 
 
 def add_commands(command: Command) -> None:
@@ -38,12 +39,13 @@ def add_commands(command: Command) -> None:
     run = command(
         "run", "run a command on a GPU server with GPUs of its own, output live (like srun)",
         "Run COMMAND on a server of SERVICE once its GPUs are granted, with its output streamed here;\n"
-        "exit with the command's exit code. The command runs in the server's working directory, as the\n"
-        "server's user: paths are the server's. Ctrl-C cancels it.",
+        "exit with the command's exit code. The command runs in the server's working directory, or in a\n"
+        "copy of --working-dir DIR, as the server's user: paths are the server's. Ctrl-C cancels it.",
         usage="rpycdl run SERVICE [options] -- COMMAND [ARG ...]", epilog=RUN_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("service", help="service to run on (pytorch, tensorflow, ...; an alias such as pytorch-2.5)")
     size_flags(run)
+    working_dir_flag(run)
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help=f"stop the command after this long (exit code {EXIT_JOB_TIMEOUT})")
     run.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
@@ -73,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     with conn:
         try:
             code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
-                                      timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state)
+                                      timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state,
+                                      working_dir=args.working_dir)
         except (RpycdlError, OSError, EOFError):
             raise
         except Exception as exc:  # the job raised (not the command: its exit code comes back): it failed

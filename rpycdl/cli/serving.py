@@ -31,11 +31,13 @@ from rpycdl.defaults import (
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
     MAX_RESULT,
+    MAX_WORKING_DIR,
     MEMORY_ALLOWANCE,
     MIN_MAX_PAYLOAD,
     REGISTRY_PORT,
     SERVER_PORT,
     STATE_SUBDIR,
+    WORKING_DIR_CACHE,
 )
 from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError, require_extra
 from rpycdl.units import format_duration, format_size, parse_duration, parse_size
@@ -81,6 +83,11 @@ def _add_job_store_flags(serve: argparse.ArgumentParser) -> None:
                        help="most output a detached job's log keeps (default: %(default)s)")
     serve.add_argument("--max-result", default=format_size(MAX_RESULT), metavar="SIZE",
                        help="largest result a detached job may store (default: %(default)s)")
+    serve.add_argument("--max-working-dir", default=format_size(MAX_WORKING_DIR), metavar="SIZE",
+                       help="largest working directory a job may bring, its files' bytes (default: %(default)s)")
+    serve.add_argument("--working-dir-cache", default=format_size(WORKING_DIR_CACHE), metavar="SIZE",
+                       help="working directories kept by content in the state directory, so that the same one is not "
+                            "sent twice; the least recently used go first (default: %(default)s)")
 
 
 def _add_serve(command: Command) -> None:
@@ -163,9 +170,11 @@ def _serve(args: argparse.Namespace) -> int:
     limits = Limits(max_payload=max_payload, max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
                     max_connections=args.max_connections, idle_timeout=args.idle_timeout,
                     max_result=parse_size(args.max_result), max_log=parse_size(args.max_log),
-                    keep=parse_duration(args.keep))
-    if min(limits.max_result, limits.max_log) < 1 or limits.keep <= 0:
-        raise InvalidRequestError("--max-result, --max-log and --keep must be more than 0")
+                    keep=parse_duration(args.keep), max_working_dir=parse_size(args.max_working_dir),
+                    working_dir_cache=parse_size(args.working_dir_cache))
+    if min(limits.max_result, limits.max_log, limits.max_working_dir, limits.working_dir_cache) < 1 or limits.keep <= 0:
+        raise InvalidRequestError("--max-result, --max-log, --max-working-dir, --working-dir-cache and --keep must be "
+                                  "more than 0")
     shares = ShareRules(unit=args.gpu_unit, allowance=parse_size(args.memory_allowance))
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
                           inventory=args.gpus, lock_dir=args.lock_dir, state_dir=args.state_dir,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
+import pickle
 import sys
 from collections.abc import Callable
 from typing import IO, Any
@@ -12,9 +14,10 @@ from typing import IO, Any
 import rpyc
 from rpyc.core import consts
 
+from rpycdl.artifacts import workdir
 from rpycdl.client.jobs import Job
 from rpycdl.defaults import MIN_MAX_PAYLOAD
-from rpycdl.errors import LimitError
+from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.security import auth
 from rpycdl.wire import bulk, codec, stream
 
@@ -55,7 +58,7 @@ class RemoteRoot:
                  gpus: float | None = None, gpu_memory: str | int | None = None,
                  timeout: float | None = None, queue_timeout: float | None = None,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 on_state: StateCallback | None = None) -> Any:
+                 on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None) -> Any:
         """Run `fn(args)` on the server with `ngpus` GPUs of its own, or a share of one GPU, and
         return its value.
 
@@ -73,6 +76,9 @@ class RemoteRoot:
             stdout, stderr: where the job's output goes, live (default: this process's).
             on_state: called as on_state(state, info) when the job waits ("pending", with
                 info["ahead"]) and when it starts ("running", with info["gpus"]).
+            working_dir: a local directory the job runs in on the server: packed here (leaving out
+                what its .rpycdlignore names), sent unless the server has it already (by content
+                hash), unpacked for this job alone; its current directory and first on its sys.path.
 
         Raises:
             The job's own exception (same type where it can be rebuilt here, else RemoteError),
@@ -90,8 +96,9 @@ class RemoteRoot:
         options = (1 if ngpus is None and not share else ngpus, _sink(stdout or sys.stdout),
                    _sink(stderr or sys.stderr), timeout, queue_timeout, state_cb)
         received: list[Any] = []
+        digest = self._working_dir(working_dir)
         try:
-            outcome = self._run_buffers(payload, layout, buffers, received, (*options, gpus, gpu_memory))
+            outcome = self._run_buffers(payload, layout, buffers, received, (*options, gpus, gpu_memory, digest))
             if outcome is None:  # a server from before run_buffers: everything in band
                 if buffers:
                     payload = codec.encode_payload(fn, args)
@@ -166,13 +173,15 @@ class RemoteRoot:
 
     def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
                gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
-               timeout: float | None = None, queue_timeout: float | None = None) -> Job:
+               timeout: float | None = None, queue_timeout: float | None = None,
+               working_dir: str | os.PathLike[str] | None = None) -> Job:
         """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
         queue as run_code, and runs to its end whatever happens to this client or to the server
         process that accepted it. Returns its handle once the server has recorded it.
 
         Args:
-            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout: as for run_code.
+            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout, working_dir: as for run_code (the
+                working directory is unpacked for the job when it is submitted).
             name: a name to find it by (rpycdl.job(name)), unique among your unfinished jobs.
 
         Raises:
@@ -181,16 +190,33 @@ class RemoteRoot:
         """
         payload = codec.encode_payload(fn, args)
         self._check_size(len(payload))
+        digest = self._working_dir(working_dir)
         return self._submitted(call(self._conn, "submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
-                                    name))
+                                    name, digest))
 
     def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
                        gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
-                       queue_timeout: float | None = None) -> Job:
+                       queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None) -> Job:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
+        digest = self._working_dir(working_dir)
         return self._submitted(call(self._conn, "submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
-                                    queue_timeout, name))
+                                    queue_timeout, name, digest))
+
+    def _working_dir(self, directory: str | os.PathLike[str] | None) -> str | None:
+        """Pack `directory` and make sure the server has it (sent raw beside RPyC, once per content);
+        its content hash, which the job's request names. None for none."""
+        if directory is None:
+            return None
+        limits = json.loads(call(self._conn, "limits"))
+        if "max_working_dir" not in limits:
+            raise InvalidRequestError("this server predates working directories: upgrade it, or run without one")
+        packed = workdir.pack(directory, limits["max_working_dir"])
+        if not call(self._conn, "has_working_dir", packed.digest):
+            sock = bulk.bulk_socket(self._conn)
+            codec.decode_outcome(call(self._conn, "put_working_dir", packed.digest, len(packed.data),
+                                      lambda: self._send(sock, [pickle.PickleBuffer(packed.data)])))
+        return packed.digest
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,

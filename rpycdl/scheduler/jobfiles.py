@@ -4,6 +4,7 @@
     jobs/<id>/payload     the callable and its argument (wire.codec), until the job ends
     jobs/<id>/log         its stdout and stderr as they were written, up to --max-log
     jobs/<id>/result      its outcome (wire.codec: the value, or the exception it raised), written once
+    jobs/<id>/work        its working directory, if it brought one (an attached job's too), until it ends
 
 A result appears whole or not at all (written aside, then renamed), before the ledger says the job
 ended; a log only grows. Writing either can fail (a full disk): the job then fails, saying why, and a
@@ -22,6 +23,9 @@ from typing import Any
 from rpycdl.errors import LimitError
 from rpycdl.scheduler.lockdir import SHARED_FILE_MODE, shared_dir
 from rpycdl.units import format_size
+
+WORKING_DIR = "work"
+"""A job's working directory, in its directory."""
 
 TAIL_CHUNK = 64 * 1024
 """Bytes read at a time, backwards, to find a log's last lines."""
@@ -123,6 +127,15 @@ class JobFiles:
     def remove(self, job_id: str) -> None:
         """Remove everything of the job (its directory)."""
         shutil.rmtree(self.path(job_id), ignore_errors=True)
+
+    def working_dir(self, job_id: str) -> Path:
+        """Where the job's working directory is unpacked for it (rpycdl.artifacts.workdir)."""
+        return self.path(job_id, WORKING_DIR)
+
+    def remove_working_dir(self, job_id: str, everything: bool) -> None:
+        """Remove the job's working directory; with `everything`, its whole directory (an attached job's,
+        which holds nothing else)."""
+        shutil.rmtree(self.path(job_id) if everything else self.working_dir(job_id), ignore_errors=True)
 
     def listed(self) -> list[str]:
         """The ids of the jobs that have a directory."""

@@ -13,10 +13,11 @@ from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.states import JobState
 
 
-def end_orphaned(ledger: Ledger) -> list[JobRecord]:
+def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
     """End the unfinished jobs, of any server, whose owner died: an attached job's connection process
     (FAILED, or CANCELLED if a cancel was asked), a detached job's supervisor (LOST). What is left of
-    each job is killed first (rpycdl.scheduler.procs). Returns the jobs ended here."""
+    each job is killed first (rpycdl.scheduler.procs), and its working directory removed (an attached
+    job's directory holds nothing else). Returns the jobs ended here."""
     ended = []
     for record in ledger.unfinished():
         if procs.alive(record.owner_pid, record.owner_start):
@@ -31,6 +32,7 @@ def end_orphaned(ledger: Ledger) -> list[JobRecord]:
             error_type, why = "JobCrashedError", "the connection process serving this job died"
         if ledger.end(record.job_id, state, record.error or why, error_type):
             ended.append(record)
+            files.remove_working_dir(record.job_id, everything=not record.detached)
     return ended
 
 

@@ -1,8 +1,8 @@
 """The job process's own side, from its fork to its exit: it leads its own session, dies with its
-parent, takes its environment (its GPUs) from the go pipe before it unpickles anything, installs
-the memory caps of a share, runs the payload, and writes its outcome to the result pipe: a header
-(how many out-of-band buffers, then the size and read-only flag of each), the buffers (lent to
-the pipe by reference, bulk.lend_to_pipe), then the outcome bytes until the end."""
+parent, takes its environment (its GPUs; its working directory, entered) from the go pipe before it
+unpickles anything, installs the memory caps of a share, runs the payload, and writes its outcome to
+the result pipe: a header (how many out-of-band buffers, then the size and read-only flag of each),
+the buffers (lent to the pipe by reference, bulk.lend_to_pipe), then the outcome bytes until the end."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from rpycdl.defaults import WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
 from rpycdl.wire import bulk, codec
@@ -93,6 +94,10 @@ def run_job(body: bytes | None, buffers: Sequence[Any], *, go_r: int, out_w: int
             os._exit(0)
         size, out_of_band = GO.unpack_from(message)
         os.environ.update(json.loads(message[GO.size:GO.size + size]))
+        working_dir = os.environ.get(WORKING_DIR_VARIABLE)
+        if working_dir:  # before the payload is loaded: its functions may come from the directory's modules
+            os.chdir(working_dir)
+            sys.path.insert(0, working_dir)
         body = body or message[GO.size + size:]
         caps.install_caps()
         try:

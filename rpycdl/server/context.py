@@ -1,6 +1,6 @@
-"""What one server's connections share: its limits, GPUs, lock manager, job ledger and job files, built
-once in the server parent before any fork (rpycdl.server), read by every connection (rpycdl.service);
-a detached job's supervisor builds the same from its spec."""
+"""What one server's connections share: its limits, GPUs, lock manager, job ledger, job files and working
+directories' cache, built once in the server parent before any fork (rpycdl.server), read by every
+connection (rpycdl.service); a detached job's supervisor builds the same from its spec."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rpycdl.artifacts.workdir import WorkdirCache
 from rpycdl.defaults import (
     IDLE_TIMEOUT,
     KEEP,
@@ -17,6 +18,8 @@ from rpycdl.defaults import (
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
     MAX_RESULT,
+    MAX_WORKING_DIR,
+    WORKING_DIR_CACHE,
 )
 from rpycdl.gpu.inventory import GPU, Inventory
 from rpycdl.scheduler import procs
@@ -38,6 +41,8 @@ class Limits:
     max_result: int = MAX_RESULT
     max_log: int = MAX_LOG
     keep: float = KEEP
+    max_working_dir: int = MAX_WORKING_DIR
+    working_dir_cache: int = WORKING_DIR_CACHE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,12 +68,14 @@ class ServerContext:
     locks: GPULockManager = field(init=False)
     ledger: Ledger = field(init=False)
     files: JobFiles = field(init=False)
+    working_dirs: WorkdirCache = field(init=False)
 
     def __post_init__(self) -> None:
         self.gpus = self.inventory.gpus()
         self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
         self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
         self.files = JobFiles(self.state_dir)
+        self.working_dirs = WorkdirCache(os.path.join(self.state_dir, "workdirs"), self.limits.working_dir_cache)
         self.inventory.use_lock_dir(self.lock_dir)
 
     def info(self) -> dict[str, Any]:

@@ -268,7 +268,7 @@ class DLServer(ForkingServer):
 
         for record in ctx.locks.clear_orphans(claim):
             log.warning("GPUs of job %s granted again: its connection process died", record.get("job_id"))
-        for record in sweep.end_orphaned(ctx.ledger):
+        for record in sweep.end_orphaned(ctx.ledger, ctx.files):
             log.warning("job %s ended: %s", record.job_id, record.error)
             ctx.locks.wake_all()
 

@@ -20,14 +20,16 @@ if TYPE_CHECKING:  # docker is needed only by servers that run containers
 MAX_TIMEOUT = 366 * 24 * 3600.0
 """The longest timeout or queue_timeout a request may give, in seconds."""
 
-CALL_OPTIONS = ("ngpus", "stdout", "stderr", "timeout", "queue_timeout", "on_state", "gpus", "gpu_memory")
+CALL_OPTIONS = ("ngpus", "stdout", "stderr", "timeout", "queue_timeout", "on_state", "gpus", "gpu_memory",
+                "working_dir")
 """The options of `run` and `run_buffers` after their fixed arguments, in the order rpycdl clients
-send them positionally (they may also come by name)."""
+send them positionally (they may also come by name); `working_dir` is the content hash of a working
+directory sent before (exposed_put_working_dir)."""
 
 CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
 """The options of `run_container` after the image and the command, likewise."""
 
-SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name")
+SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir")
 """The options of `submit` and `submit_command` after the payload or the command."""
 
 SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name")
@@ -75,6 +77,8 @@ class JobRequest:
         timeout: seconds the job may run; queue_timeout: seconds it may wait for its GPUs.
         output: where its output goes.
         detached: submitted to run without its client (a supervisor owns it), with `name` if given.
+        working_dir: the content hash of the working directory the job runs in (in the server's
+            cache: unpacked for the job alone), or None.
     """
 
     gpu_request: GPURequest
@@ -89,6 +93,7 @@ class JobRequest:
     output: Output = field(default_factory=Output)
     detached: bool = False
     name: str | None = None
+    working_dir: str | None = None
 
     @property
     def kind(self) -> str:
@@ -102,6 +107,8 @@ class JobRequest:
             asked["command"] = list(self.command)
         if self.container is not None:
             asked.update(image=self.container.image, command=list(self.container.command))
+        if self.working_dir is not None:
+            asked["working_dir"] = self.working_dir
         return asked
 
 
@@ -162,7 +169,8 @@ def check_command(command: Any) -> tuple[str, ...]:
 
 
 def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = None, gpus: Any = None,
-          gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, **job: Any) -> JobRequest:
+          gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, working_dir: Any = None,
+          **job: Any) -> JobRequest:
     """Check what a request asks for against this server, and make it a JobRequest.
 
     Args:
@@ -170,6 +178,7 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         owner, client: who sent it, from where.
         ngpus, gpus, gpu_memory: the GPUs, as the client gave them (scheduler.shares.parse_request).
         timeout, queue_timeout: seconds, as the client gave them.
+        working_dir: the content hash of a working directory in the server's cache, or None.
         job: what to run and where its output goes: `body` and `buffers` (and `command`), or
             `container`; `output`; `detached` and `name`.
 
@@ -177,9 +186,12 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         InvalidRequestError: anything it could never run.
     """
     sizes = [gpu.memory_total for gpu in context.gpus]
+    if working_dir is not None and (not isinstance(working_dir, str) or not context.working_dirs.has(working_dir)):
+        raise InvalidRequestError(f"working_dir {working_dir!r} is not a working directory this server has: "
+                                  "rpycdl clients send it first (put_working_dir) and name it by its hash")
     return JobRequest(parse_request(ngpus, gpus, gpu_memory, sizes, context.shares), owner, client,
                       timeout=check_seconds(timeout, "timeout"),
-                      queue_timeout=check_seconds(queue_timeout, "queue_timeout"), **job)
+                      queue_timeout=check_seconds(queue_timeout, "queue_timeout"), working_dir=working_dir, **job)
 
 
 def writer(stream: Any) -> Callable[[str], None]:

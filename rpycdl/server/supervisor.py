@@ -35,7 +35,7 @@ from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security.auth import Identity
 from rpycdl.server import child, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
-from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
+from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info, unpack_working_dir
 from rpycdl.states import JobState
 from rpycdl.wire import codec
 
@@ -73,6 +73,7 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
     check_queue_limits(context, checked, record.job_id)
     context.files.create(record.job_id, _spec(context, checked, container), checked.body)
     try:
+        unpack_working_dir(context, record.job_id, checked)  # now: the cache may let it go before the job runs
         place = context.locks.enqueue(need_of(context, record), queue_info(context, record, checked))
         try:
             pid, go = _spawn(context.state_dir, record.job_id, place)
@@ -106,7 +107,7 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                         "user": checked.owner.user, "verified": checked.owner.verified, "client": checked.client,
                         "timeout": checked.timeout, "queue_timeout": checked.queue_timeout, "name": checked.name,
                         "command": None if checked.command is None else list(checked.command),
-                        "container": container}}
+                        "container": container, "working_dir": checked.working_dir}}
 
 
 def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
@@ -179,7 +180,7 @@ def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], No
         GPURequest(asked["ngpus"], asked["share_bytes"]), Identity(asked["user"], asked["verified"]), asked["client"],
         body=body, container=container, command=None if asked["command"] is None else tuple(asked["command"]),
         timeout=asked["timeout"], queue_timeout=asked["queue_timeout"], name=asked["name"], detached=True,
-        output=request.Output(write, write))
+        output=request.Output(write, write), working_dir=asked.get("working_dir"))
 
 
 def supervise(state_dir: str, job_id: str, place: Place, go_fd: int) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import rpycdl
 
 ROOT = Path(rpycdl.__file__).parent
-ROLES = {"client", "wire", "security", "server", "scheduler", "gpu", "site", "monitor", "cli"}
+ROLES = {"client", "wire", "security", "server", "scheduler", "gpu", "site", "monitor", "cli", "artifacts"}
 SHARED = {"__init__", "__main__", "errors", "defaults", "units", "registry", "states"}
 """The modules at the top: the public API, the command's entry, and what every role shares."""
 

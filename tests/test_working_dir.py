@@ -1,0 +1,161 @@
+"""A job's working directory end to end: packed by a real client, sent once per content over the
+connection's bulk path, cached by the server, unpacked for each job alone (its current directory and
+first on its sys.path), removed when it ends; attached, detached and from the command line; refused
+by name when it is too large or hostile, with the server still serving and nothing written outside.
+Real registry and servers on loopback; only the GPUs are simulated."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import io
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import wait_until
+
+import rpycdl
+from rpycdl.artifacts import workdir
+from rpycdl.client.connection import call
+from rpycdl.wire import bulk, codec
+
+
+def _project(root: Path) -> Path:
+    """A small training project: a module, a data file, and what .rpycdlignore leaves out."""
+    project = root / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "trainlib.py").write_text("def train(args):\n"
+                                         "    import os\n"
+                                         "    with open('data/lr.txt') as f:\n"
+                                         "        lr = float(f.read())\n"
+                                         "    return {'lr': lr * args, 'cwd': os.getcwd(),\n"
+                                         "            'files': sorted(os.listdir('.')), 'module': __file__}\n")
+    (project / "data" / "lr.txt").write_text("0.5")
+    (project / "big.ckpt").write_bytes(b"x" * 1000)
+    (project / workdir.IGNORE_FILE).write_text("*.ckpt\n")
+    return project
+
+
+@pytest.fixture
+def imported() -> Iterator[Callable[[Path], Any]]:
+    """imported(project) -> trainlib.train, imported here from `project`: dill pickles it by reference to
+    its module, so a server can load it only where that module is importable."""
+
+    def load(project: Path) -> Any:
+        sys.path.insert(0, str(project))
+        try:
+            return importlib.import_module("trainlib").train
+        finally:
+            sys.path.remove(str(project))
+
+    yield load
+    sys.modules.pop("trainlib", None)
+
+
+def _job_dirs(lock_dir: str) -> list[str]:
+    jobs = Path(lock_dir) / "state" / "jobs"
+    return sorted(entry.name for entry in jobs.iterdir()) if jobs.exists() else []
+
+
+def test_a_job_runs_in_its_working_directory_sent_once(server, connect, lock_dir, tmp_path, imported):
+    port = server("pytorch", "fake:2")
+    conn = connect(port)
+    train = imported(_project(tmp_path))
+    with pytest.raises(rpycdl.InvalidRequestError, match="cannot be loaded on this server"):
+        conn.root.run_code(train, 2)  # its module is not on the server
+    assert not conn.root.has_working_dir(workdir.pack(tmp_path / "project", 10**6).digest)
+
+    value = conn.root.run_code(train, 2, working_dir=tmp_path / "project")
+    assert value["lr"] == 1.0
+    assert value["files"] == [workdir.IGNORE_FILE, "data", "trainlib.py"]  # big.ckpt left out
+    assert value["module"] == os.path.join(value["cwd"], "trainlib.py")
+    assert Path(value["cwd"]).parent.parent == Path(lock_dir) / "state" / "jobs"  # a copy, the job's own
+    wait_until(lambda: _job_dirs(lock_dir) == [], 10, "the job's directory to go with it")  # after the reply
+    assert conn.root.has_working_dir(workdir.pack(tmp_path / "project", 10**6).digest)
+
+    (tmp_path / "project" / "other.ckpt").write_bytes(b"y" * 10**6)  # ignored: the same content goes up
+    again = connect(port).root.run_code(train, 4, working_dir=str(tmp_path / "project"))
+    assert again["lr"] == 2.0 and again["cwd"] != value["cwd"]  # a directory of its own each time
+    (tmp_path / "project" / "data" / "lr.txt").write_text("0.25")
+    assert conn.root.run_code(train, 4, working_dir=tmp_path / "project")["lr"] == 1.0  # new content: sent
+
+
+def test_a_detached_job_and_the_command_line(server, connect, lock_dir, tmp_path, imported):
+    port = server("pytorch", "fake:2")
+    project = _project(tmp_path)
+    (project / "script.py").write_text("import trainlib\nprint('lr is', trainlib.train(3)['lr'])\n")
+    conn = connect(port)
+    conn.root.identify("alice")
+    job = conn.root.submit(imported(project), 4, working_dir=project)
+    assert job.result(timeout=30)["lr"] == 2.0
+    assert not (Path(lock_dir) / "state" / "jobs" / job.id / "work").exists()  # its log and result stay
+    assert (Path(lock_dir) / "state" / "jobs" / job.id / "result").exists()
+
+    cli = [sys.executable, "-m", "rpycdl"]
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    ran = subprocess.run([*cli, "run", "pytorch", *where, "--working-dir", str(project), "--", sys.executable,
+                          "script.py"], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == "lr is 1.5\n"
+    submitted = subprocess.run([*cli, "submit", "pytorch", *where, "-q", "--working-dir", str(project), "--",
+                                sys.executable, "script.py"], capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    waited = subprocess.run([*cli, "wait", submitted.stdout.strip(), *where], capture_output=True, text=True,
+                            timeout=60)
+    assert waited.returncode == 0, waited.stderr
+    logs = subprocess.run([*cli, "logs", submitted.stdout.strip(), *where], capture_output=True, text=True,
+                          timeout=60)
+    assert logs.stdout == "lr is 1.5\n"
+    wait_until(lambda: all(not (Path(lock_dir) / "state" / "jobs" / name / "work").exists()
+                           for name in _job_dirs(lock_dir)), 10, "the working directories to go")
+
+
+def test_too_large_or_hostile_working_directories_are_refused(server, connect, lock_dir, tmp_path):
+    port = server("pytorch", "fake:2", "--max-working-dir", "1MiB")
+    conn = connect(port)
+    project = _project(tmp_path)
+    (project / "weights.bin").write_bytes(b"w" * 2 * 1024**2)
+    with pytest.raises(rpycdl.LimitError, match=workdir.IGNORE_FILE):
+        conn.root.run_code(len, "x", working_dir=project)
+    outside = tmp_path / "outside"
+    outside.write_text("secret")
+    (project / "weights.bin").unlink()
+    (project / "leak").symlink_to(outside)
+    with pytest.raises(rpycdl.InvalidRequestError, match="leak"):
+        conn.root.run_code(len, "x", working_dir=project)
+
+    def run_in(digest: str) -> Any:  # a run naming a working directory by its hash, as a client may
+        options = [None] * 8  # ngpus, stdout, stderr, timeout, queue_timeout, on_state, gpus, gpu_memory
+        return codec.decode_outcome(call(conn.root._conn, "run", codec.encode_payload(len, "x"), *options, digest))
+
+    with pytest.raises(rpycdl.InvalidRequestError, match="not a working directory this server has"):
+        run_in("0" * 64)
+
+    def put(data: bytes, digest: str | None = None) -> Any:  # what a hostile client can send
+        raw = conn.root._conn
+        sock = bulk.bulk_socket(raw)
+        return codec.decode_outcome(call(raw, "put_working_dir", digest or hashlib.sha256(data).hexdigest(),
+                                         len(data), lambda: bulk.send_buffers(sock, [pickle.PickleBuffer(data)])))
+
+    escape = io.BytesIO()
+    with tarfile.open(fileobj=escape, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        member = tarfile.TarInfo("../../escaped.txt")
+        member.size = 3
+        archive.addfile(member, io.BytesIO(b"bad"))
+    put(escape.getvalue())  # cached as it came: checked, member by member, when a job unpacks it
+    with pytest.raises(rpycdl.InvalidRequestError, match="escaped.txt"):
+        run_in(hashlib.sha256(escape.getvalue()).hexdigest())
+    with pytest.raises(rpycdl.InvalidRequestError, match="damaged"):
+        put(b"some bytes", digest="1" * 64)
+    with pytest.raises(rpycdl.LimitError, match="--max-working-dir"):
+        codec.decode_outcome(call(conn.root._conn, "put_working_dir", "2" * 64, 10**12, None))
+    assert not list(tmp_path.rglob("escaped.txt")) and not list(Path(lock_dir).rglob("escaped.txt"))
+    wait_until(lambda: _job_dirs(lock_dir) == [], 10, "the refused jobs' directories to go")
+    assert conn.root.run_code(len, "still serving") == 13

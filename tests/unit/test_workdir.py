@@ -1,0 +1,220 @@
+"""rpycdl.artifacts.workdir in-process: packing (deterministic, .rpycdlignore, limits, what cannot go),
+unpacking untrusted archives (nothing outside the directory, refused by name), the cache by content."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import multiprocessing
+import os
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rpycdl.artifacts import workdir
+from rpycdl.errors import InvalidRequestError, LimitError
+
+MiB = 1024**2
+
+
+def tree(root: Path) -> dict[str, tuple[str, object, int]]:
+    """Every entry under `root`: kind, content or link target, mode bits."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            found[name] = ("link", os.readlink(path), 0)
+        elif path.is_dir():
+            found[name] = ("dir", None, path.stat().st_mode & 0o777)
+        else:
+            found[name] = ("file", path.read_bytes(), path.stat().st_mode & 0o777)
+    return found
+
+
+def project(root: Path) -> Path:
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "sub" / "data.bin").write_bytes(bytes(range(256)) * 10)
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "naïve ünïcode.txt").write_text("ok")
+    (root / "latest").symlink_to("pkg/sub/data.bin")
+    return root
+
+
+def test_round_trip_keeps_content_modes_and_inside_links(tmp_path):
+    source = project(tmp_path / "src")
+    packed = workdir.pack(source, 10 * MiB)
+    assert packed.files == 4 and packed.size == 2560 + len("#!/bin/sh\n") + 2
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    workdir.unpack(packed.data, dest, 10 * MiB)
+    assert tree(dest) == tree(source)
+
+
+def test_the_same_content_has_the_same_digest(tmp_path):
+    first = workdir.pack(project(tmp_path / "a"), MiB)
+    copy = project(tmp_path / "b")
+    os.utime(copy / "run.sh", (1, 1))
+    assert workdir.pack(copy, MiB).digest == first.digest == hashlib.sha256(first.data).hexdigest()
+    (copy / "run.sh").write_text("#!/bin/sh \n")
+    assert workdir.pack(copy, MiB).digest != first.digest
+
+
+def test_rpycdlignore_works_as_gitignore(tmp_path):
+    source = project(tmp_path / "src")
+    (source / "model.ckpt").write_bytes(b"x" * 3 * MiB)
+    (source / "data").mkdir()
+    (source / "data" / "big.csv").write_text("big")
+    (source / ".git").mkdir()
+    (source / ".git" / "HEAD").write_text("ref")
+    (source / "pkg" / "__pycache__").mkdir()
+    (source / "pkg" / "__pycache__" / "x.pyc").write_bytes(b"pyc")
+    (source / workdir.IGNORE_FILE).write_text("*.ckpt\ndata/*\n!data/keep.csv\n")
+    (source / "data" / "keep.csv").write_text("keep")
+    with pytest.raises(LimitError, match=workdir.IGNORE_FILE):  # the checkpoint, were it not ignored
+        workdir.pack(source / "pkg", 100)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    workdir.unpack(workdir.pack(source, 2 * MiB).data, dest, 2 * MiB)
+    names = set(tree(dest))
+    assert "data/keep.csv" in names and "data/big.csv" not in names and "model.ckpt" not in names
+    assert not {name for name in names if name.startswith(".git") or "__pycache__" in name}
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda root: (root / "out").symlink_to("/etc/passwd"), "out"),
+    (lambda root: (root / "up").symlink_to("../elsewhere"), "up"),
+    (lambda root: os.mkfifo(root / "pipe"), "pipe"),
+    (lambda root: (root / "new\nline").write_text("x"), "new\\nline"),
+])
+def test_what_cannot_go_is_refused_by_name(tmp_path, make, named):
+    source = project(tmp_path / "src")
+    make(source)
+    with pytest.raises(InvalidRequestError, match=named.replace("\\", "\\\\")):
+        workdir.pack(source, MiB)
+    with pytest.raises(InvalidRequestError, match="not a directory"):
+        workdir.pack(source / "run.sh", MiB)
+
+
+def archive(*members: tuple[str, bytes | str | None, bytes]) -> bytes:
+    """A tar made by hand: (name, type, content or link target)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as out:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+                info.linkname = payload.decode()
+                out.addfile(info)
+            else:
+                info.size = len(payload)
+                out.addfile(info, io.BytesIO(payload))
+    return buffer.getvalue()
+
+
+F, D, L = tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE
+
+
+@pytest.mark.parametrize("members, named", [
+    ([("../x", F, b"bad")], "../x"),
+    ([("a/../../x", F, b"bad")], "a/../../x"),
+    ([("/abs", F, b"bad")], "/abs"),
+    ([("out", L, b"/etc"), ("out/passwd", F, b"bad")], "out"),
+    ([("a", L, b"."), ("a/b", L, b".."), ("a/b/x", F, b"bad")], "a/b"),
+    ([("hard", tarfile.LNKTYPE, b"/etc/passwd")], "hard"),
+    ([("dev", tarfile.CHRTYPE, b"")], "dev"),
+    ([("fifo", tarfile.FIFOTYPE, b"")], "fifo"),
+    ([("new\nline", F, b"x")], "new"),
+    ([("twice", F, b"a"), ("twice", F, b"b")], "twice"),
+    ([("big", F, b"x" * 2000)], "big"),
+    ([("ok", F, b"x"), ("./ok2", F, b"x")], "./ok2"),
+])
+def test_hostile_archives_write_nothing(tmp_path, members, named):
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(InvalidRequestError, match=re.escape(named)):
+        workdir.unpack(archive(*members), dest, 1000)
+    assert sorted(tmp_path.rglob("*")) == before and not any(dest.iterdir())
+
+
+def test_a_declared_size_or_count_bomb_is_refused_before_writing(tmp_path):
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    header = tarfile.TarInfo("huge")
+    header.size = 10**12  # declared, not sent: refused on the header
+    with pytest.raises(InvalidRequestError, match="huge"):
+        workdir.unpack(header.tobuf(tarfile.PAX_FORMAT) + bytes(1024), dest, 10 * MiB)
+    many = archive(*[(f"f{n}", F, b"") for n in range(workdir.MAX_MEMBERS + 1)])
+    with pytest.raises(InvalidRequestError, match="entries"):
+        workdir.unpack(many, dest, MiB)
+    assert not any(dest.iterdir())
+    with pytest.raises(InvalidRequestError, match="damaged"):
+        workdir.unpack(b"not a tar at all" * 64, dest, MiB)
+
+
+def test_the_cache_checks_evicts_and_unpacks(tmp_path):
+    cache = workdir.WorkdirCache(tmp_path / "cache", max_bytes=3 * 10240)
+    packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(2)]
+    (tmp_path / "p1" / "extra").write_text("1")
+    packs[1] = workdir.pack(tmp_path / "p1", MiB)
+    assert not cache.has(packs[0].digest) and not cache.has("../../etc/passwd")
+    with pytest.raises(InvalidRequestError, match="damaged"):
+        cache.put(packs[0].digest, packs[1].data)
+    with pytest.raises(InvalidRequestError, match="SHA-256"):
+        cache.put("../x", packs[0].data)
+    cache.put(packs[0].digest, packs[0].data)
+    cache.put(packs[1].digest, packs[1].data)
+    os.utime(cache.root / packs[0].digest, (1, 1))  # the least recently used
+    cache.put(hashlib.sha256(b"x" * 20000).hexdigest(), b"x" * 20000)
+    assert not cache.has(packs[0].digest) and cache.has(packs[1].digest)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    cache.unpack(packs[1].digest, dest, MiB)
+    assert (dest / "extra").read_text() == "1"
+    with pytest.raises(KeyError):
+        cache.unpack(packs[0].digest, tmp_path, MiB)
+
+
+def _put(root: str, data: bytes) -> None:
+    workdir.WorkdirCache(root, 10 * MiB).put(hashlib.sha256(data).hexdigest(), data)
+
+
+def test_processes_putting_one_archive_at_once_leave_it_whole(tmp_path):
+    data = os.urandom(4 * MiB)
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_put, args=(str(tmp_path / "cache"), data)) for _ in range(6)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0
+    assert (tmp_path / "cache" / hashlib.sha256(data).hexdigest()).read_bytes() == data
+
+
+names = st.text(alphabet="abcxyz_-.0", min_size=1, max_size=8).filter(lambda name: name not in (".", ".."))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.lists(names, min_size=1, max_size=3).map("/".join), st.binary(max_size=300),
+                       max_size=8))
+def test_random_trees_round_trip(files):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        source, dest = Path(scratch, "src"), Path(scratch, "dest")
+        source.mkdir()
+        dest.mkdir()
+        for name, content in files.items():
+            path = source / name
+            if any(parent.is_file() for parent in path.parents) or path.is_dir():
+                continue  # a name that is a prefix of another: one of them wins
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content)
+        workdir.unpack(workdir.pack(source, MiB).data, dest, MiB)
+        assert tree(dest) == tree(source)
