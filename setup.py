@@ -10,9 +10,10 @@ CLIENT = [
 ]
 """`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""
 
-SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535", "prometheus-client>=0.20", "starlette>=0.37", "uvicorn>=0.47"]
+SERVER = ["fasteners>=0.19", "nvidia-ml-py>=12.535", "prometheus-client>=0.20", "starlette>=0.37", "uvicorn>=0.47",
+          "fsspec>=2023.6", "s3fs>=2023.6"]
 """`rpycdl[server]`: `rpycdl serve` (GPU locks, NVML), `rpycdl monitor` (metrics and dashboard over HTTP) and the
-demo."""
+demo, the artifact store (a local directory, or S3 and MinIO through fsspec and s3fs)."""
 
 SITE = ["docker>=7.0", "cryptography>=41"]
 """`rpycdl[site]`: `rpycdl up`/`down`, job containers of the generic server, `rpycdl certs`."""
@@ -31,7 +32,8 @@ setup(
         "server": SERVER,
         "site": SITE,
         "all": SERVER + SITE,
-        "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22", "selenium>=4"],
+        "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22", "selenium>=4",
+                                   "moto[server]>=5"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

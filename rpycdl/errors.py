@@ -116,3 +116,8 @@ class ContainerError(RpycdlError):
 
     def __reduce__(self) -> tuple[type, tuple[str, int, str]]:
         return type(self), (str(self), self.exit_code, self.log_tail)
+
+
+class ArtifactStoreError(RpycdlError):
+    """The artifact store could not be reached or refused an operation (down, refused credentials, no
+    such bucket, not writable); the files to upload stay where they were."""
