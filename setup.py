@@ -6,6 +6,7 @@ CLIENT = [
     "rpyc>=6.0,<6.1",  # rpycdl overrides private methods of rpyc 6.0: tests/unit/test_rpyc_internals.py
     "dill>=0.3.8",
     "pathspec>=0.11",  # a working directory's .rpycdlignore (gitignore syntax)
+    "tqdm>=4.60",  # download progress
     "tomli>=1.1; python_version < '3.11'",
 ]
 """`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""

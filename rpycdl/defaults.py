@@ -68,6 +68,12 @@ WORKING_DIR_CACHE = 10 * 1024**3
 """Bytes of working directories a state directory keeps by content hash (`--working-dir-cache`), so that
 the same directory is not sent twice; the least recently used go first."""
 
+ARTIFACT_CHUNK = 4 * 1024**2
+"""Bytes of an artifact a download reads through its server per call."""
+
+OUTPUT_DIR_VARIABLE = "RPYCDL_OUTPUT_DIR"
+"""A job's output directory: what it leaves there goes to the artifact store when it ends."""
+
 WORKING_DIR_VARIABLE = "RPYCDL_WORKING_DIR"
 """A job's working directory, unpacked for it alone: its current directory, first on its sys.path."""
 

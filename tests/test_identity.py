@@ -46,7 +46,8 @@ def test_only_the_owner_or_an_admin_cancels_a_job(tls_server, team, tmp_path, ca
     flags = ["--host", "127.0.0.1", "--port", str(tls_server.port)]
     bob_flags = [f"--{key.replace('_', '-')}={value}" for key, value in team.user("bob").items()]
     assert cli.main(["cancel", first.job_id, *flags, *bob_flags]) == 1
-    assert "only its owner or an admin can read its log and result, cancel or delete it" in capsys.readouterr().err
+    assert ("only its owner or an admin can read its log, result and artifacts, cancel or delete it"
+            in capsys.readouterr().err)
 
     assert cli.main(["status", *flags, *bob_flags]) == 0
     assert f"job {first.job_id} of alice from" in capsys.readouterr().out

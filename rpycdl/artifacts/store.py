@@ -1,174 +1,316 @@
 """The artifact store: where jobs' outputs go, at a URL the site chooses; a local directory
-(`/var/lib/rpycdl/artifacts`, `file:///...`, the embedded default under the state directory) or S3 and
-S3-compatible stores such as MinIO (`s3://bucket/prefix`), all through fsspec (s3fs for S3).
+(`/srv/artifacts` or `file:///srv/artifacts`; the embedded default is the state directory's artifacts/) or
+S3 and S3-compatible stores such as MinIO (`s3://bucket` or `s3://bucket/prefix`), both through fsspec
+(s3fs for S3).
 
-Each job's files lie under `<root>/<user>/<job id>/<name>`. Users, job ids and names are checked before
-any path is made, so that no call reaches another user's prefix or leaves the root. S3's endpoint,
-region and credentials come from the usual AWS variables (AWS_ENDPOINT_URL, AWS_DEFAULT_REGION,
-AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) as boto reads them, or from `endpoint_url`; they stay in the
+Layout: a job's files lie under `<root>/<user>/<job id>/<name>`, name being the file's path under the
+job's output directory. Users, job ids and names are checked before any path is made, so that no call
+reaches another user's prefix or leaves the root. A local store writes each file under
+`<root>/@uploading/` first (no user's name has an @) and renames it into place when whole; S3 shows an
+object only once its upload is complete: a reader never sees half a file.
+
+S3's endpoint, region and credentials default to the usual AWS variables (AWS_ENDPOINT_URL,
+AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) as boto reads them. They stay in the
 server: clients read artifacts through it (read()). Every failure of the store is an ArtifactStoreError
-with its reason; the files to upload are never changed."""
+saying why; the files uploaded are never changed."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import stat
+import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 import fsspec
 
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 
-MULTIPART_CHUNK = 8 * 1024**2
-"""Bytes of each part of a multipart upload to S3: s3fs sends a file of twice this or more in parts."""
+MULTIPART_THRESHOLD = 64 * 1024**2
+"""Bytes of each part of an upload to S3 (s3fs's block size): a larger file goes up in parts."""
 
-COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
+COPY_CHUNK = 8 * 1024**2
+"""Bytes copied at a time, and so the steps in which upload() reports its progress."""
+
+UPLOADING = "@uploading"
+"""A local store's directory, under its root, of the files being written."""
+
+_COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
 class Artifact:
-    """One file of a job's artifacts: its name under the job's prefix, and its size in bytes."""
+    """One of a job's artifacts: its name under the job's prefix (a relative POSIX path), its size in bytes."""
 
     name: str
     size: int
 
 
 class ArtifactStore:
-    """A store of jobs' artifacts at `url` (see from_url)."""
+    """A store of jobs' artifacts at a URL; each job's files under <root>/<user>/<job_id>/<name>.
 
-    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, root: str) -> None:
-        self.url, self._fs, self._root = url, fs, root.rstrip("/")
+    Attributes:
+        url: the store's URL as given, for messages and `rpycdl status`.
+    """
+
+    def __init__(self, url: str, root: str, make_fs: Callable[[], fsspec.AbstractFileSystem],
+                 bucket: str | None = None) -> None:
+        self.url, self._root, self._make_fs, self._bucket = url, root, make_fs, bucket
+        self._made: tuple[int, fsspec.AbstractFileSystem] | None = None
 
     @classmethod
-    def from_url(cls, url: str, endpoint_url: str | None = None) -> ArtifactStore:
-        """The store at `url`: an absolute directory (or file:// URL), or s3://bucket[/prefix]. Nothing
-        is contacted yet (check() does).
+    def from_url(cls, url: str, *, endpoint_url: str | None = None, region: str | None = None,
+                 key: str | None = None, secret: str | None = None) -> ArtifactStore:
+        """The store at `url`: an absolute directory (`/srv/artifacts`, `file:///srv/artifacts`) or
+        `s3://bucket[/prefix]`. S3's `endpoint_url` (MinIO's), `region` and credentials (`key`, `secret`)
+        default to what boto finds ($AWS_ENDPOINT_URL, $AWS_DEFAULT_REGION, $AWS_ACCESS_KEY_ID...).
+        Nothing is contacted: check() does.
 
         Raises:
-            InvalidRequestError: another kind of URL, a relative path, no bucket.
+            InvalidRequestError: another scheme, a relative path, no bucket.
         """
         if url.startswith("s3://"):
-            root = url.removeprefix("s3://").strip("/")
-            if not root or not COMPONENT.fullmatch(root.split("/")[0]):
+            bucket, _, prefix = url.removeprefix("s3://").partition("/")
+            root = "/".join([bucket, *(part for part in prefix.split("/") if part)])
+            if not _COMPONENT.fullmatch(bucket):
                 raise InvalidRequestError(f"the artifact store {url!r} names no bucket: s3://BUCKET[/PREFIX]")
-            import s3fs  # only a site with an S3 store needs it
-
-            endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-            fs = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint} if endpoint
-                                   else {})
-            return cls(url, fs, root)
+            options = {"key": key, "secret": secret, "skip_instance_cache": True, "use_listings_cache": False,
+                       "client_kwargs": {"endpoint_url": endpoint_url, "region_name": region}}
+            return cls(url, root, lambda: fsspec.filesystem("s3", **options), bucket)
         path = url.removeprefix("file://")
         if not os.path.isabs(path):
             raise InvalidRequestError(f"the artifact store {url!r} is neither an absolute directory, a file:// URL "
                                       "nor an s3://BUCKET[/PREFIX] URL")
-        return cls(url, fsspec.filesystem("file"), path)
+        return cls(url, os.path.normpath(path), lambda: fsspec.filesystem("file"))
 
-    def _prefix(self, user: str, job_id: str) -> str:
-        for what, value in (("user", user), ("job id", job_id)):
-            if not isinstance(value, str) or not COMPONENT.fullmatch(value) or value in (".", ".."):
-                raise InvalidRequestError(f"not a {what} the artifact store takes: {value!r}")
-        return f"{self._root}/{user}/{job_id}"
-
-    def _path(self, user: str, job_id: str, name: str) -> str:
-        parts = name.split("/") if isinstance(name, str) else [""]
-        if any(part in ("", ".", "..") or any(c in part for c in "\0\n\r\\") for part in parts):
-            raise InvalidRequestError(f"not an artifact's name: {name!r}")
-        return f"{self._prefix(user, job_id)}/{name}"
-
-    def _failed(self, what: str, exc: BaseException) -> ArtifactStoreError:
-        reason = str(exc) or type(exc).__name__
-        if isinstance(exc, FileNotFoundError) and self.url.startswith("s3://"):
-            reason = f"no such bucket or key ({reason})"
-        elif isinstance(exc, PermissionError):
-            reason = f"the store refused the credentials or the access ({reason})"
-        return ArtifactStoreError(f"cannot {what} the artifact store {self.url}: {reason}")
+    @property
+    def _fs(self) -> fsspec.AbstractFileSystem:
+        """This process's filesystem object: s3fs's cannot cross a fork (a server forks a process per
+        connection), so each process makes its own on first use."""
+        if self._made is None or self._made[0] != os.getpid():
+            self._made = (os.getpid(), self._make_fs())
+        return self._made[1]
 
     def check(self) -> None:
-        """Reach the store once (its root listed, or made for a local directory).
+        """Contact the store once: S3's root listed, a local root made if need be and a file written in it.
 
         Raises:
-            ArtifactStoreError: unreachable, refused credentials, no such bucket, not writable.
+            ArtifactStoreError: the store is unreachable, refuses the credentials, has no such bucket, or
+                is a directory that cannot be written.
         """
-        try:
-            if self.url.startswith("s3://"):
-                self._fs.ls(self._root.split("/")[0], refresh=True)
+        with self._failures("use"):
+            if self._bucket is not None:
+                prefix = self._root.partition("/")[2]
+                self._fs.call_s3("list_objects_v2", Bucket=self._bucket, Prefix=prefix and f"{prefix}/", MaxKeys=1)
             else:
-                self._fs.makedirs(self._root, exist_ok=True)
-                if not os.access(self._root, os.W_OK):
-                    raise PermissionError(f"{self._root} is not writable")
-        except Exception as exc:  # the library's errors, whatever the backend: said in words
-            raise self._failed("reach", exc) from None
+                os.makedirs(os.path.join(self._root, UPLOADING), exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=os.path.join(self._root, UPLOADING)):
+                    pass
 
     def upload(self, user: str, job_id: str, source: str | os.PathLike[str],
                on_progress: Callable[[int], None] | None = None) -> list[Artifact]:
-        """Upload every regular file under `source` (symlinks and other entries skipped, never followed)
-        as the job's artifacts; on S3 a large file goes up in parts (MULTIPART_CHUNK). Returns them, by name.
+        """Upload every regular file under the directory `source` as the job's artifacts, named by their
+        paths under it; links and other entries are skipped, never followed. `on_progress` is told the bytes
+        of each piece sent, as they go. Returns the artifacts uploaded, by name.
 
         Raises:
-            ArtifactStoreError: the store failed (the files stay as they were).
+            InvalidRequestError: a bad user or job id; `source` is no directory, or holds a file whose path
+                is no artifact's name (see upload_file).
+            ArtifactStoreError: the store failed (the files stay as they were; those sent stay in the store).
         """
+        self._job(user, job_id)
+        try:
+            top = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise InvalidRequestError(f"no directory to upload at {os.fspath(source)}: {exc.strerror}") from None
         uploaded = []
-        for path, name in _files(Path(source)):
-            uploaded.append(self.upload_file(user, job_id, path, name))
-            if on_progress is not None:
-                on_progress(uploaded[-1].size)
+        try:
+            for name, fd in _regular_files(top):
+                with open(fd, "rb") as reader:
+                    uploaded.append(self._upload(reader, self._path(user, job_id, name), name, on_progress))
+        except OSError as exc:  # from walking `source`: the store's failures are ArtifactStoreError by now
+            raise InvalidRequestError(f"cannot read the directory to upload {os.fspath(source)}: {exc}") from None
+        finally:
+            os.close(top)
         return sorted(uploaded, key=lambda artifact: artifact.name)
 
     def upload_file(self, user: str, job_id: str, path: str | os.PathLike[str], name: str) -> Artifact:
-        """Upload the file `path` as the job's artifact `name`. ArtifactStoreError if the store fails."""
-        remote = self._path(user, job_id, name)
-        size = os.path.getsize(path)
-        try:
-            options: dict[str, Any] = {"chunksize": MULTIPART_CHUNK} if self.url.startswith("s3://") else {}
-            if not self.url.startswith("s3://"):
-                self._fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
-            self._fs.put_file(os.fspath(path), remote, **options)
-        except Exception as exc:  # the library's errors, whatever the backend: said in words
-            raise self._failed(f"upload {name} to", exc) from None
-        return Artifact(name, size)
-
-    def list(self, user: str, job_id: str) -> list[Artifact]:
-        """The job's artifacts, by name ([] if none). ArtifactStoreError if the store fails."""
-        prefix = self._prefix(user, job_id)
-        try:
-            found = self._fs.find(prefix, detail=True)
-        except FileNotFoundError:
-            return []
-        except Exception as exc:  # the library's errors, whatever the backend: said in words
-            raise self._failed("list", exc) from None
-        return sorted((Artifact(path.removeprefix(prefix).lstrip("/"), int(info["size"]))
-                       for path, info in found.items() if info.get("type") == "file"), key=lambda a: a.name)
-
-    def read(self, user: str, job_id: str, name: str, offset: int, size: int) -> bytes:
-        """Up to `size` bytes of the artifact `name` from `offset` (b"" past its end).
+        """Upload the regular file `path` (not a symbolic link) as the job's artifact `name`.
 
         Raises:
-            InvalidRequestError: no such artifact. ArtifactStoreError: the store failed.
+            InvalidRequestError: `path` is no regular file; a bad user or job id (not one name of letters,
+                digits, '.', '_' and '-'), or name (not a relative POSIX path, or with '.', '..' or empty
+                components, NUL, newlines or backslashes).
+            ArtifactStoreError: the store failed.
         """
         remote = self._path(user, job_id, name)
         try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            raise InvalidRequestError(f"no file to upload at {os.fspath(path)}: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InvalidRequestError(f"not a regular file, not uploaded: {os.fspath(path)}")
+        with open(fd, "rb") as reader:
+            return self._upload(reader, remote, name, None)
+
+    def list(self, user: str, job_id: str) -> list[Artifact]:
+        """The job's artifacts, by name ([] if none).
+
+        Raises:
+            InvalidRequestError: a bad user or job id. ArtifactStoreError: the store failed.
+        """
+        prefix = self._job(user, job_id)
+        with self._failures(f"list job {job_id} in"):
             try:
-                return self._fs.cat_file(remote, start=offset, end=offset + size)
-            except OSError:  # S3 refuses a range past the end (416): the end, if that was it
-                if offset >= self._fs.size(remote):
+                found = self._fs.find(prefix, detail=True)
+            except FileNotFoundError as exc:  # a local store's job without a directory: nothing uploaded
+                if _s3_code(exc) == "NoSuchBucket":
+                    raise
+                found = {}
+        return sorted((Artifact(path[len(prefix) + 1:], int(info["size"])) for path, info in found.items()
+                       if info["type"] == "file"), key=lambda artifact: artifact.name)
+
+    def read(self, user: str, job_id: str, name: str, offset: int, size: int) -> bytes:
+        """Up to `size` bytes of the job's artifact `name` from `offset` (b"" from its end on).
+
+        Raises:
+            InvalidRequestError: a bad user, job id, name, offset or size; no such artifact.
+            ArtifactStoreError: the store failed.
+        """
+        path = self._path(user, job_id, name)
+        if not isinstance(offset, int) or not isinstance(size, int) or offset < 0 or size < 1:
+            raise InvalidRequestError(f"cannot read {size!r} bytes of an artifact from offset {offset!r}")
+        with self._failures(f"read {name} from"):
+            try:
+                return self._fs.cat_file(path, start=offset, end=offset + size)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+                if _s3_code(exc) == "NoSuchBucket":
+                    raise
+                raise InvalidRequestError(f"job {job_id} of {user} has no artifact {name!r}") from None
+            except OSError as exc:
+                if _s3_code(exc) == "InvalidRange":  # S3's answer to a range from the object's end on
                     return b""
                 raise
-        except FileNotFoundError:
-            raise InvalidRequestError(f"job {job_id} has no artifact {name!r}") from None
-        except Exception as exc:  # the library's errors, whatever the backend: said in words
-            raise self._failed(f"read {name} from", exc) from None
+
+    def _job(self, user: str, job_id: str) -> str:
+        """The job's prefix, once user and job id are each checked to be one harmless path component."""
+        for what, value in (("user", user), ("job id", job_id)):
+            if not isinstance(value, str) or not _COMPONENT.fullmatch(value) or value in (".", ".."):
+                raise InvalidRequestError(f"not a {what} the artifact store takes: {value!r} (one name of "
+                                          "letters, digits, '.', '_' and '-')")
+        return f"{self._root}/{user}/{job_id}"
+
+    def _path(self, user: str, job_id: str, name: str) -> str:
+        """The path of the job's artifact `name`, once all three are checked."""
+        prefix = self._job(user, job_id)
+        parts = name.split("/") if isinstance(name, str) else [""]
+        if any(part in ("", ".", "..") or any(c in part for c in "\0\n\r\\") for part in parts):
+            raise InvalidRequestError(f"not an artifact's name: {name!r} (a relative path without empty, '.' or "
+                                      "'..' components, NUL, newlines or backslashes)")
+        return f"{prefix}/{name}"
+
+    def _upload(self, reader: BinaryIO, path: str, name: str, on_progress: Callable[[int], None] | None) -> Artifact:
+        """Copy `reader` to the store's `path`, all or nothing."""
+        with self._failures(f"upload {name} to"):
+            if self._bucket is not None:
+                writer = self._fs.open(path, "wb", block_size=MULTIPART_THRESHOLD)
+                try:
+                    size = _copy(reader, writer, on_progress)
+                    writer.close()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        writer.discard()  # aborts a multipart upload begun: no object appears
+                    writer.closed = True  # else fsspec would finish the upload when it collects the writer
+                    raise
+                return Artifact(name, size)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.makedirs(os.path.join(self._root, UPLOADING), exist_ok=True)
+            fd, partial = tempfile.mkstemp(dir=os.path.join(self._root, UPLOADING))
+            try:
+                with open(fd, "wb") as writer:
+                    size = _copy(reader, writer, on_progress)
+                os.replace(partial, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
+                raise
+            return Artifact(name, size)
+
+    @contextlib.contextmanager
+    def _failures(self, action: str) -> Iterator[None]:
+        """Turn the store's failures into ArtifactStoreError("cannot <action> the artifact store <url>: why")."""
+        try:
+            yield
+        except (ArtifactStoreError, InvalidRequestError):
+            raise
+        except Exception as exc:  # fsspec's, s3fs's, botocore's and the OS's errors alike: said in words
+            raise ArtifactStoreError(f"cannot {action} the artifact store {self.url}: {self._reason(exc)}") from exc
+
+    def _reason(self, exc: Exception) -> str:
+        """Why the store failed, and what to fix, in one line."""
+        if self._bucket is None:
+            return f"the directory is not writable ({exc})" if isinstance(exc, PermissionError) else str(exc)
+        from botocore.exceptions import ConnectionError as NoConnection  # botocore, loaded with s3fs
+        from botocore.exceptions import HTTPClientError, NoCredentialsError
+
+        if _s3_code(exc) == "NoSuchBucket":
+            return f"the bucket {self._bucket!r} does not exist: create it, or correct the store's URL"
+        if isinstance(exc, PermissionError):
+            return (f"the store refused the credentials or the access ({exc}): check AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY and the bucket's policy")
+        if isinstance(exc, NoCredentialsError):
+            return "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        if isinstance(exc, (NoConnection, HTTPClientError)):
+            where = urllib.parse.urlsplit(exc.kwargs.get("endpoint_url") or "")
+            endpoint = f"{where.scheme}://{where.netloc}" if where.netloc else "its endpoint"
+            return f"no answer from {endpoint} ({exc.kwargs.get('error') or exc}): is the store up, its endpoint right?"
+        return str(exc) or type(exc).__name__
 
 
-def _files(root: Path, relative: str = "") -> Iterator[tuple[Path, str]]:
-    """(path, name) of every regular file under `root`, sorted; links and other entries left out."""
-    with os.scandir(root / relative) as listing:
-        entries = sorted(listing, key=lambda entry: entry.name)
-    for entry in entries:
-        name = f"{relative}/{entry.name}" if relative else entry.name
-        if entry.is_dir(follow_symlinks=False):
-            yield from _files(root, name)
-        elif entry.is_file(follow_symlinks=False):
-            yield Path(entry.path), name
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code ("NoSuchBucket") of an error s3fs translated into an OSError, if any."""
+    response = getattr(exc.__cause__, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def _copy(reader: BinaryIO, writer: BinaryIO, on_progress: Callable[[int], None] | None) -> int:
+    """Copy `reader` to `writer` by COPY_CHUNK, telling `on_progress`; returns the bytes copied."""
+    copied = 0
+    while chunk := reader.read(COPY_CHUNK):
+        writer.write(chunk)
+        copied += len(chunk)
+        if on_progress is not None:
+            on_progress(len(chunk))
+    return copied
+
+
+def _regular_files(directory: int, prefix: str = "") -> Iterator[tuple[str, int]]:
+    """(name, open descriptor) of each regular file under the open `directory`, depth first. Links and other
+    entries are skipped: each entry is opened without following a link (O_NOFOLLOW, relative to its open
+    parent) and checked once open, so one swapped for a link meanwhile is skipped too. The caller closes
+    the files' descriptors."""
+    with os.scandir(directory) as listing:
+        names = sorted(entry.name for entry in listing
+                       if entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False))
+    for name in names:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP):  # gone, or now a link
+                continue
+            raise
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            yield prefix + name, fd
+            continue
+        try:
+            if stat.S_ISDIR(mode):
+                yield from _regular_files(fd, f"{prefix}{name}/")
+        finally:
+            os.close(fd)

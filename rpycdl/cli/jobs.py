@@ -1,9 +1,11 @@
-"""`rpycdl submit`, `jobs`, `logs`, `wait`, `result`, `cancel` and `delete`: detached jobs, and the
-history of every job in the hosts' ledgers (like sbatch, squeue/sacct, scancel; Ray's job CLI)."""
+"""`rpycdl submit`, `jobs`, `logs`, `wait`, `result`, `cancel`, `delete`, `artifacts` and `download`:
+detached jobs, and the history of every job in the hosts' ledgers (like sbatch, squeue/sacct, scancel;
+Ray's job CLI), and what jobs left in the artifact store."""
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import dill
+from tqdm import tqdm
 
 from rpycdl.cli.common import (
     EXIT_FAILED,
@@ -39,7 +42,7 @@ WAIT_EXIT_CODES = f"""exit codes:
 
 
 def add_commands(command: Command) -> None:
-    """Add submit, jobs, logs, wait, result, cancel and delete to the `rpycdl` parser."""
+    """Add submit, jobs, logs, wait, result, cancel, delete, artifacts and download to the `rpycdl` parser."""
     _add_submit(command)
     listing = command(
         "jobs", "list jobs: waiting, running, and the history",
@@ -71,11 +74,25 @@ def add_commands(command: Command) -> None:
             ("cancel", "cancel a pending or running job", "Cancel a job that has not ended: your own job, or "
              "anyone's with an admin certificate. A waiting job leaves the queue; a running one is stopped."),
             ("delete", "remove a finished job's record, log and result", "Remove an ended job from the ledger, "
-             "with its log and result (a job that has not ended is refused: cancel it first).")):
+             "with its log and result (a job that has not ended is refused: cancel it first)."),
+            ("artifacts", "list what a job left in its output directory, in the artifact store",
+             "List a job's artifacts: the files it left in $RPYCDL_OUTPUT_DIR (rpycdl.output_dir()), uploaded to the "
+             "site's artifact store when it ended. An upload that failed keeps them on the server and says why; "
+             "--retry tries again."),
+            ("download", "download a job's artifacts", "Download a job's artifacts into DEST (default: the current "
+             "directory), keeping their names, through its server (the store's credentials stay there); a "
+             "progress bar on a terminal.")):
         sub = command(name, text, description, epilog=WAIT_EXIT_CODES if name == "wait" else None,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("job", help="the job's id, or the name you gave it")
-        sub.add_argument("service", nargs="?", default=None, help="ask only servers of this service")
+        if name == "download":
+            sub.add_argument("dest", nargs="?", default=".", help="where the files go (default: here)")
+            sub.add_argument("--pattern", default=None, metavar="GLOB", help="only names matching, such as '*.pt'")
+            sub.add_argument("--service", default=None, help="ask only servers of this service")
+        else:
+            sub.add_argument("service", nargs="?", default=None, help="ask only servers of this service")
+        if name == "artifacts":
+            sub.add_argument("--retry", action="store_true", help="upload again what a failed upload kept")
         if name == "logs":
             sub.add_argument("-f", "--follow", action="store_true", help="then follow the output until the job ends")
             sub.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
@@ -260,5 +277,30 @@ def _delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def _artifacts(args: argparse.Namespace) -> int:
+    found = _find(args)
+    entry = found.artifacts(retry=args.retry)
+    where = f"{entry['store']}/{found.info['user']}/{found.id}/"
+    print(f"job {found.id}: artifacts {entry['state']}" + (f" to {where}" if entry["state"] == "uploaded" else ""))
+    for artifact in entry["files"]:
+        print(f"  {format_size(artifact['size']):>10}  {artifact['name']}")
+    if entry["error"]:
+        print(f"rpycdl artifacts: {entry['error']}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def _download(args: argparse.Namespace) -> int:
+    found = _find(args)
+    entry = found.artifacts()
+    total = sum(artifact["size"] for artifact in entry["files"]
+                if args.pattern is None or fnmatch.fnmatch(artifact["name"], args.pattern))
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
+              desc=f"job {found.id}") as bar:
+        written = found.download(args.dest, pattern=args.pattern, on_progress=bar.update)
+    print(f"job {found.id}: {len(written)} file(s), {format_size(total)}, in {args.dest}")
+    return 0
+
+
 COMMANDS = {"submit": _submit, "jobs": _jobs, "logs": _logs, "wait": _wait, "result": _result, "cancel": _cancel,
-            "delete": _delete}
+            "delete": _delete, "artifacts": _artifacts, "download": _download}

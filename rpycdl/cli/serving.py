@@ -83,6 +83,12 @@ def _add_job_store_flags(serve: argparse.ArgumentParser) -> None:
                        help="most output a detached job's log keeps (default: %(default)s)")
     serve.add_argument("--max-result", default=format_size(MAX_RESULT), metavar="SIZE",
                        help="largest result a detached job may store (default: %(default)s)")
+    serve.add_argument("--artifacts", default=None, metavar="URL",
+                       help="where jobs' outputs go when they end: a directory, or s3://BUCKET[/PREFIX] (credentials "
+                            "and region from the AWS variables; default: artifacts/ in the state directory)")
+    serve.add_argument("--artifacts-endpoint", default=None, metavar="URL",
+                       help="the S3-compatible endpoint of --artifacts, such as MinIO's (default: $AWS_ENDPOINT_URL, "
+                            "else AWS)")
     serve.add_argument("--max-working-dir", default=format_size(MAX_WORKING_DIR), metavar="SIZE",
                        help="largest working directory a job may bring, its files' bytes (default: %(default)s)")
     serve.add_argument("--working-dir-cache", default=format_size(WORKING_DIR_CACHE), metavar="SIZE",
@@ -180,7 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
                           inventory=args.gpus, lock_dir=args.lock_dir, state_dir=args.state_dir,
                           insecure=args.insecure, version=args.version,
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                          tls_ca=args.tls_ca, limits=limits, shares=shares)
+                          tls_ca=args.tls_ca, limits=limits, shares=shares, artifact_store=args.artifacts or "",
+                          artifact_endpoint=args.artifacts_endpoint)
     if args.registry != "none":
         registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later
     logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")

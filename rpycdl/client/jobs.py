@@ -1,16 +1,19 @@
 """Job handles: a job of a host's ledger (detached, or attached and seen in the ledger) as a client
-holds it: its status, its logs (live while it runs), its result, cancel and delete."""
+holds it: its status, its logs (live while it runs), its result, its artifacts, cancel and delete."""
 
 from __future__ import annotations
 
 import codecs
+import fnmatch
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rpycdl.defaults import JOB_WAIT_MAX
-from rpycdl.errors import JobNotFinishedError
+from rpycdl.errors import InvalidRequestError, JobNotFinishedError
 from rpycdl.states import JobState
 from rpycdl.wire import codec
 
@@ -111,6 +114,41 @@ class Job:
                 break
         if pending + decoder.decode(b"", final=True):
             yield pending
+
+    def artifacts(self, retry: bool = False) -> dict[str, Any]:
+        """Where the job's outputs stand: {"state": "none", "uploading", "uploaded" or "failed", "files":
+        [{"name", "size"}], "error", "store"}. With `retry`, a failed upload is tried again first."""
+        return self._call("job_artifacts", self.id, retry)
+
+    def download(self, dest: str | os.PathLike[str] = ".", pattern: str | None = None,
+                 on_progress: Callable[[int], None] | None = None) -> list[Path]:
+        """Download the job's uploaded artifacts (those whose name matches the glob `pattern`, if given)
+        into `dest`, keeping their relative names, through the job's server; `on_progress` gets the bytes
+        as they come. Returns the files written.
+
+        Raises:
+            InvalidRequestError: the job has no uploaded artifacts (see artifacts()).
+        """
+        entry = self.artifacts()
+        if entry["state"] != "uploaded":
+            raise InvalidRequestError(f"job {self.id} has no uploaded artifacts (artifacts {entry['state']}"
+                                      f"{': ' + entry['error'] if entry['error'] else ''})")
+        written = []
+        for artifact in entry["files"]:
+            name = artifact["name"]
+            if pattern is not None and not fnmatch.fnmatch(name, pattern):
+                continue
+            if name.startswith("/") or ".." in name.split("/"):
+                raise InvalidRequestError(f"the server named an artifact {name!r}: not downloaded")
+            target = Path(dest, name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as out:
+                while chunk := self._call("job_artifact", self.id, name, out.tell()):
+                    out.write(chunk)
+                    if on_progress is not None:
+                        on_progress(len(chunk))
+            written.append(target)
+        return written
 
     def cancel(self) -> JobStatus:
         """Cancel the job if it has not ended (its owner or an admin may); returns its status when asked."""

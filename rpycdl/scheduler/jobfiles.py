@@ -5,6 +5,7 @@
     jobs/<id>/log         its stdout and stderr as they were written, up to --max-log
     jobs/<id>/result      its outcome (wire.codec: the value, or the exception it raised), written once
     jobs/<id>/work        its working directory, if it brought one (an attached job's too), until it ends
+    jobs/<id>/output      what it left for the artifact store, until uploaded (kept when the upload fails)
 
 A result appears whole or not at all (written aside, then renamed), before the ledger says the job
 ended; a log only grows. Writing either can fail (a full disk): the job then fails, saying why, and a
@@ -26,6 +27,9 @@ from rpycdl.units import format_size
 
 WORKING_DIR = "work"
 """A job's working directory, in its directory."""
+
+OUTPUT_DIR = "output"
+"""A job's outputs, in its directory, until they are in the artifact store."""
 
 TAIL_CHUNK = 64 * 1024
 """Bytes read at a time, backwards, to find a log's last lines."""
@@ -132,10 +136,16 @@ class JobFiles:
         """Where the job's working directory is unpacked for it (rpycdl.artifacts.workdir)."""
         return self.path(job_id, WORKING_DIR)
 
-    def remove_working_dir(self, job_id: str, everything: bool) -> None:
-        """Remove the job's working directory; with `everything`, its whole directory (an attached job's,
-        which holds nothing else)."""
-        shutil.rmtree(self.path(job_id) if everything else self.working_dir(job_id), ignore_errors=True)
+    def output_dir(self, job_id: str) -> Path:
+        """Where the job writes what goes to the artifact store when it ends."""
+        return self.path(job_id, OUTPUT_DIR)
+
+    def remove_working_dir(self, job_id: str) -> None:
+        """Remove the job's working directory, and its directory if nothing else is left in it (an
+        attached job's, its outputs uploaded)."""
+        shutil.rmtree(self.working_dir(job_id), ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty, or gone
+            self.path(job_id).rmdir()
 
     def listed(self) -> list[str]:
         """The ids of the jobs that have a directory."""

@@ -8,7 +8,8 @@ finished). Indexes: submitted (newest first, `since`), (ended, submitted) (the d
 submitted) (unfinished rows and state filters, cheap whatever the history), (user, submitted), (user,
 name) for find, and (user, name) UNIQUE among unfinished rows: one live job of a name per user.
 `refusals(service, reason, count)` counts the requests the host's servers refused (count_refusal), one
-row per service and reason: a few rows, whatever the traffic.
+row per service and reason: a few rows, whatever the traffic. `artifacts(job_id, state, files, error,
+updated)` says where a job's outputs stand (set_artifacts); a job's row going takes it along (a trigger).
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
 transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
@@ -73,6 +74,13 @@ MIGRATIONS = [
     CREATE TABLE refusals (service TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
                            PRIMARY KEY (service, reason)) WITHOUT ROWID;
     """,
+    """
+    CREATE TABLE artifacts (job_id TEXT PRIMARY KEY, state TEXT NOT NULL, files TEXT NOT NULL,
+                            error TEXT NOT NULL, updated REAL NOT NULL);
+    CREATE TRIGGER jobs_artifacts_deleted AFTER DELETE ON jobs BEGIN
+        DELETE FROM artifacts WHERE job_id = old.job_id;
+    END;
+    """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""
 
@@ -81,6 +89,11 @@ REFUSALS = ("invalid", "limit", "connections", "auth", "not_allowed")
 """Why a server refuses a request, the reasons count_refusal counts: a run or submit request it could
 never serve (InvalidRequestError), over a limit (LimitError: a full queue, --max-payload), a connection
 over --max-connections, an authentication that failed, a user acting on another's job (NotAllowedError)."""
+
+
+ARTIFACT_STATES = ("uploading", "uploaded", "failed")
+"""Where a job's outputs stand: going to the artifact store, there, or kept on the server (its error says
+why) for `rpycdl artifacts JOB --retry`."""
 
 
 def new_job_id() -> str:
@@ -181,7 +194,8 @@ class Ledger:
         if not self.state_dir.is_dir():  # an existing one keeps its mode: a site may restrict it to a group
             shared_dir(self.state_dir)
         if not self.path.exists():
-            history = sorted(entry.name for entry in self.state_dir.iterdir() if _holds(entry))
+            history = sorted(entry.name for entry in self.state_dir.iterdir()  # the ledger's own files: another
+                             if _holds(entry) and not entry.name.startswith(self.FILE))  # process made it meanwhile
             if history:
                 raise LedgerError(f"the job ledger {self.path} is missing, but {self.state_dir} holds earlier jobs' "
                                   f"files ({', '.join(history)}): restore the ledger from a backup, or move the "
@@ -233,8 +247,7 @@ class Ledger:
             if self._conn is None:
                 db = sqlite3.connect(self.path, timeout=LEDGER_BUSY_TIMEOUT, isolation_level=None,
                                      check_same_thread=False)
-                if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                    db.execute("PRAGMA journal_mode=WAL")
+                _into_wal(db)
                 db.execute("PRAGMA synchronous=NORMAL")
                 self._conn, self._pid = db, os.getpid()
             yield self._conn
@@ -417,6 +430,23 @@ class Ledger:
             return {(service, reason): count for service, reason, count in
                     db.execute("SELECT service, reason, count FROM refusals")}
 
+    def set_artifacts(self, job_id: str, state: str, files: Sequence[dict[str, Any]], error: str = "") -> None:
+        """Record where the job's outputs stand: ARTIFACT_STATES[...], the files uploaded, the store's error."""
+        if state not in ARTIFACT_STATES:
+            raise ValueError(f"not an artifacts state: {state!r}")
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?)",
+                       (job_id, state, json.dumps(list(files)), error, time.time()))
+
+    def artifacts(self, job_id: str) -> dict[str, Any] | None:
+        """Where the job's outputs stand (state, files, error, updated), or None: it left none."""
+        with self._db() as db:
+            row = db.execute("SELECT state, files, error, updated FROM artifacts WHERE job_id = ?",
+                             (job_id,)).fetchone()
+        if row is None:
+            return None
+        return {"state": row[0], "files": json.loads(row[1]), "error": row[2], "updated": row[3]}
+
     def ended_since(self, since: float, known: Container[str] = ()) -> list[JobRecord]:
         """The jobs that ended at or after `since`, in the order they ended, but those whose ids are in
         `known` (skipped before their rows are decoded: a caller re-reading a window pays little for
@@ -424,6 +454,19 @@ class Ledger:
         with self._db() as db:
             rows = db.execute(f"{_SELECT} WHERE ended >= ? ORDER BY ended", (since,))
             return [_from_row(row) for row in rows if row[_JOB_ID] not in known]
+
+
+def _into_wal(db: sqlite3.Connection) -> None:
+    """Put a new database in WAL mode. The switch takes SQLite's exclusive lock and does not wait for it
+    as writes do: processes opening a new ledger at once retry it, LEDGER_BUSY_TIMEOUT at most."""
+    deadline = time.monotonic() + LEDGER_BUSY_TIMEOUT
+    while db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _one(db: sqlite3.Connection, where: str, *params: Any) -> JobRecord | None:

@@ -16,8 +16,8 @@ from rpycdl.states import JobState
 def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
     """End the unfinished jobs, of any server, whose owner died: an attached job's connection process
     (FAILED, or CANCELLED if a cancel was asked), a detached job's supervisor (LOST). What is left of
-    each job is killed first (rpycdl.scheduler.procs), and its working directory removed (an attached
-    job's directory holds nothing else). Returns the jobs ended here."""
+    each job is killed first (rpycdl.scheduler.procs), and its working directory removed (its outputs
+    stay on the server). Returns the jobs ended here."""
     ended = []
     for record in ledger.unfinished():
         if procs.alive(record.owner_pid, record.owner_start):
@@ -32,7 +32,10 @@ def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
             error_type, why = "JobCrashedError", "the connection process serving this job died"
         if ledger.end(record.job_id, state, record.error or why, error_type):
             ended.append(record)
-            files.remove_working_dir(record.job_id, everything=not record.detached)
+            files.remove_working_dir(record.job_id)
+            if any(files.output_dir(record.job_id).glob("*")):  # its outputs stay, for a retry
+                ledger.set_artifacts(record.job_id, "failed", [], "the job's owner died before uploading its outputs: "
+                                     f"they stay on the server: rpycdl artifacts {record.job_id} --retry")
     return ended
 
 

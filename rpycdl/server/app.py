@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rpycdl.defaults import REREGISTER_INTERVAL, lock_dir, state_dir
-from rpycdl.errors import InvalidRequestError
+from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.registry import registry_client
 from rpycdl.scheduler import lockdir
@@ -60,6 +60,8 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     shares: ShareRules = field(default_factory=ShareRules)
     version: str | None = None  # framework version to announce; None reads package metadata
+    artifact_store: str = ""  # where jobs' outputs go (a URL); "": the state directory's artifacts/
+    artifact_endpoint: str | None = None  # an S3-compatible endpoint (MinIO)
 
 
 def framework_version(service: str) -> str | None:
@@ -118,7 +120,8 @@ def build_server(config: ServerConfig) -> DLServer:
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
                             state_dir=config.state_dir or state_dir(directory),
                             host=config.host, framework_version=version, limits=config.limits,
-                            shares=config.shares)
+                            shares=config.shares, artifact_store=config.artifact_store,
+                            artifact_endpoint=config.artifact_endpoint)
     lockdir.claim_pid_namespace(Path(directory))
     registrar = None
     if config.registry != "none":
@@ -139,12 +142,17 @@ def serve(config: ServerConfig) -> None:
         print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
               f"{server.port} can run code as {getpass.getuser()}",
               file=sys.stderr, flush=True)
+    try:
+        ctx.store.check()
+    except ArtifactStoreError as exc:  # jobs still run; their outputs wait on the server for a retry
+        print(f"WARNING: {exc}: jobs' outputs will stay on this server until `rpycdl artifacts JOB --retry`",
+              file=sys.stderr, flush=True)
     server.listener.listen(server.backlog)  # before the ready line, so whoever reads it can connect at once
     gpus = ", ".join(f"{g.index}:{g.name}" for g in ctx.gpus)
     kind = "SIMULATED" if ctx.inventory.simulated else "NVML"
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
-          f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); "
+          f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); artifacts to {ctx.artifact_store}; "
           f"authentication: {server.authenticator.mode if server.authenticator else 'none'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rpycdl.artifacts.store import ArtifactStore
 from rpycdl.artifacts.workdir import WorkdirCache
 from rpycdl.defaults import (
     IDLE_TIMEOUT,
@@ -65,10 +66,13 @@ class ServerContext:
     shares: ShareRules = field(default_factory=ShareRules)
     gpus: list[GPU] = field(default_factory=list)
     server_process: procs.Pid = field(default_factory=lambda: procs.identify(os.getpid()))
+    artifact_store: str = ""  # a URL (rpycdl.artifacts.store); "": the state directory's artifacts/
+    artifact_endpoint: str | None = None  # an S3 endpoint (MinIO); None: $AWS_ENDPOINT_URL, else AWS
     locks: GPULockManager = field(init=False)
     ledger: Ledger = field(init=False)
     files: JobFiles = field(init=False)
     working_dirs: WorkdirCache = field(init=False)
+    store: ArtifactStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.gpus = self.inventory.gpus()
@@ -76,6 +80,8 @@ class ServerContext:
         self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
         self.files = JobFiles(self.state_dir)
         self.working_dirs = WorkdirCache(os.path.join(self.state_dir, "workdirs"), self.limits.working_dir_cache)
+        self.artifact_store = self.artifact_store or os.path.join(os.path.abspath(self.state_dir), "artifacts")
+        self.store = ArtifactStore.from_url(self.artifact_store, endpoint_url=self.artifact_endpoint)
         self.inventory.use_lock_dir(self.lock_dir)
 
     def info(self) -> dict[str, Any]:
@@ -83,4 +89,5 @@ class ServerContext:
                 "server_id": self.server_id, "inventory": self.inventory.spec,
                 "simulated": self.inventory.simulated, "framework_version": self.framework_version,
                 "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict(),
-                "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id}
+                "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id,
+                "artifact_store": self.artifact_store}

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rpycdl.defaults import JOB_WAIT_MAX, JOBS_SHOWN, LOG_CHUNK, RECENT_JOBS
+from rpycdl.defaults import ARTIFACT_CHUNK, JOB_WAIT_MAX, JOBS_SHOWN, LOG_CHUNK, RECENT_JOBS
 from rpycdl.errors import (
     InvalidRequestError,
     JobLostError,
@@ -23,7 +23,7 @@ from rpycdl.errors import (
 )
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.security import auth
-from rpycdl.server import request, status, supervisor
+from rpycdl.server import jobdirs, request, status, supervisor
 from rpycdl.server.commands import run_command
 from rpycdl.server.context import ServerContext
 from rpycdl.states import JobState
@@ -147,6 +147,36 @@ class JobCalls:
         except RpycdlError as exc:
             return codec.encode_error(exc, tb="")
 
+    def exposed_job_artifacts(self, ref: Any, retry: Any = False) -> bytes:
+        """Where a job's outputs stand (its owner or an admin may ask): {"state": "none" (it left none),
+        "uploading", "uploaded" or "failed" (kept on the server), "files": [{"name", "size"}], "error",
+        "store"}; with `retry`, a failed upload of a finished job is tried again first."""
+        def artifacts() -> dict[str, Any]:
+            record = self._find(ref, mine=True)
+            entry = self.context.ledger.artifacts(record.job_id)
+            if retry:
+                now = entry["state"] if entry else "none"
+                if not record.state.finished or now not in ("failed", "none"):
+                    raise InvalidRequestError(f"job {record.job_id} has no failed upload to retry "
+                                              f"({record.state.value}, artifacts {now})")
+                entry = jobdirs.upload(self.context, record)
+            return {"state": "none", "files": [], "error": "", **(entry or {}), "store": self.context.artifact_store}
+
+        return _answer(artifacts)
+
+    def exposed_job_artifact(self, ref: Any, name: Any, offset: Any = 0) -> bytes:
+        """Up to ARTIFACT_CHUNK bytes of one of a job's uploaded artifacts from `offset` (b"" at its end),
+        read from the store by this server: clients never get the store's credentials."""
+        def read() -> bytes:
+            record = self._find(ref, mine=True)
+            entry = self.context.ledger.artifacts(record.job_id) or {"files": []}
+            if not isinstance(name, str) or name not in {artifact["name"] for artifact in entry["files"]}:
+                raise InvalidRequestError(f"job {record.job_id} has no uploaded artifact {name!r}: see "
+                                          f"`rpycdl artifacts {record.job_id}`")
+            return self.context.store.read(record.user, record.job_id, name, _count(offset, "offset"), ARTIFACT_CHUNK)
+
+        return _answer(read)
+
     def exposed_cancel(self, ref: Any) -> bytes:
         """Cancel a pending or running job (its owner or an admin may); answers its state when asked.
         A finished job is left as it is."""
@@ -189,7 +219,7 @@ class JobCalls:
             self.context.ledger.count_refusal(self.context.name, "not_allowed")  # the one place it is refused
             owner = auth.Identity(record.user, record.user_verified).label
             raise NotAllowedError(f"job {record.job_id} belongs to {owner} and you are {me.label}: only its owner "
-                                  "or an admin can read its log and result, cancel or delete it")
+                                  "or an admin can read its log, result and artifacts, cancel or delete it")
         return record
 
 

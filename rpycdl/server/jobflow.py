@@ -24,12 +24,10 @@ from rpycdl.defaults import (
     RESULT_DECODE_TIMEOUT,
     RESULT_MEMORY_FACTOR,
     RESULT_MEMORY_MIN,
-    WORKING_DIR_VARIABLE,
 )
 from rpycdl.errors import (
     ContainerError,
     GPUMemoryExceededError,
-    InvalidRequestError,
     JobCancelledError,
     JobCrashedError,
     JobTimeoutError,
@@ -42,7 +40,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.locks import Need, Place
-from rpycdl.server import child, commands, runner
+from rpycdl.server import child, commands, jobdirs, runner
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest
 from rpycdl.states import JobState
@@ -99,6 +97,7 @@ class JobFlow:
         self.grant: Grant | None = None
         self.result: runner.Result | None = None
         self._check: runner.LoadCheck | None = None
+        self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare)
         self._waiting_since: float | None = None
 
     @staticmethod
@@ -116,7 +115,7 @@ class JobFlow:
         RpycdlError for a job that did not finish (timeout, cancel, crash, over its share)."""
         record = self.record
         try:
-            unpack_working_dir(self.context, record.job_id, self.request)  # before the GPUs: they never wait for it
+            self._env = jobdirs.prepare(self.context, record.job_id, self.request)  # before the GPUs: never waited for
             if self.request.body is not None:
                 self.job = self._job_process()
                 record.pgid, record.leader_start = self.job.identity
@@ -211,9 +210,7 @@ class JobFlow:
             env.update(caps.cap_environment(grant.share_bytes, self._gpu(grant.uuids[0]).memory_total))
         if isinstance(inventory, FakeInventory) and inventory.state_dir is not None:
             env[ENV_SIMULATED_GPUS] = str(inventory.state_dir)
-        if self.request.working_dir is not None:
-            env[WORKING_DIR_VARIABLE] = str(self.context.files.working_dir(self.record.job_id))
-        return env
+        return {**env, **self._env}
 
     def _stopper(self) -> Stop:
         """The job's Stop: a cancel request, or (for a share of a GPU) the memory watchdog."""
@@ -285,8 +282,6 @@ class JobFlow:
             self.job.close()  # gone before its GPUs are released
         if self.grant is not None:
             self.context.locks.release(self.grant)
-        if self.request.working_dir is not None:
-            self.context.files.remove_working_dir(self.record.job_id, everything=not self.request.detached)
         record, result = self.record, self.result
         if record.state.finished:  # it failed before its job could end (record.error says why)
             pass
@@ -298,6 +293,7 @@ class JobFlow:
         else:
             self._judge(result.outcome)
         self.context.ledger.save(record)
+        jobdirs.finish(self.context, record)  # the GPUs are back, the end recorded: then the outputs go up
         self._on_end()
 
     def _judge(self, outcome: bytes) -> None:
@@ -315,26 +311,6 @@ class JobFlow:
                 record.error = commands.describe_exit(record.exit_code)
                 return
         record.state = JobState.SUCCEEDED
-
-
-def unpack_working_dir(context: ServerContext, job_id: str, checked: JobRequest) -> None:
-    """Unpack the request's working directory from the server's cache for the job alone, unless it is
-    there already (a detached job's, unpacked when it was submitted).
-
-    Raises:
-        InvalidRequestError: the cache no longer has it (evicted meanwhile: send it again).
-    """
-    if checked.working_dir is None:
-        return
-    path = context.files.working_dir(job_id)
-    if path.exists():
-        return
-    path.mkdir(parents=True)
-    try:
-        context.working_dirs.unpack(checked.working_dir, path, context.limits.max_working_dir)
-    except KeyError:
-        raise InvalidRequestError(f"the working directory {checked.working_dir[:12]} left this server's cache before "
-                                  "the job started: submit it again") from None
 
 
 def need_of(context: ServerContext, record: JobRecord) -> Need:

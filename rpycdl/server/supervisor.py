@@ -33,9 +33,9 @@ from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security.auth import Identity
-from rpycdl.server import child, orphans, request, runner
+from rpycdl.server import child, jobdirs, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
-from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info, unpack_working_dir
+from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
 from rpycdl.states import JobState
 from rpycdl.wire import codec
 
@@ -73,7 +73,7 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
     check_queue_limits(context, checked, record.job_id)
     context.files.create(record.job_id, _spec(context, checked, container), checked.body)
     try:
-        unpack_working_dir(context, record.job_id, checked)  # now: the cache may let it go before the job runs
+        jobdirs.prepare(context, record.job_id, checked)  # now: the cache may let its working directory go later
         place = context.locks.enqueue(need_of(context, record), queue_info(context, record, checked))
         try:
             pid, go = _spawn(context.state_dir, record.job_id, place)
@@ -102,7 +102,8 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                        "lock_dir": context.lock_dir, "server_id": context.server_id, "host": context.host,
                        "port": context.port, "framework_version": context.framework_version,
                        "limits": context.limits.to_dict(), "shares": {"unit": context.shares.unit,
-                                                                      "allowance": context.shares.allowance}},
+                                                                      "allowance": context.shares.allowance},
+                       "artifact_store": context.artifact_store, "artifact_endpoint": context.artifact_endpoint},
             "request": {"ngpus": checked.gpu_request.ngpus, "share_bytes": checked.gpu_request.share_bytes,
                         "user": checked.owner.user, "verified": checked.owner.verified, "client": checked.client,
                         "timeout": checked.timeout, "queue_timeout": checked.queue_timeout, "name": checked.name,
@@ -164,7 +165,9 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          inventory=load_inventory(server["inventory"]), lock_dir=server["lock_dir"],
                          state_dir=state_dir, server_id=server["server_id"], host=server["host"],
                          port=server["port"], framework_version=server["framework_version"],
-                         limits=Limits(**server["limits"]), shares=ShareRules(**server["shares"]))
+                         limits=Limits(**server["limits"]), shares=ShareRules(**server["shares"]),
+                         artifact_store=server.get("artifact_store", ""),
+                         artifact_endpoint=server.get("artifact_endpoint"))
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:

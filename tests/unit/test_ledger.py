@@ -225,6 +225,31 @@ def test_a_missing_ledger_is_never_started_over_a_history(tmp_path):
     assert Ledger(empty).count() == 0
 
 
+def _open_at(state: str, start: float) -> None:
+    while time.time() < start:
+        pass
+    try:
+        Ledger(state).count()
+    except LedgerError as exc:
+        os.write(2, f"{exc}\n".encode())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_processes_making_one_new_ledger_at_once_all_open_it(tmp_path):
+    """Servers and monitors of a host often start together on a new state directory: none may take the
+    ledger another is making for a lost one."""
+    for round_ in range(20):
+        state, start, pids = str(tmp_path / f"state{round_}"), time.time() + 0.2, []
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:
+                _open_at(state, start)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        assert codes == [0] * 8, f"round {round_}: {codes.count(1)} of 8 refused the new ledger"
+
+
 def test_a_corrupted_ledger_is_refused(tmp_path):
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / Ledger.FILE).write_bytes(os.urandom(8192))
@@ -507,7 +532,7 @@ def test_refusals_counted_at_once_by_processes_and_threads_are_all_counted(ledge
     assert ledger.refusals() == {("pytorch", "connections"): 400}
 
 
-def test_a_version_1_ledger_gains_the_refusals_and_keeps_its_rows(tmp_path):
+def test_a_version_1_ledger_gains_the_refusals_and_artifacts_and_keeps_its_rows(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     record = job(state=JobState.SUCCEEDED, user="alice", name="train", ended=1000.0, request={"timeout": 5.0})
@@ -521,9 +546,28 @@ def test_a_version_1_ledger_gains_the_refusals_and_keeps_its_rows(tmp_path):
     assert ledger.ledger_id == "the-old-ledgers-id"
     assert ledger.get(record.job_id) == record and ledger.count() == 1
     with ledger._db() as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 3
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'refusals'").fetchone() == ("refusals",)
+    assert ledger.artifacts(record.job_id) is None
     assert ledger.refusals() == {}
     ledger.count_refusal("pytorch", "auth")
     assert Ledger(state).refusals() == {("pytorch", "auth"): 1}  # opened again: nothing runs twice
     assert Ledger(state).get(record.job_id) == record
+    ledger.set_artifacts(record.job_id, "uploaded", [])
+    assert Ledger(state).artifacts(record.job_id)["state"] == "uploaded"
+
+
+def test_artifacts_are_recorded_apart_and_go_with_their_job(ledger):
+    done = job(state=JobState.SUCCEEDED, ended=100.0)
+    ledger.save(done)
+    assert ledger.artifacts(done.job_id) is None
+    ledger.set_artifacts(done.job_id, "failed", [], "the store is down")
+    ledger.set_artifacts(done.job_id, "uploaded", [{"name": "model.pt", "size": 3}])
+    entry = ledger.artifacts(done.job_id)
+    assert entry is not None and entry["state"] == "uploaded" and entry["error"] == ""
+    assert entry["files"] == [{"name": "model.pt", "size": 3}]
+    assert ledger.get(done.job_id) == done  # the finished row is as it was
+    with pytest.raises(ValueError, match="artifacts state"):
+        ledger.set_artifacts(done.job_id, "lost", [])
+    ledger.delete(done.job_id)
+    assert ledger.artifacts(done.job_id) is None

@@ -28,7 +28,7 @@ def _same(readme: str, code: object) -> bool:
     """Whether the README's default (its words) is the code's (a value)."""
     if readme == "off":
         return code is False
-    if readme in ("none", "required", "from package metadata"):  # words for "decided at run time"
+    if readme in ("none", "required", "from package metadata") or readme.startswith("none:"):  # decided at run time
         return code is None
     text = readme.split(",")[0].strip("` ")  # "`$RPYCDL_GPUS`, else `nvml`": the code's default is None
     if text.startswith("$"):

@@ -1,0 +1,68 @@
+"""A job's directories on the server: its working directory in (unpacked from the cache before it waits
+for GPUs), its output directory out (uploaded to the artifact store once its GPUs are back and its end is
+recorded). An upload that fails keeps the outputs on the server, the ledger saying why, until retried."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
+from rpycdl.errors import ArtifactStoreError, InvalidRequestError
+from rpycdl.scheduler.ledger import JobRecord
+from rpycdl.server.context import ServerContext
+from rpycdl.server.request import JobRequest
+
+
+def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[str, str]:
+    """Make the job's output directory and unpack its working directory, unless there already (a detached
+    job's, made when it was submitted). Returns the variables that name them to the job.
+
+    Raises:
+        InvalidRequestError: the working directory left the cache (evicted meanwhile: send it again).
+    """
+    if checked.container is not None:  # a container sees its image, not the server's files
+        return {}
+    files = context.files
+    output = files.output_dir(job_id)
+    output.mkdir(parents=True, exist_ok=True)
+    env = {OUTPUT_DIR_VARIABLE: str(output)}
+    if checked.working_dir is None:
+        return env
+    path = files.working_dir(job_id)
+    env[WORKING_DIR_VARIABLE] = str(path)
+    if not path.exists():
+        path.mkdir()
+        try:
+            context.working_dirs.unpack(checked.working_dir, path, context.limits.max_working_dir)
+        except KeyError:
+            raise InvalidRequestError(f"the working directory {checked.working_dir[:12]} left this server's cache "
+                                      "before the job started: submit it again") from None
+    return env
+
+
+def finish(context: ServerContext, record: JobRecord) -> None:
+    """After the job's end: its working directory removed, its outputs uploaded (upload())."""
+    upload(context, record)
+    context.files.remove_working_dir(record.job_id)
+
+
+def upload(context: ServerContext, record: JobRecord) -> dict[str, object] | None:
+    """Upload what the job left in its output directory to the store under its user, record it in the
+    ledger, and remove the directory; if the store fails, keep the directory and record why. Returns the
+    ledger's artifacts entry (None: the job left nothing)."""
+    job_id, ledger = record.job_id, context.ledger
+    output = context.files.output_dir(job_id)
+    if not output.is_dir() or not any(output.iterdir()):
+        shutil.rmtree(output, ignore_errors=True)
+        return ledger.artifacts(job_id)
+    ledger.set_artifacts(job_id, "uploading", [])
+    try:
+        uploaded = context.store.upload(record.user, job_id, output)
+    except (ArtifactStoreError, InvalidRequestError, OSError) as exc:
+        ledger.set_artifacts(job_id, "failed", [], f"{exc}; the outputs stay on the server: rpycdl artifacts "
+                                                   f"{job_id} --retry")
+    else:
+        ledger.set_artifacts(job_id, "uploaded", [dataclasses.asdict(artifact) for artifact in uploaded])
+        shutil.rmtree(output, ignore_errors=True)
+    return ledger.artifacts(job_id)

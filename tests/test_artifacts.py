@@ -1,0 +1,130 @@
+"""Jobs' outputs end to end: what a job leaves in rpycdl.output_dir() goes to the artifact store when it
+ends (the state directory's by default, S3 through moto in server mode), listed in the ledger, and comes
+back with job.download() and `rpycdl download` through the server; an upload that fails keeps the files
+on the server, says why, and `--retry` sends them once the store is back; another user reads nothing.
+Real registry and servers on loopback; only the GPUs are simulated."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from helpers import wait_until
+from s3 import CREDENTIALS, moto_server
+
+import rpycdl
+from rpycdl import JobState
+
+
+def _make_leaver() -> Callable[[dict[str, Any]], str]:
+    """A job that saves a model and a checkpoint in its output directory (made in a function: dill sends
+    it by value, as a script's own function)."""
+
+    def leave_outputs(args: dict[str, Any]) -> str:
+        import os
+
+        import rpycdl
+
+        out = rpycdl.output_dir()
+        os.makedirs(os.path.join(out, "ckpt"), exist_ok=True)
+        with open(os.path.join(out, "model.pt"), "wb") as model:
+            model.write(args["model"])
+        with open(os.path.join(out, "ckpt", "epoch1.pt"), "w") as checkpoint:
+            checkpoint.write("epoch 1")
+        return out
+
+    return leave_outputs
+
+
+leave_outputs = _make_leaver()
+
+
+def uploaded(job: rpycdl.Job) -> dict[str, Any]:
+    return wait_until(lambda: (entry := job.artifacts())["state"] in ("uploaded", "failed") and entry, 20,
+                      f"job {job.id}'s outputs to be uploaded")
+
+
+MODEL = bytes(range(256)) * 4096  # 1 MiB
+
+
+def test_outputs_go_to_the_default_store_and_come_back(server, connect, lock_dir, tmp_path):
+    port = server("pytorch", "fake:2")
+    conn = connect(port)  # as this OS user, as the command line below
+    job = conn.root.submit(leave_outputs, {"model": MODEL}, gpu_memory="4GiB")
+    out = job.result(timeout=30)
+    entry = uploaded(job)
+    assert entry["state"] == "uploaded" and entry["error"] == ""
+    assert entry["files"] == [{"name": "ckpt/epoch1.pt", "size": 7}, {"name": "model.pt", "size": len(MODEL)}]
+    stored = Path(lock_dir) / "state" / "artifacts" / job.info["user"] / job.id
+    assert entry["store"] == str(Path(lock_dir) / "state" / "artifacts")
+    assert (stored / "model.pt").read_bytes() == MODEL and not Path(out).exists()  # moved, not copied
+    got: list[int] = []
+    written = job.download(tmp_path / "dl", on_progress=got.append)
+    assert sorted(path.relative_to(tmp_path / "dl").as_posix() for path in written) == ["ckpt/epoch1.pt", "model.pt"]
+    assert (tmp_path / "dl" / "model.pt").read_bytes() == MODEL and sum(got) == len(MODEL) + 7
+
+    states: list[str] = []  # an attached job's too, found by its id
+    conn.root.run_code(leave_outputs, {"model": b"small"}, on_state=lambda state, info: states.append(info["job_id"]))
+    attached = uploaded(conn.root.job(states[-1]))
+    assert [artifact["name"] for artifact in attached["files"]] == ["ckpt/epoch1.pt", "model.pt"]
+
+    cli = [sys.executable, "-m", "rpycdl"]
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    listed = subprocess.run([*cli, "artifacts", job.id, *where], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert f"job {job.id}: artifacts uploaded to {stored}/" in listed.stdout and "model.pt" in listed.stdout
+    fetched = subprocess.run([*cli, "download", job.id, str(tmp_path / "cli"), "--pattern", "*.pt", *where],
+                             capture_output=True, text=True, timeout=60)
+    assert fetched.returncode == 0, fetched.stderr
+    assert (tmp_path / "cli" / "model.pt").read_bytes() == MODEL  # ckpt/epoch1.pt matches *.pt too (fnmatch)
+
+    mallory = connect(port)
+    mallory.root.identify("mallory")
+    with pytest.raises(rpycdl.NotAllowedError):
+        mallory.root.job(job.id).artifacts()
+    with pytest.raises(rpycdl.NotAllowedError):
+        mallory.root.job(job.id).download(tmp_path / "stolen")
+
+
+def test_a_failed_upload_keeps_the_files_and_a_retry_sends_them(server, connect, lock_dir, tmp_path):
+    blocked = tmp_path / "store"
+    blocked.write_text("a file where the store's directory should be")
+    port = server("pytorch", "fake:2", "--artifacts", str(blocked))
+    conn = connect(port)
+    job = conn.root.submit(leave_outputs, {"model": MODEL})
+    out = Path(job.result(timeout=30))
+    entry = uploaded(job)
+    assert entry["state"] == "failed" and str(blocked) in entry["error"] and "--retry" in entry["error"]
+    assert job.status().state is JobState.SUCCEEDED  # the job did its work: its outputs wait
+    assert (out / "model.pt").read_bytes() == MODEL
+    with pytest.raises(rpycdl.InvalidRequestError, match="no uploaded artifacts"):
+        job.download(tmp_path / "dl")
+    failed = subprocess.run([sys.executable, "-m", "rpycdl", "artifacts", job.id, "--host", "127.0.0.1", "--port",
+                             str(port)], capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 1 and "--retry" in failed.stderr
+    blocked.unlink()  # the store is back
+    assert job.artifacts(retry=True)["state"] == "uploaded"
+    assert (blocked / job.info["user"] / job.id / "model.pt").read_bytes() == MODEL and not out.exists()
+
+
+def test_outputs_go_to_s3(server, connect, tmp_path, monkeypatch):
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)  # the server's, inherited: clients never see them
+    with moto_server() as endpoint:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="team")
+        port = server("pytorch", "fake:2", "--artifacts", "s3://team/runs", "--artifacts-endpoint", endpoint)
+        conn = connect(port)
+        conn.root.identify("alice")
+        job = conn.root.submit(leave_outputs, {"model": MODEL})
+        job.wait(30)
+        assert uploaded(job)["state"] == "uploaded"
+        body = boto3.client("s3", endpoint_url=endpoint).get_object(Bucket="team", Key=f"runs/alice/{job.id}/model.pt")
+        assert hashlib.sha256(body["Body"].read()).digest() == hashlib.sha256(MODEL).digest()
+        job.download(tmp_path / "dl", pattern="model.pt")
+        assert (tmp_path / "dl" / "model.pt").read_bytes() == MODEL and not (tmp_path / "dl" / "ckpt").exists()
