@@ -14,6 +14,7 @@ import traceback
 
 import pytest
 
+from rpycdl.scheduler import jobrecord
 from rpycdl.scheduler import ledger as ledger_module
 from rpycdl.scheduler.ledger import JobRecord, JobState, Ledger
 
@@ -103,7 +104,7 @@ def history(tmp_path_factory) -> Ledger:
     rows += [JobRecord(f"live{index}", "server", "client", 1, user="alice", state=JobState.RUNNING)
              for index in range(10)]
     with ledger._write() as db:
-        db.executemany(ledger_module._UPSERT, [ledger_module._to_row(row) for row in rows])
+        db.executemany(ledger_module._UPSERT, [jobrecord.to_row(row) for row in rows])
     return ledger
 
 

@@ -44,24 +44,7 @@ WAIT_EXIT_CODES = f"""exit codes:
 def add_commands(command: Command) -> None:
     """Add submit, jobs, logs, wait, result, cancel, delete, artifacts and download to the `rpycdl` parser."""
     _add_submit(command)
-    listing = command(
-        "jobs", "list jobs: waiting, running, and the history",
-        "List the jobs of the hosts of every server the registry knows (or of one service, or of the server at "
-        "--host), newest first: the unfinished ones and those that ended in the last day, or with --all every "
-        "job kept (--keep of the servers). Attached jobs (run_code, rpycdl run) are listed with the detached ones. "
-        f"Exits with {EXIT_FAILED} if a server could not be reached (the others are shown all the same).")
-    listing.add_argument("service", nargs="?", default=None, help="only servers of this service")
-    listing.add_argument("--all", action="store_true", help="every job kept, not only the recent ones")
-    listing.add_argument("--user", action="append", default=None, dest="users", metavar="USER",
-                         help="only this user's jobs (repeat for more)")
-    listing.add_argument("--state", action="append", default=None, dest="states", metavar="STATE",
-                         type=str.upper, choices=[state.value for state in JobState],
-                         help="only jobs in this state (repeat for more)")
-    listing.add_argument("--since", default=None, metavar="DURATION",
-                         help="only jobs submitted in the last DURATION, such as 2d or 12h")
-    listing.add_argument("--limit", type=int, default=None, metavar="N", help="at most N jobs (default 100; 0: all)")
-    listing.add_argument("--json", action="store_true", help="print JSON")
-    server_flags(listing)
+    _add_jobs(command)
     for name, text, description in (
             ("logs", "print a job's output, or follow it live", "Print a job's output from its first line (or its "
              "last --tail lines); with -f, then follow it live until the job ends. Your job, or anyone's with an "
@@ -106,6 +89,28 @@ def add_commands(command: Command) -> None:
                              help="save the value to FILE instead: bytes and str as they are, anything else "
                                   "pickled with dill (load it with dill.load)")
         server_flags(sub)
+
+
+def _add_jobs(command: Command) -> None:
+    """Add `rpycdl jobs`: the listing and its filters."""
+    listing = command(
+        "jobs", "list jobs: waiting, running, and the history",
+        "List the jobs of the hosts of every server the registry knows (or of one service, or of the server at "
+        "--host), newest first: the unfinished ones and those that ended in the last day, or with --all every "
+        "job kept (--keep of the servers). Attached jobs (run_code, rpycdl run) are listed with the detached ones. "
+        f"Exits with {EXIT_FAILED} if a server could not be reached (the others are shown all the same).")
+    listing.add_argument("service", nargs="?", default=None, help="only servers of this service")
+    listing.add_argument("--all", action="store_true", help="every job kept, not only the recent ones")
+    listing.add_argument("--user", action="append", default=None, dest="users", metavar="USER",
+                         help="only this user's jobs (repeat for more)")
+    listing.add_argument("--state", action="append", default=None, dest="states", metavar="STATE",
+                         type=str.upper, choices=[state.value for state in JobState],
+                         help="only jobs in this state (repeat for more)")
+    listing.add_argument("--since", default=None, metavar="DURATION",
+                         help="only jobs submitted in the last DURATION, such as 2d or 12h")
+    listing.add_argument("--limit", type=int, default=None, metavar="N", help="at most N jobs (default 100; 0: all)")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    server_flags(listing)
 
 
 def _add_submit(command: Command) -> None:

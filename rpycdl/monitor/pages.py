@@ -65,32 +65,44 @@ def static_files() -> dict[str, tuple[bytes, str]]:
 
 def routes(view: HostView, secret: bytes | None) -> list[BaseRoute]:
     """The dashboard's routes over `view`; `secret` (None: none) opens the logs."""
-    files = static_files()
-    latest: dict[str, Any] = {"at": -HOST_REUSE, "body": b"", "gzipped": b""}
-    reading = asyncio.Lock()
+    pages = _Pages(view, secret)
+    return [Route("/", pages.host_page), Route("/jobs/{job_id}", pages.job_page), Route("/static/{name}", pages.static),
+            Route("/api/host", pages.api_host), Route("/api/jobs/{job_id}", pages.api_job),
+            Route("/api/jobs/{job_id}/log", pages.api_log)]
 
-    def page(name: str) -> Response:
-        content, media_type = files[name]
+
+class _Pages:
+    """The handlers of routes(): the static pages, and the JSON and logs they fetch."""
+
+    def __init__(self, view: HostView, secret: bytes | None) -> None:
+        self.view, self.secret = view, secret
+        self.files = static_files()
+        self.latest: dict[str, Any] = {"at": -HOST_REUSE, "body": b"", "gzipped": b""}
+        self.reading = asyncio.Lock()
+
+    def page(self, name: str) -> Response:
+        content, media_type = self.files[name]
         return Response(content, media_type=media_type, headers=HEADERS)
 
-    async def host_page(request: Request) -> Response:
-        return page("index.html")
+    async def host_page(self, request: Request) -> Response:
+        return self.page("index.html")
 
-    async def job_page(request: Request) -> Response:
-        return page("job.html")
+    async def job_page(self, request: Request) -> Response:
+        return self.page("job.html")
 
-    async def static(request: Request) -> Response:
+    async def static(self, request: Request) -> Response:
         name = request.path_params["name"]
-        return page(name) if name in files else _text("no such file\n", 404)
+        return self.page(name) if name in self.files else _text("no such file\n", 404)
 
-    def encode_host() -> tuple[bytes, bytes]:
-        body = _json(view.host())
+    def encode_host(self) -> tuple[bytes, bytes]:
+        body = _json(self.view.host())
         return body, gzip.compress(body, 5) if len(body) > GZIP_OVER else b""
 
-    async def api_host(request: Request) -> Response:
-        async with reading:  # one reading at a time; those who waited for it get it too
-            if time.monotonic() - latest["at"] >= HOST_REUSE:
-                latest["body"], latest["gzipped"] = await run_in_threadpool(encode_host)  # files, SQLite: off the loop
+    async def api_host(self, request: Request) -> Response:
+        latest = self.latest
+        async with self.reading:  # one reading at a time; those who waited for it get it too
+            if time.monotonic() - latest["at"] >= HOST_REUSE:  # files, SQLite: read off the loop
+                latest["body"], latest["gzipped"] = await run_in_threadpool(self.encode_host)
                 latest["at"] = time.monotonic()
         headers = {**HEADERS, "Vary": "Accept-Encoding"}
         if latest["gzipped"] and "gzip" in request.headers.get("accept-encoding", ""):
@@ -98,15 +110,16 @@ def routes(view: HostView, secret: bytes | None) -> list[BaseRoute]:
                             headers={**headers, "Content-Encoding": "gzip"})
         return Response(latest["body"], media_type="application/json", headers=headers)
 
-    async def api_job(request: Request) -> Response:
+    async def api_job(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
-        found = await run_in_threadpool(view.job, job_id)
+        found = await run_in_threadpool(self.view.job, job_id)
         if found is None:
             return _text(f"no job {job_id} on this host (or it was deleted)\n", 404)
-        return Response(_json({**found, "logs": secret is not None}), media_type="application/json", headers=HEADERS)
+        return Response(_json({**found, "logs": self.secret is not None}), media_type="application/json",
+                        headers=HEADERS)
 
-    async def api_log(request: Request) -> Response:
-        refusal = _refusal(request, secret)
+    async def api_log(self, request: Request) -> Response:
+        refusal = _refusal(request, self.secret)
         if refusal is not None:
             return refusal
         try:
@@ -117,17 +130,13 @@ def routes(view: HostView, secret: bytes | None) -> list[BaseRoute]:
         if not 0 <= offset <= MAX_OFFSET or size < 0:
             return _text(f"offset must be 0 to {MAX_OFFSET}, size positive\n", 400)
         job_id = request.path_params["job_id"]
-        piece = await run_in_threadpool(view.log, job_id, offset, size)
+        piece = await run_in_threadpool(self.view.log, job_id, offset, size)
         if piece is None:
             return _text(f"no detached job {job_id} on this host (an attached job's output went to its client)\n",
                          404)
         return Response(piece["data"], media_type="text/plain; charset=utf-8",
                         headers={**HEADERS, "Cache-Control": "no-store", "X-Next-Offset": str(piece["next"]),
                                  "X-Log-Size": str(piece["size"]), "X-Job-State": piece["state"]})
-
-    return [Route("/", host_page), Route("/jobs/{job_id}", job_page), Route("/static/{name}", static),
-            Route("/api/host", api_host), Route("/api/jobs/{job_id}", api_job),
-            Route("/api/jobs/{job_id}/log", api_log)]
 
 
 def _refusal(request: Request, secret: bytes | None) -> Response | None:

@@ -1,15 +1,9 @@
 """The job ledger: every job of a host, attached or detached, as one row of an SQLite database in WAL
 mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container of the host.
 
-Schema (PRAGMA user_version counts the MIGRATIONS applied): `meta(key, value)` holds the ledger_id, a
-uuid made with the database; `jobs` has a column per JobRecord field, job_id its primary key, request
-and gpu_uuids as JSON text, booleans as 0/1, times in seconds since the epoch (`ended` set once the job
-finished). Indexes: submitted (newest first, `since`), (ended, submitted) (the default view, prune), (state,
-submitted) (unfinished rows and state filters, cheap whatever the history), (user, submitted), (user,
-name) for find, and (user, name) UNIQUE among unfinished rows: one live job of a name per user.
-`refusals(service, reason, count)` counts the requests the host's servers refused (count_refusal), one
-row per service and reason: a few rows, whatever the traffic. `artifacts(job_id, state, files, error,
-updated)` says where a job's outputs stand (set_artifacts); a job's row going takes it along (a trigger).
+Its schema and migrations are rpycdl.scheduler.schema's, a row's JobRecord rpycdl.scheduler.jobrecord's.
+`refusals` counts the requests the host's servers refused (count_refusal), `artifacts` says where a job's
+outputs stand (set_artifacts).
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
 transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
@@ -24,7 +18,6 @@ its own connection would take none of them.)
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -34,56 +27,19 @@ import time
 import uuid
 import weakref
 from collections.abc import Container, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
+from rpycdl.scheduler.jobrecord import COLUMNS, JobRecord, from_row, new_job_id, to_row
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
+from rpycdl.scheduler.schema import LIVE, migrate
 from rpycdl.states import UNFINISHED, JobState
 
 __all__ = ["REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
 
 log = logging.getLogger("rpycdl.ledger")
-
-LIVE = "state IN ('PENDING', 'RUNNING')"
-"""The UNFINISHED rows, in the words of the unique index (the planner matches words)."""
-
-MIGRATIONS = [
-    """
-    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-    CREATE TABLE jobs (
-        job_id TEXT PRIMARY KEY NOT NULL, server_id TEXT NOT NULL, client TEXT NOT NULL,
-        ngpus INTEGER NOT NULL, share_bytes INTEGER NOT NULL, state TEXT NOT NULL,
-        owner_pid INTEGER NOT NULL, owner_start INTEGER NOT NULL, pgid INTEGER NOT NULL,
-        leader_start INTEGER NOT NULL, gpu_uuids TEXT NOT NULL, submitted REAL NOT NULL, started REAL,
-        ended REAL, error TEXT NOT NULL, error_type TEXT NOT NULL, exit_code INTEGER, user TEXT NOT NULL,
-        user_verified INTEGER NOT NULL, name TEXT, detached INTEGER NOT NULL, kind TEXT NOT NULL,
-        service TEXT NOT NULL, server TEXT NOT NULL, request TEXT NOT NULL, log_bytes INTEGER NOT NULL,
-        result_bytes INTEGER, cancel_requested INTEGER NOT NULL DEFAULT 0);
-    CREATE INDEX jobs_submitted ON jobs (submitted);
-    CREATE INDEX jobs_ended ON jobs (ended, submitted);
-    CREATE INDEX jobs_state ON jobs (state, submitted);
-    CREATE INDEX jobs_user ON jobs (user, submitted);
-    CREATE INDEX jobs_name ON jobs (user, name) WHERE name IS NOT NULL;
-    CREATE UNIQUE INDEX jobs_unfinished_name ON jobs (user, name)
-        WHERE name IS NOT NULL AND state IN ('PENDING', 'RUNNING');
-    """,
-    """
-    CREATE TABLE refusals (service TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
-                           PRIMARY KEY (service, reason)) WITHOUT ROWID;
-    """,
-    """
-    CREATE TABLE artifacts (job_id TEXT PRIMARY KEY, state TEXT NOT NULL, files TEXT NOT NULL,
-                            error TEXT NOT NULL, updated REAL NOT NULL);
-    CREATE TRIGGER jobs_artifacts_deleted AFTER DELETE ON jobs BEGIN
-        DELETE FROM artifacts WHERE job_id = old.job_id;
-    END;
-    """,
-]
-"""One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""
-
 
 REFUSALS = ("invalid", "limit", "connections", "auth", "not_allowed")
 """Why a server refuses a request, the reasons count_refusal counts: a run or submit request it could
@@ -96,80 +52,12 @@ ARTIFACT_STATES = ("uploading", "uploaded", "failed")
 why) for `rpycdl artifacts JOB --retry`."""
 
 
-def new_job_id() -> str:
-    """A short, unique job id."""
-    return uuid.uuid4().hex[:12]
-
-
-@dataclass
-class JobRecord:
-    """One job, a row of the ledger.
-
-    `owner_pid` is the process that owns the job now (the connection process of an attached job, the
-    supervisor of a detached one) and `pgid` the job process, which leads its own session, each with
-    its start time (rpycdl.scheduler.procs.Pid). `user` sent it, proven by a client certificate when
-    `user_verified`. `cancel_requested` is read from the row: only Ledger.request_cancel writes it."""
-
-    job_id: str
-    server_id: str
-    client: str  # host:port
-    ngpus: int
-    share_bytes: int = 0  # bytes of its one GPU for a share; 0 for whole GPUs
-    state: JobState = JobState.PENDING
-    owner_pid: int = 0
-    owner_start: int = 0
-    pgid: int = 0
-    leader_start: int = 0
-    gpu_uuids: list[str] = field(default_factory=list)
-    submitted: float = field(default_factory=time.time)
-    started: float | None = None
-    ended: float | None = None
-    error: str = ""  # why it failed, was cancelled or lost
-    error_type: str = ""  # the exception type's name for a failure
-    exit_code: int | None = None  # a command's or container's
-    user: str = "unknown"
-    user_verified: bool = False
-    name: str | None = None  # unique among one user's unfinished jobs
-    detached: bool = False
-    kind: str = "call"  # "call", "command" or "container"
-    service: str = ""
-    server: str = ""  # host:port of the server that accepted it
-    request: dict[str, Any] = field(default_factory=dict)
-    log_bytes: int = 0
-    result_bytes: int | None = None
-    cancel_requested: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""
-        return {**{name: getattr(self, name) for name in _FIELDS}, "state": self.state.value}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
-        """The record `to_dict` made (keys this version does not know are ignored)."""
-        return cls(**{key: data[key] for key in COLUMNS if key in data}, state=JobState(data["state"]))
-
-
-_FIELDS = tuple(column.name for column in dataclasses.fields(JobRecord))
-COLUMNS = tuple(name for name in _FIELDS if name != "state")
 _SELECT = f"SELECT state, {', '.join(COLUMNS)} FROM jobs"
 _JOB_ID = 1 + COLUMNS.index("job_id")
 _WRITTEN = [column for column in ("state", *COLUMNS) if column != "cancel_requested"]
 _UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c for c in _WRITTEN)}) "
            f"ON CONFLICT (job_id) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in _WRITTEN if c != 'job_id')} "
            f"WHERE jobs.{LIVE}")
-_JSON = ("gpu_uuids", "request")
-_BOOLS = ("user_verified", "detached", "cancel_requested")
-
-
-def _to_row(record: JobRecord) -> dict[str, Any]:
-    row = record.to_dict()
-    return {**row, **{name: json.dumps(row[name]) for name in _JSON}, **{name: int(row[name]) for name in _BOOLS}}
-
-
-def _from_row(row: Sequence[Any]) -> JobRecord:
-    data = dict(zip(("state", *COLUMNS), row, strict=True))
-    data.update({name: json.loads(data[name]) for name in _JSON} | {name: bool(data[name]) for name in _BOOLS})
-    return JobRecord.from_dict(data)
 
 
 class Ledger:
@@ -221,19 +109,7 @@ class Ledger:
             if problems != ["ok"]:
                 raise self._corrupted("; ".join(problems[:3]))
         with self._write() as db:
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version > len(MIGRATIONS):
-                raise LedgerError(f"the job ledger {self.path} was written by a newer rpycdl (schema version "
-                                  f"{version}, this one knows up to {len(MIGRATIONS)}): upgrade rpycdl, or use "
-                                  "another state directory")
-            for number, script in enumerate(MIGRATIONS[version:], version + 1):
-                statement = ""  # one at a time: executescript would commit the transaction
-                for line in script.splitlines(keepends=True):
-                    statement += line
-                    if sqlite3.complete_statement(statement):
-                        db.execute(statement)
-                        statement = ""
-                db.execute(f"PRAGMA user_version = {number}")
+            migrate(db, self.path)
             db.execute("INSERT OR IGNORE INTO meta VALUES ('ledger_id', ?)", (uuid.uuid4().hex,))
             return db.execute("SELECT value FROM meta WHERE key = 'ledger_id'").fetchone()[0]
 
@@ -292,7 +168,7 @@ class Ledger:
             record.ended = time.time()
         with self._write() as db:
             try:
-                return db.execute(_UPSERT, _to_row(record)).rowcount > 0
+                return db.execute(_UPSERT, to_row(record)).rowcount > 0
             except sqlite3.IntegrityError:
                 other = _one(db, f"user = ? AND name = ? AND {LIVE}", record.user, record.name)
                 if other is None:
@@ -340,7 +216,7 @@ class Ledger:
     def unfinished(self) -> list[JobRecord]:
         """The PENDING and RUNNING jobs, oldest first."""
         with self._db() as db:
-            return [_from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE} ORDER BY submitted")]
+            return [from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE} ORDER BY submitted")]
 
     def query(self, *, users: Sequence[str] | None = None, states: Sequence[JobState] | None = None,
               since: float | None = None, active_or_ended_since: float | None = None,
@@ -371,7 +247,7 @@ class Ledger:
         chosen = f"SELECT rowid FROM jobs WHERE {' AND '.join(where)} ORDER BY {plus}submitted DESC LIMIT ?"
         sql = f"{_SELECT} WHERE rowid IN ({chosen}) ORDER BY submitted DESC"  # sorts ids, then reads rows
         with self._db() as db:
-            return [_from_row(row) for row in db.execute(sql, (*params, -1 if limit is None else limit))]
+            return [from_row(row) for row in db.execute(sql, (*params, -1 if limit is None else limit))]
 
     def delete(self, job_id: str) -> JobRecord | None:
         """Remove a finished job's row (its files are the caller's). Returns it, or None if there is no
@@ -453,7 +329,7 @@ class Ledger:
         the rows it has)."""
         with self._db() as db:
             rows = db.execute(f"{_SELECT} WHERE ended >= ? ORDER BY ended", (since,))
-            return [_from_row(row) for row in rows if row[_JOB_ID] not in known]
+            return [from_row(row) for row in rows if row[_JOB_ID] not in known]
 
 
 def _into_wal(db: sqlite3.Connection) -> None:
@@ -471,7 +347,7 @@ def _into_wal(db: sqlite3.Connection) -> None:
 
 def _one(db: sqlite3.Connection, where: str, *params: Any) -> JobRecord | None:
     row = db.execute(f"{_SELECT} WHERE {where}", params).fetchone()
-    return None if row is None else _from_row(row)
+    return None if row is None else from_row(row)
 
 
 def _holds(entry: Path) -> bool:

@@ -1,7 +1,8 @@
 """The RPyC service of one client connection: it checks who calls and what they ask (request),
 hands each job to its flow (jobflow), and answers status: run, run_buffers, run_code (ours and
-the original servers'), run_container, gpu_status, load, identify, limits, server_info; and the
-calls about the ledger's jobs (jobcalls): submit, job, job_log, job_wait, job_result, cancel, delete, jobs."""
+the original servers'), run_container, gpu_status, load, identify, limits, server_info; the calls
+about the ledger's jobs (jobcalls: submit, job, job_log, job_wait, job_result, cancel, delete, jobs) and
+working directories (workdircalls: has_working_dir, put_working_dir)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ from typing import Any
 import dill
 import rpyc
 
-from rpycdl.artifacts import workdir
-from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError, require_extra
+from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.security import auth
 from rpycdl.server import request, runner, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import JobCalls, refused
 from rpycdl.server.jobflow import JobFlow, decode_bounded
+from rpycdl.server.workdircalls import WorkdirCalls
 from rpycdl.wire import bulk, codec, netrefs
 
 
-class GPUService(JobCalls, rpyc.Service):
+class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
     """One client connection of a server. `context` is set on the subclass the server builds.
 
     Its user is the one its client certificate names, else the one the client declares
@@ -166,29 +167,6 @@ class GPUService(JobCalls, rpyc.Service):
             spec = containers.check_job(image, command, env=env, workdir=workdir, mounts=mounts)
             options["ngpus"] = 1 if options.get("ngpus") is None else options["ngpus"]
             return self._run(self._request(options, container=spec, output=request.output(options)))
-        except RpycdlError as exc:
-            return codec.encode_error(refused(self.context, exc), tb="")
-
-    def exposed_has_working_dir(self, digest: Any) -> bool:
-        """Whether the working directory of content hash `digest` is in this server's cache (a job may
-        then name it without sending it)."""
-        return isinstance(digest, str) and self.context.working_dirs.has(digest)
-
-    def exposed_put_working_dir(self, digest: Any, size: Any, send: Callable[[], None]) -> bytes:
-        """Receive a working directory's archive (rpycdl.artifacts.workdir.pack) of `size` bytes, which
-        the client's `send()` writes raw on the connection (bulk.pull), and cache it under its content
-        hash `digest` (checked). Returns outcome bytes: None, or the error (over --max-working-dir,
-        damaged on the way)."""
-        try:
-            most = workdir.archive_limit(self.context.limits.max_working_dir)
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                raise InvalidRequestError(f"a working directory's size must be a number of bytes, not {size!r}")
-            if size > most:
-                raise LimitError(f"the working directory's archive is {size} bytes, over this server's limit of "
-                                 f"{most} (--max-working-dir): leave files out with {workdir.IGNORE_FILE}")
-            [archive] = bulk.pull(self._conn, send, ((size, True),))  # bytes, read straight into
-            self.context.working_dirs.put(digest, archive)
-            return codec.encode_ok(None)
         except RpycdlError as exc:
             return codec.encode_error(refused(self.context, exc), tb="")
 

@@ -115,12 +115,11 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
     """Start the registry (if asked) and one server container per spec, on the host network, then the
     host's monitor (unless config.monitor_port is 0): see _monitor_options.
 
-    Starting twice is harmless: a container of the same name that runs already is left as it is
-    (and said), a stale one (created, exited) is replaced. If the engine refuses the ulimits
-    (rootless and sandboxed engines may not raise memlock), the servers run with the engine's
-    own, and `say` says so. If a container cannot start, every one this call created is removed
-    again, so that a retry meets no name conflict. Servers share the host's process namespace
-    (pid_mode host): see SERVER_PID_MODE.
+    Starting twice is harmless: a running container of the same name is left as it is (and said), a
+    stale one (created, exited) replaced. If the engine refuses the ulimits (rootless and sandboxed
+    engines may not raise memlock), the servers run with the engine's own, and `say` says so. If a
+    container cannot start, every one this call created is removed again (a retry meets no name
+    conflict). Servers share the host's process namespace (pid_mode host): see SERVER_PID_MODE.
 
     Args:
         config: what to start.
@@ -136,20 +135,13 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
     """
     client = client or docker_client()
     say = say or logging.getLogger("rpycdl.site").warning
-    servers = [parse_spec(spec) for spec in config.specs]
-    if not servers:
-        raise InvalidRequestError("name at least one server: SERVICE[:VERSION]")
-    if config.inventory != "all" and not config.inventory.startswith("fake:"):
-        raise InvalidRequestError(f"--gpus must be 'all' or fake:N, not {config.inventory!r}")
-    if not 0 <= config.monitor_port <= 65535:
-        raise InvalidRequestError(f"--monitor-port must be a TCP port, or 0 for no monitor, not {config.monitor_port}")
+    servers = _servers(config)
     reg_host, reg_port = parse_address(config.registry)
     credentials, credential_args = _credentials(config)
     prepare_lock_dir(config.lock_dir)
     common: dict[str, Any] = {"network_mode": "host", "restart_policy": {"Name": "unless-stopped"}}
-    token = uuid.uuid4().hex[:12]
+    token, ulimits = uuid.uuid4().hex[:12], list(config.ulimits)
     started: list[Container | None] = []
-    ulimits = list(config.ulimits)
     first_image = f"{config.image_prefix}-{servers[0][0]}:{servers[0][1] or 'latest'}"  # every image has rpycdl[all]
     if config.monitor_port and not config.insecure and not is_loopback(config.host):
         say(f"the monitor listens on 127.0.0.1 only: it has no authentication, and its metrics name users and jobs "
@@ -178,6 +170,22 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
             raise RpycdlError(f"cannot start the containers: {exc.explanation or exc}") from None
         raise
     return [container for container in started if container is not None]
+
+
+def _servers(config: UpConfig) -> list[tuple[str, str | None]]:
+    """The (service, version) of each server `config` asks for, once its options are checked.
+
+    Raises:
+        InvalidRequestError: no server, a bad spec, --gpus or --monitor-port.
+    """
+    servers = [parse_spec(spec) for spec in config.specs]
+    if not servers:
+        raise InvalidRequestError("name at least one server: SERVICE[:VERSION]")
+    if config.inventory != "all" and not config.inventory.startswith("fake:"):
+        raise InvalidRequestError(f"--gpus must be 'all' or fake:N, not {config.inventory!r}")
+    if not 0 <= config.monitor_port <= 65535:
+        raise InvalidRequestError(f"--monitor-port must be a TCP port, or 0 for no monitor, not {config.monitor_port}")
+    return servers
 
 
 def _start_server(client: docker.DockerClient, name: str, image: str, say: Callable[[str], None], *,

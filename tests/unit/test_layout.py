@@ -94,3 +94,22 @@ def test_sub_packages_import_one_another_without_a_circle():
                 graph.setdefault(role(name), set()).add(role(target))
     cycles = _cycles(graph)
     assert not cycles, "sub-packages in a circle: " + "; ".join(" -> ".join(cycle) for cycle in cycles[:5])
+
+
+MODULE_LINES, FUNCTION_LINES, SERVICE_LINES = 450, 60, 200
+"""Short rooms: no module over 450 lines, no function over 60, the RPyC service (thin) under 200."""
+
+
+def test_modules_and_functions_stay_short():
+    too_long = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        limit = SERVICE_LINES - 1 if name == "rpycdl.server.service" else MODULE_LINES
+        if len(source.splitlines()) > limit:
+            too_long.append(f"{name}: {len(source.splitlines())} lines (at most {limit})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name}: {length} lines (at most {FUNCTION_LINES})")
+    assert not too_long, "split these: " + "; ".join(too_long)

@@ -20,17 +20,9 @@ from hypothesis import strategies as st
 
 from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
-from rpycdl.scheduler.ledger import (
-    _UPSERT,
-    LIVE,
-    MIGRATIONS,
-    UNFINISHED,
-    JobRecord,
-    JobState,
-    Ledger,
-    _to_row,
-    new_job_id,
-)
+from rpycdl.scheduler.jobrecord import to_row
+from rpycdl.scheduler.ledger import _UPSERT, UNFINISHED, JobRecord, JobState, Ledger, new_job_id
+from rpycdl.scheduler.schema import LIVE, MIGRATIONS
 
 FINAL = [state for state in JobState if state.finished]
 
@@ -540,7 +532,7 @@ def test_a_version_1_ledger_gains_the_refusals_and_artifacts_and_keeps_its_rows(
         db.executescript(MIGRATIONS[0])
         db.execute("PRAGMA user_version = 1")
         db.execute("INSERT INTO meta VALUES ('ledger_id', 'the-old-ledgers-id')")
-        db.execute(_UPSERT, _to_row(record))
+        db.execute(_UPSERT, to_row(record))
     db.close()
     ledger = Ledger(state)
     assert ledger.ledger_id == "the-old-ledgers-id"

@@ -1,0 +1,75 @@
+"""The job ledger's schema: one SQL script per version, applied in order (PRAGMA user_version counts them).
+
+`meta(key, value)` holds the ledger_id, a uuid made with the database; `jobs` has a column per JobRecord
+field (rpycdl.scheduler.jobrecord), job_id its primary key, request and gpu_uuids as JSON text, booleans as
+0/1, times in seconds since the epoch (`ended` set once the job finished). Indexes: submitted (newest first,
+`since`), (ended, submitted) (the default view, prune), (state, submitted) (unfinished rows and state
+filters, cheap whatever the history), (user, submitted), (user, name) for find, and (user, name) UNIQUE
+among unfinished rows: one live job of a name per user. `refusals(service, reason, count)` counts the
+requests the host's servers refused, one row per service and reason. `artifacts(job_id, state, files,
+error, updated)` says where a job's outputs stand; a job's row going takes it along (a trigger).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from rpycdl.errors import LedgerError
+
+LIVE = "state IN ('PENDING', 'RUNNING')"
+"""The UNFINISHED rows, in the words of the unique index (the planner matches words)."""
+
+MIGRATIONS = [
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE jobs (
+        job_id TEXT PRIMARY KEY NOT NULL, server_id TEXT NOT NULL, client TEXT NOT NULL,
+        ngpus INTEGER NOT NULL, share_bytes INTEGER NOT NULL, state TEXT NOT NULL,
+        owner_pid INTEGER NOT NULL, owner_start INTEGER NOT NULL, pgid INTEGER NOT NULL,
+        leader_start INTEGER NOT NULL, gpu_uuids TEXT NOT NULL, submitted REAL NOT NULL, started REAL,
+        ended REAL, error TEXT NOT NULL, error_type TEXT NOT NULL, exit_code INTEGER, user TEXT NOT NULL,
+        user_verified INTEGER NOT NULL, name TEXT, detached INTEGER NOT NULL, kind TEXT NOT NULL,
+        service TEXT NOT NULL, server TEXT NOT NULL, request TEXT NOT NULL, log_bytes INTEGER NOT NULL,
+        result_bytes INTEGER, cancel_requested INTEGER NOT NULL DEFAULT 0);
+    CREATE INDEX jobs_submitted ON jobs (submitted);
+    CREATE INDEX jobs_ended ON jobs (ended, submitted);
+    CREATE INDEX jobs_state ON jobs (state, submitted);
+    CREATE INDEX jobs_user ON jobs (user, submitted);
+    CREATE INDEX jobs_name ON jobs (user, name) WHERE name IS NOT NULL;
+    CREATE UNIQUE INDEX jobs_unfinished_name ON jobs (user, name)
+        WHERE name IS NOT NULL AND state IN ('PENDING', 'RUNNING');
+    """,
+    """
+    CREATE TABLE refusals (service TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
+                           PRIMARY KEY (service, reason)) WITHOUT ROWID;
+    """,
+    """
+    CREATE TABLE artifacts (job_id TEXT PRIMARY KEY, state TEXT NOT NULL, files TEXT NOT NULL,
+                            error TEXT NOT NULL, updated REAL NOT NULL);
+    CREATE TRIGGER jobs_artifacts_deleted AFTER DELETE ON jobs BEGIN
+        DELETE FROM artifacts WHERE job_id = old.job_id;
+    END;
+    """,
+]
+"""One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""
+
+
+def migrate(db: sqlite3.Connection, path: Path) -> None:
+    """Inside a write transaction: run the MIGRATIONS the database at `path` lacks.
+
+    Raises:
+        LedgerError: the database was written by a newer rpycdl.
+    """
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise LedgerError(f"the job ledger {path} was written by a newer rpycdl (schema version {version}, this "
+                          f"one knows up to {len(MIGRATIONS)}): upgrade rpycdl, or use another state directory")
+    for number, script in enumerate(MIGRATIONS[version:], version + 1):
+        statement = ""  # one at a time: executescript would commit the transaction
+        for line in script.splitlines(keepends=True):
+            statement += line
+            if sqlite3.complete_statement(statement):
+                db.execute(statement)
+                statement = ""
+        db.execute(f"PRAGMA user_version = {number}")

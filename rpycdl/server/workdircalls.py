@@ -1,0 +1,46 @@
+"""The service's calls that bring a working directory into the server's cache by content, before a job
+names it (rpycdl.artifacts.workdir)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import rpyc
+
+from rpycdl.artifacts import workdir
+from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
+from rpycdl.server.context import ServerContext
+from rpycdl.server.jobcalls import refused
+from rpycdl.wire import bulk, codec
+
+
+class WorkdirCalls:
+    """The exposed working-directory calls, mixed into the service (rpycdl.server.service.GPUService),
+    whose `context` and `_conn` they use."""
+
+    context: ServerContext
+    _conn: rpyc.Connection
+
+    def exposed_has_working_dir(self, digest: Any) -> bool:
+        """Whether the working directory of content hash `digest` is in this server's cache (a job may
+        then name it without sending it)."""
+        return isinstance(digest, str) and self.context.working_dirs.has(digest)
+
+    def exposed_put_working_dir(self, digest: Any, size: Any, send: Callable[[], None]) -> bytes:
+        """Receive a working directory's archive (rpycdl.artifacts.workdir.pack) of `size` bytes, which
+        the client's `send()` writes raw on the connection (bulk.pull), and cache it under its content
+        hash `digest` (checked). Returns outcome bytes: None, or the error (over --max-working-dir,
+        damaged on the way)."""
+        try:
+            most = workdir.archive_limit(self.context.limits.max_working_dir)
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise InvalidRequestError(f"a working directory's size must be a number of bytes, not {size!r}")
+            if size > most:
+                raise LimitError(f"the working directory's archive is {size} bytes, over this server's limit of "
+                                 f"{most} (--max-working-dir): leave files out with {workdir.IGNORE_FILE}")
+            [archive] = bulk.pull(self._conn, send, ((size, True),))  # bytes, read straight into
+            self.context.working_dirs.put(digest, archive)
+            return codec.encode_ok(None)
+        except RpycdlError as exc:
+            return codec.encode_error(refused(self.context, exc), tb="")
