@@ -20,6 +20,7 @@ from helpers import (
     idle,
     open_gate,
     quick_error,
+    running,
     server_pid,
     server_process,
     spare_processes,
@@ -137,7 +138,8 @@ def test_spares_die_with_a_killed_server_and_free_its_port(server, cluster, conn
     serving = connect(port)
     assert serving.root.run_code(lambda x: x, "before") == "before"
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and comm(p) != "rpycdl-conn" for p in spares + list(jobs)),
+    # Gone, or a zombie that init has yet to reap (the server, their parent, is dead): dead either way.
+    wait_until(lambda: not any(running(p) and comm(p) != "rpycdl-conn" for p in spares + list(jobs)),
                timeout=2.0, what="the spares and their job processes to be gone")
     assert _bindable(port), "something still holds the listening socket"
     assert serving.root.run_code(lambda x: x, "after") == "after"  # a connection already served goes on
