@@ -1,7 +1,7 @@
 """The monitor's dashboard against real servers on simulated GPUs: in a real browser (headless Chromium driven
 by selenium: a job goes from waiting to running to done without a reload, its page follows its log with the
-site's secret; 8 GPUs, 100 waiting and 1000 jobs render quickly; a screenshot, $RPYCDL_SCREENSHOT), and its JSON API and log
-endpoint over real HTTP (the secret, the log's bounds, untrusted text kept as data)."""
+site's secret; 8 GPUs, 100 waiting and 1000 jobs render quickly; a screenshot, $RPYCDL_SCREENSHOT), and its JSON
+API and log endpoint over real HTTP (the secret, the log's bounds, untrusted text kept as data)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 STATIC = REPO / "rpycdl" / "monitor" / "static"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium and chromium-driver
 SCREENSHOT_TO = "RPYCDL_SCREENSHOT"
-"""Where the busy host's screenshot goes, if set (docs/dashboard.png to refresh the README's); a temporary file if not."""
+"""Where the busy host's screenshot goes if set (docs/dashboard.png refreshes the README's); a temporary file if not."""
 SECRET = "correct horse battery staple"
 HOSTILE = "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script><b>bold</b> & \u00e9"
 """Text a user controls (a command's arguments, an exception's message, a log): shown as it is, never run."""

@@ -5,6 +5,7 @@ make use indexes whatever the history."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
 import re
 import sqlite3
@@ -14,6 +15,7 @@ import traceback
 
 import pytest
 
+from rpycdl.errors import LedgerError
 from rpycdl.scheduler import jobrecord
 from rpycdl.scheduler import ledger as ledger_module
 from rpycdl.scheduler.ledger import JobRecord, JobState, Ledger
@@ -147,3 +149,27 @@ def test_the_default_view_reads_only_the_recent_rows(history):
     assert all(row.ended >= time.time() - 86400 - 5 for row in recent if row.state.finished)
     assert 1000 < len(recent) < 20_000
 
+
+def _open_at(state: str, start: float) -> None:
+    while time.time() < start:
+        pass
+    try:
+        Ledger(state).count()
+    except LedgerError as exc:
+        os.write(2, f"{exc}\n".encode())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_processes_making_one_new_ledger_at_once_all_open_it(tmp_path):
+    """Servers and monitors of a host often start together on a new state directory: none may take the
+    ledger another is making for a lost one."""
+    for round_ in range(20):
+        state, start, pids = str(tmp_path / f"state{round_}"), time.time() + 0.2, []
+        for _ in range(8):
+            pid = os.fork()
+            if pid == 0:
+                _open_at(state, start)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        assert codes == [0] * 8, f"round {round_}: {codes.count(1)} of 8 refused the new ledger"

@@ -159,3 +159,16 @@ def test_too_large_or_hostile_working_directories_are_refused(server, connect, l
     assert not list(tmp_path.rglob("escaped.txt")) and not list(Path(lock_dir).rglob("escaped.txt"))
     wait_until(lambda: _job_dirs(lock_dir) == [], 10, "the refused jobs' directories to go")
     assert conn.root.run_code(len, "still serving") == 13
+
+
+def test_an_archive_of_too_many_entries_is_refused_before_writing(tmp_path):
+    """In-process, but slow (MAX_MEMBERS + 1 entries are made and read): here rather than in tests/unit."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as out:
+        for number in range(workdir.MAX_MEMBERS + 1):
+            out.addfile(tarfile.TarInfo(f"f{number}"), io.BytesIO(b""))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(rpycdl.InvalidRequestError, match="entries"):
+        workdir.unpack(buffer.getvalue(), dest, 2**20)
+    assert not any(dest.iterdir())

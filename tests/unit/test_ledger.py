@@ -217,31 +217,6 @@ def test_a_missing_ledger_is_never_started_over_a_history(tmp_path):
     assert Ledger(empty).count() == 0
 
 
-def _open_at(state: str, start: float) -> None:
-    while time.time() < start:
-        pass
-    try:
-        Ledger(state).count()
-    except LedgerError as exc:
-        os.write(2, f"{exc}\n".encode())
-        os._exit(1)
-    os._exit(0)
-
-
-def test_processes_making_one_new_ledger_at_once_all_open_it(tmp_path):
-    """Servers and monitors of a host often start together on a new state directory: none may take the
-    ledger another is making for a lost one."""
-    for round_ in range(20):
-        state, start, pids = str(tmp_path / f"state{round_}"), time.time() + 0.2, []
-        for _ in range(8):
-            pid = os.fork()
-            if pid == 0:
-                _open_at(state, start)
-            pids.append(pid)
-        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-        assert codes == [0] * 8, f"round {round_}: {codes.count(1)} of 8 refused the new ledger"
-
-
 def test_a_corrupted_ledger_is_refused(tmp_path):
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / Ledger.FILE).write_bytes(os.urandom(8192))

@@ -143,16 +143,13 @@ def test_hostile_archives_write_nothing(tmp_path, members, named):
     assert sorted(tmp_path.rglob("*")) == before and not any(dest.iterdir())
 
 
-def test_a_declared_size_or_count_bomb_is_refused_before_writing(tmp_path):
+def test_a_declared_size_bomb_is_refused_before_writing(tmp_path):
     dest = tmp_path / "dest"
     dest.mkdir()
     header = tarfile.TarInfo("huge")
     header.size = 10**12  # declared, not sent: refused on the header
     with pytest.raises(InvalidRequestError, match="huge"):
         workdir.unpack(header.tobuf(tarfile.PAX_FORMAT) + bytes(1024), dest, 10 * MiB)
-    many = archive(*[(f"f{n}", F, b"") for n in range(workdir.MAX_MEMBERS + 1)])
-    with pytest.raises(InvalidRequestError, match="entries"):
-        workdir.unpack(many, dest, MiB)
     assert not any(dest.iterdir())
     with pytest.raises(InvalidRequestError, match="damaged"):
         workdir.unpack(b"not a tar at all" * 64, dest, MiB)
