@@ -1,7 +1,11 @@
-"""Helpers shared by the functional tests: jobs run in background threads, gates, waiting."""
+"""Helpers shared by the functional tests: jobs run in background threads, gates, waiting, the `rpycdl`
+command in a subprocess."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import rpycdl
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """This environment without the RPYCDL_ variables of whoever runs the tests (but RPYCDL_CONFIG, set
+    by the tests), with `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPYCDL_") or k == "RPYCDL_CONFIG"}
+    return {**env, **extra}
+
+
+def rpycdl_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run `python -m rpycdl ARGS` (in cli_env() unless `env` is given) to its end; its output as text."""
+    return subprocess.run([sys.executable, "-m", "rpycdl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or cli_env())
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
