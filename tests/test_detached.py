@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import idle, open_gate, running, wait_until
+from helpers import idle, open_gate, rpycdl_cli, running, wait_until
 
 import rpycdl
 from rpycdl import JobState
@@ -124,6 +124,41 @@ def test_a_job_is_found_again_by_id_and_by_name_from_another_process(two, tmp_pa
         assert done.stdout.split() == [job.id, "lr-1e-3", done.stdout.split()[2], "42"], done.stdout
     with pytest.raises(rpycdl.InvalidRequestError, match="no server knows job 'no-such-job'"):
         rpycdl.job("no-such-job", registry_address=cluster.registry_address)
+
+
+def test_a_name_on_several_hosts_finds_the_unfinished_job_else_the_latest_and_refuses_two_unfinished(
+        cluster, connect, tmp_path):
+    hosts = [connect(cluster.add_server("pytorch", "fake:2")[1]),
+             connect(cluster.add_server("pytorch", "fake:2", lock_dir=str(tmp_path / "host-b"))[1])]
+    gate = str(tmp_path / "gate")
+    where = {"registry_address": cluster.registry_address}
+    waiting = {}
+    for done, live in ((0, 1), (1, 0)):  # whichever host the registry lists first
+        name = f"lr-{done}"
+        assert hosts[done].root.submit(TALKER, {"dir": str(tmp_path)}, name=name).wait(10).finished
+        waiting[name] = hosts[live].root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}, name=name)
+        assert rpycdl.job(name, **where).id == waiting[name].id  # the unfinished one, not the finished one
+    for first, then in ((0, 1), (1, 0)):  # finished only: the latest
+        name = f"done-{first}"
+        older = hosts[first].root.submit(TALKER, {"dir": str(tmp_path), "value": "older"}, name=name)
+        assert older.wait(10).finished
+        newer = hosts[then].root.submit(TALKER, {"dir": str(tmp_path), "value": "newer"}, name=name)
+        assert newer.wait(10).finished
+        assert rpycdl.job(name, **where).result() == "newer"
+        assert rpycdl.job(older.id, **where).result() == "older"  # an id is never ambiguous
+    both = [host.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}, name="both") for host in hosts]
+    with pytest.raises(rpycdl.InvalidRequestError, match="unfinished jobs named 'both' on several hosts") as info:
+        rpycdl.job("both", **where)
+    assert all(f"{job.id} on {job.info['server']}" in str(info.value) for job in both), info.value
+    assert "give the job's id" in str(info.value)
+    flags = ["--registry", cluster.registry_address]
+    refused = rpycdl_cli("logs", "both", *flags)  # the command line asks the same way
+    assert refused.returncode == 2 and "on several hosts" in refused.stderr, refused.stderr
+    cancelled = rpycdl_cli("cancel", "lr-0", *flags)
+    assert cancelled.returncode == 0 and waiting["lr-0"].id in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    assert waiting["lr-0"].wait(10).state is JobState.CANCELLED
+    open_gate(gate)
+    assert all(job.wait(10).state is JobState.SUCCEEDED for job in (waiting["lr-1"], *both))
 
 
 def test_names_are_unique_among_a_users_unfinished_jobs(two, tmp_path):
