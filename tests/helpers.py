@@ -68,6 +68,31 @@ def gate_job(gate: str) -> Callable[[Any], Any]:
     return job
 
 
+def _make_talker() -> Callable[[dict[str, Any]], Any]:
+    """A job (made in a function, so that dill sends it by value) that prints `lines` numbered lines,
+    leaves a file started-PID in `dir`, waits for the file `gate` if given, prints "done", and raises
+    ValueError(`raise`) if given, else returns `value`."""
+
+    def talker(args: dict[str, Any]) -> Any:
+        import os
+        import time
+
+        for number in range(args.get("lines", 0)):
+            print(f"line {number}", flush=True)
+        open(os.path.join(args["dir"], f"started-{os.getpid()}"), "w").close()
+        while args.get("gate") and not os.path.exists(args["gate"]):
+            time.sleep(0.01)
+        print("done", flush=True)
+        if args.get("raise"):
+            raise ValueError(args["raise"])
+        return args.get("value")
+
+    return talker
+
+
+TALKER = _make_talker()
+
+
 class Background:
     """run_code in a thread of its own, recording the job's states, value or exception.
 

@@ -10,38 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers import idle, open_gate, rpycdl_cli, running, wait_until
+from helpers import TALKER, idle, open_gate, rpycdl_cli, running, wait_until
 
 import rpycdl
 from rpycdl import JobState
-
-
-def _make_talker() -> Callable[[dict[str, Any]], Any]:
-    """A job that prints `lines` numbered lines, waits for the file `gate` if given, and returns `value`."""
-
-    def talker(args: dict[str, Any]) -> Any:
-        import os
-        import time
-
-        for number in range(args.get("lines", 0)):
-            print(f"line {number}", flush=True)
-        open(os.path.join(args["dir"], f"started-{os.getpid()}"), "w").close()
-        while args.get("gate") and not os.path.exists(args["gate"]):
-            time.sleep(0.01)
-        print("done", flush=True)
-        if args.get("raise"):
-            raise ValueError(args["raise"])
-        return args.get("value")
-
-    return talker
-
-
-TALKER = _make_talker()
 
 CLIENT = """
 import sys
