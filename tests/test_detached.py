@@ -223,23 +223,23 @@ def test_the_job_outlives_its_client_killed(when, cluster, connect, tmp_path):
     port = cluster.add_server("pytorch", "fake:1")[1]
     conn = connect(port)
     gate = str(tmp_path / "gate")
-    blocker = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}) if when == "pending" else None
-    code = f"print('hello from the job', flush=True); open({str(tmp_path / 'ran')!r}, 'w').close()"
+    if when == "pending":
+        wait_state(conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}), JobState.RUNNING)  # holds the GPU
+    code = (f"import os, time\nprint('hello from the job', flush=True)\n"
+            f"while not os.path.exists({gate!r}): time.sleep(0.01)\nprint('through the gate')")
     client = subprocess.Popen([sys.executable, "-c", CLIENT, str(port), code, f"walk-away-{when}"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    job_id = client.stdout.readline().strip()
-    if when == "running":
-        job = conn.root.job(job_id)
-    else:
-        job = conn.root.job(job_id)
-        assert job.status().state is JobState.PENDING
+    job = conn.root.job(client.stdout.readline().strip())
+    state = JobState(when.upper())
+    wait_state(job, state)
     client.kill()
     client.wait()
-    if blocker is not None:
-        open_gate(gate)
+    time.sleep(0.5)  # a sweep or two
+    assert job.status().state is state, job.info
+    open_gate(gate)
     assert job.wait(20).state is JobState.SUCCEEDED, job.info
-    assert job.result() == 0 and (tmp_path / "ran").exists()
-    assert list(job.logs()) == ["hello from the job\n"]
+    assert job.result() == 0
+    assert list(job.logs()) == ["hello from the job\n", "through the gate\n"]
 
 
 def test_the_jobs_outlive_their_server_killed_and_a_restarted_server_serves_them(cluster, connect, tmp_path):
