@@ -1,7 +1,8 @@
 """Detached jobs end to end: submit, walk away, come back for the logs and the result; the job outlives
-its client (kill -9 while it waits and while it runs), its server's parent (kill -9 and a restart
-while jobs run and wait), and a supervisor killed makes it LOST with its GPUs free within a second.
-Real registry, servers, supervisors and clients on loopback; only the GPUs are simulated."""
+its client (kill -9 while it waits and while it runs), its server's parent (kill -9 or a graceful stop,
+and a restart while jobs run and wait), and a supervisor killed makes it LOST with its GPUs free within
+a second; names across hosts, timeouts, owners and admins. Real registry, servers, supervisors and
+clients on loopback; only the GPUs are simulated."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TALKER, idle, open_gate, rpycdl_cli, running, wait_until
+from helpers import TALKER, cli_env, idle, open_gate, rpycdl_cli, running, wait_until
 
 import rpycdl
 from rpycdl import JobState
+from rpycdl.cli.common import EXIT_JOB_TIMEOUT
 
 CLIENT = """
 import sys
@@ -242,7 +244,8 @@ def test_the_job_outlives_its_client_killed(when, cluster, connect, tmp_path):
     assert list(job.logs()) == ["hello from the job\n", "through the gate\n"]
 
 
-def test_the_jobs_outlive_their_server_killed_and_a_restarted_server_serves_them(cluster, connect, tmp_path):
+@pytest.mark.parametrize("end", ["kill-9", "stop"])
+def test_the_jobs_outlive_their_server_ended_and_a_restarted_server_serves_them(end, cluster, connect, tmp_path):
     process, port = cluster.add_server("pytorch", "fake:1")
     conn = connect(port)
     gate = str(tmp_path / "gate")
@@ -251,8 +254,12 @@ def test_the_jobs_outlive_their_server_killed_and_a_restarted_server_serves_them
     third = conn.root.submit(TALKER, {"dir": str(tmp_path), "value": "third"})
     wait_state(first, JobState.RUNNING)
     assert second.status().ahead == 0 and third.status().ahead == 1
-    process.popen.send_signal(signal.SIGKILL)
-    process.popen.wait()
+    if end == "stop":  # SIGTERM: a graceful stop, as an upgrade does
+        process.stop()
+        assert process.popen.returncode == 0, process.lines[-5:]
+    else:
+        process.popen.send_signal(signal.SIGKILL)
+        process.popen.wait()
     time.sleep(0.5)
     assert running(first.info["owner_pid"]), "the supervisor died with the server"
     port = cluster.add_server("pytorch", "fake:1")[1]
@@ -292,6 +299,48 @@ def test_a_killed_supervisor_makes_the_job_lost_and_frees_its_gpus_within_a_seco
         job.result()
     listed = rpycdl_cli("jobs", "--registry", cluster.registry_address)
     assert any(job.id in line and "LOST" in line and "its supervisor" in line for line in listed.stdout.splitlines())
+
+
+def test_a_detached_job_past_its_timeout_ends_timed_out_and_rpycdl_wait_exits_124(two, tmp_path, cluster):
+    _, conn = two
+    job = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": str(tmp_path / "never"), "lines": 1}, timeout=2,
+                           name="too-long")
+    wait_state(job, JobState.RUNNING)
+    waiting = subprocess.Popen([sys.executable, "-m", "rpycdl", "wait", "too-long", "--registry",
+                                cluster.registry_address], stderr=subprocess.PIPE, text=True, env=cli_env())
+    assert waiting.wait(30) == EXIT_JOB_TIMEOUT, waiting.stderr.read()
+    assert f"job {job.id}: TIMED_OUT" in waiting.stderr.read()
+    row = job.refresh()
+    assert row["state"] == "TIMED_OUT" and 2 <= row["ended"] - row["started"] < 10, row
+    with pytest.raises(rpycdl.JobTimeoutError):
+        job.result()
+    assert list(job.logs()) == ["line 0\n"]
+    wait_until(lambda: idle(conn), 1, "the GPUs to be free after the timeout")
+
+
+def test_an_admin_reads_cancels_and_deletes_another_users_detached_job_and_another_user_cannot(tls_server, tmp_path):
+    alice, bob, admin = (tls_server(user) for user in ("alice", "bob", "root"))
+    done = alice.root.submit(TALKER, {"dir": str(tmp_path), "lines": 2, "value": "alice's"}, name="mine")
+    assert done.wait(10).state is JobState.SUCCEEDED
+    live = alice.root.submit(TALKER, {"dir": str(tmp_path), "gate": str(tmp_path / "never")})
+    wait_state(live, JobState.RUNNING)
+    for job in (done, live):
+        theirs = bob.root.job(job.id)  # anyone sees that it exists
+        for attempt in (lambda theirs=theirs: list(theirs.logs()), lambda theirs=theirs: theirs.result(wait=False),
+                        theirs.cancel, theirs.delete):
+            with pytest.raises(rpycdl.NotAllowedError, match=f"job {job.id} belongs to alice and you are bob"):
+                attempt()
+    with pytest.raises(rpycdl.InvalidRequestError, match="no job 'mine'"):  # a name is the owner's
+        bob.root.job("mine")
+    assert live.status().state is JobState.RUNNING
+    as_admin = admin.root.job(done.id)
+    assert list(as_admin.logs()) == ["line 0\n", "line 1\n", "done\n"]
+    assert as_admin.result() == "alice's"
+    assert admin.root.job(live.id).cancel().state is JobState.RUNNING
+    assert live.wait(10).state is JobState.CANCELLED
+    as_admin.delete()
+    with pytest.raises(rpycdl.InvalidRequestError, match="no job"):
+        done.status()
 
 
 def test_attached_jobs_are_rows_of_the_ledger_too(two, tmp_path):
