@@ -30,8 +30,9 @@ from typing import Any
 from bench_core import percentile, timed, trivial
 
 import rpycdl
-from rpycdl.defaults import JOBS_SHOWN, RECENT_JOBS, STATE_SUBDIR
+from rpycdl.defaults import JOBS_SHOWN, STATE_SUBDIR
 from rpycdl.scheduler.ledger import JobRecord, JobState, Ledger
+from rpycdl.server.jobcalls import window
 from rpycdl.site.local import LocalCluster
 
 Row = tuple[str, list[float], list[float], str]
@@ -139,10 +140,8 @@ def in_process(state_dir: str, calls: int) -> dict[str, list[float]]:
     ledger = Ledger(state_dir)
 
     def query(asked: dict[str, Any]) -> list[JobRecord]:
-        now = time.time()  # as rpycdl.server.jobcalls._query turns a query into arguments
         return ledger.query(users=asked.get("users"), states=asked.get("states"), limit=JOBS_SHOWN,
-                            since=now - asked["since"] if "since" in asked else None,
-                            active_or_ended_since=None if asked.get("all") else now - RECENT_JOBS)
+                            **window(asked.get("all"), asked.get("since"), time.time()))
 
     samples = {label: timed(lambda asked=asked: query(asked), calls) for label, asked in QUERIES.items()}
     ledger.close()

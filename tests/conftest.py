@@ -80,3 +80,20 @@ def shared_port(tmp_path_factory) -> Iterator[int]:
 def conn(shared_port, connect) -> rpycdl.Connection:
     """A connection to the module's shared server."""
     return connect(shared_port)
+
+
+@pytest.fixture
+def tls_server(server, team) -> Iterator[Callable[[str], rpycdl.Connection]]:
+    """A fake:2 server with mutual TLS, its port as `.port`; as_user(name) -> a connection as one of the
+    team's users (alice, bob, root: an admin), closed after the test."""
+    port = server("pytorch", "fake:2", *team.server_args())
+    opened: list[rpycdl.Connection] = []
+
+    def as_user(name: str) -> rpycdl.Connection:
+        opened.append(rpycdl.connect(host="127.0.0.1", port=port, **team.user(name)))
+        return opened[-1]
+
+    as_user.port = port  # type: ignore[attr-defined]
+    yield as_user
+    for conn in opened:
+        conn.close()

@@ -1,7 +1,11 @@
-"""Helpers shared by the functional tests: jobs run in background threads, gates, waiting."""
+"""Helpers shared by the functional tests: jobs run in background threads, gates, waiting, the `rpycdl`
+command in a subprocess."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import rpycdl
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """This environment without the RPYCDL_ variables of whoever runs the tests (but RPYCDL_CONFIG, set
+    by the tests), with `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RPYCDL_") or k == "RPYCDL_CONFIG"}
+    return {**env, **extra}
+
+
+def rpycdl_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run `python -m rpycdl ARGS` (in cli_env() unless `env` is given) to its end; its output as text."""
+    return subprocess.run([sys.executable, "-m", "rpycdl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or cli_env())
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -49,6 +66,31 @@ def gate_job(gate: str) -> Callable[[Any], Any]:
         return args
 
     return job
+
+
+def _make_talker() -> Callable[[dict[str, Any]], Any]:
+    """A job (made in a function, so that dill sends it by value) that prints `lines` numbered lines,
+    leaves a file started-PID in `dir`, waits for the file `gate` if given, prints "done", and raises
+    ValueError(`raise`) if given, else returns `value`."""
+
+    def talker(args: dict[str, Any]) -> Any:
+        import os
+        import time
+
+        for number in range(args.get("lines", 0)):
+            print(f"line {number}", flush=True)
+        open(os.path.join(args["dir"], f"started-{os.getpid()}"), "w").close()
+        while args.get("gate") and not os.path.exists(args["gate"]):
+            time.sleep(0.01)
+        print("done", flush=True)
+        if args.get("raise"):
+            raise ValueError(args["raise"])
+        return args.get("value")
+
+    return talker
+
+
+TALKER = _make_talker()
 
 
 class Background:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import Background, children, gate_job, open_gate, spare_processes, wait_until
+from helpers import Background, children, cli_env, gate_job, open_gate, rpycdl_cli, spare_processes, wait_until
 
 import rpycdl
 from rpycdl import cli
@@ -30,20 +30,10 @@ ME = f"{getpass.getuser()} (unverified)"
 """How a server without authentication names the user of these tests."""
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RPYCDL_") or k == "RPYCDL_CONFIG"}
-    return {**env, **extra}
-
-
-def rpycdl_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rpycdl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or _env())
-
-
 def test_help_of_the_command_and_of_every_subcommand_exits_0():
     commands = [["--help"], *[[name, "--help"] for name in SUBCOMMANDS]]
     running = [(argv, subprocess.Popen([sys.executable, "-m", "rpycdl", *argv], stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, env=_env()))
+                                       stderr=subprocess.PIPE, text=True, env=cli_env()))
                for argv in commands]
     for argv, process in running:
         out, err = process.communicate(timeout=30)
@@ -198,7 +188,7 @@ def test_serve_without_gpus_on_a_machine_without_nvml_says_how_to_simulate(lock_
 def test_serve_reads_the_inventory_from_rpycdl_gpus(lock_dir):
     process = subprocess.Popen([sys.executable, "-m", "rpycdl", "serve", "--service", "pytorch", "--port", "0",
                                 "--registry", "none", "--lock-dir", lock_dir], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=_env(RPYCDL_GPUS="fake:3x8GiB",
+                               stderr=subprocess.STDOUT, text=True, env=cli_env(RPYCDL_GPUS="fake:3x8GiB",
                                                                              PYTHONUNBUFFERED="1"))
     try:
         assert process.stdout is not None
@@ -271,7 +261,7 @@ def test_verbose_is_taken_after_the_subcommand_too(tmp_path, lock_dir):
     process = subprocess.Popen([sys.executable, "-m", "rpycdl", "serve", "--service", "pytorch", "--gpus", "fake:1",
                                 "--port", "0", "--registry", "none", "--lock-dir", lock_dir, "-v"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=_env(PYTHONUNBUFFERED="1"))
+                               env=cli_env(PYTHONUNBUFFERED="1"))
     try:
         assert process.stdout is not None
         lines = [process.stdout.readline() for _ in range(2)]
@@ -461,7 +451,7 @@ def _interrupt(args: list[str], ready: Callable[[str, int], bool]) -> subprocess
     whole group) once `ready(output so far, its pid)`."""
     process = subprocess.Popen([sys.executable, "-m", "rpycdl", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env=_env(PYTHONUNBUFFERED="1"))
+                               env=cli_env(PYTHONUNBUFFERED="1"))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()

@@ -1,7 +1,8 @@
 """Detached jobs end to end: submit, walk away, come back for the logs and the result; the job outlives
-its client (kill -9 while it waits and while it runs), its server's parent (kill -9 and a restart
-while jobs run and wait), and a supervisor killed makes it LOST with its GPUs free within a second.
-Real registry, servers, supervisors and clients on loopback; only the GPUs are simulated."""
+its client (kill -9 while it waits and while it runs), its server's parent (kill -9 or a graceful stop,
+and a restart while jobs run and wait), and a supervisor killed makes it LOST with its GPUs free within
+a second; names across hosts, timeouts, owners and admins. Real registry, servers, supervisors and
+clients on loopback; only the GPUs are simulated."""
 
 from __future__ import annotations
 
@@ -10,38 +11,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers import idle, open_gate, running, wait_until
+from helpers import TALKER, cli_env, idle, open_gate, rpycdl_cli, running, wait_until
 
 import rpycdl
 from rpycdl import JobState
-
-
-def _make_talker() -> Callable[[dict[str, Any]], Any]:
-    """A job that prints `lines` numbered lines, waits for the file `gate` if given, and returns `value`."""
-
-    def talker(args: dict[str, Any]) -> Any:
-        import os
-        import time
-
-        for number in range(args.get("lines", 0)):
-            print(f"line {number}", flush=True)
-        open(os.path.join(args["dir"], f"started-{os.getpid()}"), "w").close()
-        while args.get("gate") and not os.path.exists(args["gate"]):
-            time.sleep(0.01)
-        print("done", flush=True)
-        if args.get("raise"):
-            raise ValueError(args["raise"])
-        return args.get("value")
-
-    return talker
-
-
-TALKER = _make_talker()
+from rpycdl.cli.common import EXIT_JOB_TIMEOUT
 
 CLIENT = """
 import sys
@@ -124,6 +101,41 @@ def test_a_job_is_found_again_by_id_and_by_name_from_another_process(two, tmp_pa
         assert done.stdout.split() == [job.id, "lr-1e-3", done.stdout.split()[2], "42"], done.stdout
     with pytest.raises(rpycdl.InvalidRequestError, match="no server knows job 'no-such-job'"):
         rpycdl.job("no-such-job", registry_address=cluster.registry_address)
+
+
+def test_a_name_on_several_hosts_finds_the_unfinished_job_else_the_latest_and_refuses_two_unfinished(
+        cluster, connect, tmp_path):
+    hosts = [connect(cluster.add_server("pytorch", "fake:2")[1]),
+             connect(cluster.add_server("pytorch", "fake:2", lock_dir=str(tmp_path / "host-b"))[1])]
+    gate = str(tmp_path / "gate")
+    where = {"registry_address": cluster.registry_address}
+    waiting = {}
+    for done, live in ((0, 1), (1, 0)):  # whichever host the registry lists first
+        name = f"lr-{done}"
+        assert hosts[done].root.submit(TALKER, {"dir": str(tmp_path)}, name=name).wait(10).finished
+        waiting[name] = hosts[live].root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}, name=name)
+        assert rpycdl.job(name, **where).id == waiting[name].id  # the unfinished one, not the finished one
+    for first, then in ((0, 1), (1, 0)):  # finished only: the latest
+        name = f"done-{first}"
+        older = hosts[first].root.submit(TALKER, {"dir": str(tmp_path), "value": "older"}, name=name)
+        assert older.wait(10).finished
+        newer = hosts[then].root.submit(TALKER, {"dir": str(tmp_path), "value": "newer"}, name=name)
+        assert newer.wait(10).finished
+        assert rpycdl.job(name, **where).result() == "newer"
+        assert rpycdl.job(older.id, **where).result() == "older"  # an id is never ambiguous
+    both = [host.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}, name="both") for host in hosts]
+    with pytest.raises(rpycdl.InvalidRequestError, match="unfinished jobs named 'both' on several hosts") as info:
+        rpycdl.job("both", **where)
+    assert all(f"{job.id} on {job.info['server']}" in str(info.value) for job in both), info.value
+    assert "give the job's id" in str(info.value)
+    flags = ["--registry", cluster.registry_address]
+    refused = rpycdl_cli("logs", "both", *flags)  # the command line asks the same way
+    assert refused.returncode == 2 and "on several hosts" in refused.stderr, refused.stderr
+    cancelled = rpycdl_cli("cancel", "lr-0", *flags)
+    assert cancelled.returncode == 0 and waiting["lr-0"].id in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    assert waiting["lr-0"].wait(10).state is JobState.CANCELLED
+    open_gate(gate)
+    assert all(job.wait(10).state is JobState.SUCCEEDED for job in (waiting["lr-1"], *both))
 
 
 def test_names_are_unique_among_a_users_unfinished_jobs(two, tmp_path):
@@ -213,26 +225,27 @@ def test_the_job_outlives_its_client_killed(when, cluster, connect, tmp_path):
     port = cluster.add_server("pytorch", "fake:1")[1]
     conn = connect(port)
     gate = str(tmp_path / "gate")
-    blocker = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}) if when == "pending" else None
-    code = f"print('hello from the job', flush=True); open({str(tmp_path / 'ran')!r}, 'w').close()"
+    if when == "pending":
+        wait_state(conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}), JobState.RUNNING)  # holds the GPU
+    code = (f"import os, time\nprint('hello from the job', flush=True)\n"
+            f"while not os.path.exists({gate!r}): time.sleep(0.01)\nprint('through the gate')")
     client = subprocess.Popen([sys.executable, "-c", CLIENT, str(port), code, f"walk-away-{when}"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    job_id = client.stdout.readline().strip()
-    if when == "running":
-        job = conn.root.job(job_id)
-    else:
-        job = conn.root.job(job_id)
-        assert job.status().state is JobState.PENDING
+    job = conn.root.job(client.stdout.readline().strip())
+    state = JobState(when.upper())
+    wait_state(job, state)
     client.kill()
     client.wait()
-    if blocker is not None:
-        open_gate(gate)
+    time.sleep(0.5)  # a sweep or two
+    assert job.status().state is state, job.info
+    open_gate(gate)
     assert job.wait(20).state is JobState.SUCCEEDED, job.info
-    assert job.result() == 0 and (tmp_path / "ran").exists()
-    assert list(job.logs()) == ["hello from the job\n"]
+    assert job.result() == 0
+    assert list(job.logs()) == ["hello from the job\n", "through the gate\n"]
 
 
-def test_the_jobs_outlive_their_server_killed_and_a_restarted_server_serves_them(cluster, connect, tmp_path):
+@pytest.mark.parametrize("end", ["kill-9", "stop"])
+def test_the_jobs_outlive_their_server_ended_and_a_restarted_server_serves_them(end, cluster, connect, tmp_path):
     process, port = cluster.add_server("pytorch", "fake:1")
     conn = connect(port)
     gate = str(tmp_path / "gate")
@@ -241,8 +254,12 @@ def test_the_jobs_outlive_their_server_killed_and_a_restarted_server_serves_them
     third = conn.root.submit(TALKER, {"dir": str(tmp_path), "value": "third"})
     wait_state(first, JobState.RUNNING)
     assert second.status().ahead == 0 and third.status().ahead == 1
-    process.popen.send_signal(signal.SIGKILL)
-    process.popen.wait()
+    if end == "stop":  # SIGTERM: a graceful stop, as an upgrade does
+        process.stop()
+        assert process.popen.returncode == 0, process.lines[-5:]
+    else:
+        process.popen.send_signal(signal.SIGKILL)
+        process.popen.wait()
     time.sleep(0.5)
     assert running(first.info["owner_pid"]), "the supervisor died with the server"
     port = cluster.add_server("pytorch", "fake:1")[1]
@@ -259,24 +276,71 @@ def test_the_jobs_outlive_their_server_killed_and_a_restarted_server_serves_them
     assert third.wait(5).state is JobState.CANCELLED
 
 
-def test_a_killed_supervisor_makes_the_job_lost_and_frees_its_gpus_within_a_second(two, tmp_path, cluster):
+@pytest.mark.parametrize("left", [False, True], ids=["alone", "with-a-child-left-running"])
+def test_a_killed_supervisor_makes_the_job_lost_and_frees_its_gpus_within_a_second(left, two, tmp_path, cluster):
     _, conn = two
-    gate = str(tmp_path / "gate")
-    job = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate}, ngpus=2)
-    wait_state(job, JobState.RUNNING)
+    if left:  # the job process dies with its supervisor; what it started must be killed by a sweep
+        job = conn.root.submit_command(["sh", "-c", "sleep 600 & echo $!; wait"], ngpus=2)
+        wait_state(job, JobState.RUNNING)
+        child = int(wait_until(lambda: "".join(job.logs()).strip(), 5, "the child's pid"))
+    else:
+        job = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": str(tmp_path / "gate")}, ngpus=2)
+        wait_state(job, JobState.RUNNING)
+        child = None
     supervisor = job.refresh()["owner_pid"]
     job_process = job.info["pgid"]
-    os.kill(supervisor, signal.SIGKILL)
     killed = time.monotonic()
-    wait_until(lambda: idle(conn), 1.5, "the GPUs to be free after the supervisor died")
-    assert time.monotonic() - killed < 1.5
+    os.kill(supervisor, signal.SIGKILL)
+    wait_until(lambda: idle(conn), 1.0, "the GPUs to be free after the supervisor died")
+    assert time.monotonic() - killed < 1.0  # promise 3
+    assert not running(job_process) and not (child and running(child))  # and not before the job is gone
     assert wait_state(job, JobState.LOST, 2).error.startswith(f"its supervisor (pid {supervisor}) died")
-    assert not running(job_process)
     with pytest.raises(rpycdl.JobLostError):
         job.result()
-    listed = subprocess.run([sys.executable, "-m", "rpycdl", "jobs", "--registry", cluster.registry_address],
-                            capture_output=True, text=True, timeout=30)
+    listed = rpycdl_cli("jobs", "--registry", cluster.registry_address)
     assert any(job.id in line and "LOST" in line and "its supervisor" in line for line in listed.stdout.splitlines())
+
+
+def test_a_detached_job_past_its_timeout_ends_timed_out_and_rpycdl_wait_exits_124(two, tmp_path, cluster):
+    _, conn = two
+    job = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": str(tmp_path / "never"), "lines": 1}, timeout=2,
+                           name="too-long")
+    wait_state(job, JobState.RUNNING)
+    waiting = subprocess.Popen([sys.executable, "-m", "rpycdl", "wait", "too-long", "--registry",
+                                cluster.registry_address], stderr=subprocess.PIPE, text=True, env=cli_env())
+    assert waiting.wait(30) == EXIT_JOB_TIMEOUT, waiting.stderr.read()
+    assert f"job {job.id}: TIMED_OUT" in waiting.stderr.read()
+    row = job.refresh()
+    assert row["state"] == "TIMED_OUT" and 2 <= row["ended"] - row["started"] < 10, row
+    with pytest.raises(rpycdl.JobTimeoutError):
+        job.result()
+    assert list(job.logs()) == ["line 0\n"]
+    wait_until(lambda: idle(conn), 1, "the GPUs to be free after the timeout")
+
+
+def test_an_admin_reads_cancels_and_deletes_another_users_detached_job_and_another_user_cannot(tls_server, tmp_path):
+    alice, bob, admin = (tls_server(user) for user in ("alice", "bob", "root"))
+    done = alice.root.submit(TALKER, {"dir": str(tmp_path), "lines": 2, "value": "alice's"}, name="mine")
+    assert done.wait(10).state is JobState.SUCCEEDED
+    live = alice.root.submit(TALKER, {"dir": str(tmp_path), "gate": str(tmp_path / "never")})
+    wait_state(live, JobState.RUNNING)
+    for job in (done, live):
+        theirs = bob.root.job(job.id)  # anyone sees that it exists
+        for attempt in (lambda theirs=theirs: list(theirs.logs()), lambda theirs=theirs: theirs.result(wait=False),
+                        theirs.cancel, theirs.delete):
+            with pytest.raises(rpycdl.NotAllowedError, match=f"job {job.id} belongs to alice and you are bob"):
+                attempt()
+    with pytest.raises(rpycdl.InvalidRequestError, match="no job 'mine'"):  # a name is the owner's
+        bob.root.job("mine")
+    assert live.status().state is JobState.RUNNING
+    as_admin = admin.root.job(done.id)
+    assert list(as_admin.logs()) == ["line 0\n", "line 1\n", "done\n"]
+    assert as_admin.result() == "alice's"
+    assert admin.root.job(live.id).cancel().state is JobState.RUNNING
+    assert live.wait(10).state is JobState.CANCELLED
+    as_admin.delete()
+    with pytest.raises(rpycdl.InvalidRequestError, match="no job"):
+        done.status()
 
 
 def test_attached_jobs_are_rows_of_the_ledger_too(two, tmp_path):

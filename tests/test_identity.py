@@ -15,22 +15,6 @@ from rpycdl import cli
 from rpycdl.client import credentials
 
 
-@pytest.fixture
-def tls_server(server, team):
-    """A fake:2 server with mutual TLS; returns connect(user) -> a connection as that user."""
-    port = server("pytorch", "fake:2", *team.server_args())
-    opened: list[rpycdl.Connection] = []
-
-    def as_user(name: str) -> rpycdl.Connection:
-        opened.append(rpycdl.connect(host="127.0.0.1", port=port, **team.user(name)))
-        return opened[-1]
-
-    as_user.port = port  # type: ignore[attr-defined]
-    yield as_user
-    for conn in opened:
-        conn.close()
-
-
 def test_only_the_owner_or_an_admin_cancels_a_job(tls_server, team, tmp_path, capsys):
     gate = str(tmp_path / "gate")
     first = Background(tls_server("alice"), gate_job(gate), "A")

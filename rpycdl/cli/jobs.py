@@ -107,7 +107,8 @@ def _add_jobs(command: Command) -> None:
                          type=str.upper, choices=[state.value for state in JobState],
                          help="only jobs in this state (repeat for more)")
     listing.add_argument("--since", default=None, metavar="DURATION",
-                         help="only jobs submitted in the last DURATION, such as 2d or 12h")
+                         help="the jobs submitted in the last DURATION, such as 2d or 12h, however long ago they "
+                              "ended (instead of the recent ones)")
     listing.add_argument("--limit", type=int, default=None, metavar="N", help="at most N jobs (default 100; 0: all)")
     listing.add_argument("--json", action="store_true", help="print JSON")
     server_flags(listing)

@@ -246,7 +246,8 @@ class RemoteRoot:
         Args:
             all: every job the ledger keeps (--keep), not only the recent ones.
             users, states: only these users' jobs, only jobs in these states (PENDING, RUNNING, ...).
-            since: only jobs submitted in the last so many seconds.
+            since: the jobs submitted in the last so many seconds, however long ago they ended (instead
+                of the recent ones).
             limit: at most so many (default 100; 0: no limit).
         """
         query = {key: value for key, value in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import ssl
+from typing import Any
 
 import rpyc
 
@@ -14,6 +15,7 @@ from rpycdl.client.connection import CLIENT_CONFIG, Connection, call
 from rpycdl.client.jobs import Job
 from rpycdl.defaults import SERVER_PORT
 from rpycdl.errors import AuthFailedError, DiscoveryError, InvalidRequestError, LimitError
+from rpycdl.states import JobState
 from rpycdl.wire import codec
 
 
@@ -119,26 +121,60 @@ def job(ref: str, service: str | None = None, *, host: str | None = None, port: 
         registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
         tls_key: str | None = None, tls_ca: str | None = None) -> Job:
     """Find a job by id, or by name among your jobs, from any process: on the server at host:port, else
-    on the servers the registry knows (of `service`, if given), the first that knows it. Credentials
-    and the registry come as for rpycdl.connect.
+    on the servers the registry knows (of `service`, if given). An id is unique everywhere: the first
+    server that knows it answers. A name is asked of every server, since each host keeps its own
+    jobs: your unfinished job of that name wins, else your latest one of that name on any host.
+    Credentials and the registry come as for rpycdl.connect.
 
     Raises:
-        InvalidRequestError: no server reached knows the job (the message names those not reached).
+        InvalidRequestError: no server reached knows the job (the message names those not reached), or
+            you have unfinished jobs of that name on several hosts (the message names them: use the id).
     """
     settings = credentials.resolve(secret_file=secret_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
                                    registry=registry_address)
     secret, tls_context = settings.secret(), settings.tls_context()
     addresses = [(host, port or SERVER_PORT)] if host else server_addresses(service, settings.registry)
-    unreached = []
-    for address in addresses:
-        try:
-            connection = connect_to(address, secret, tls_context)
-        except (OSError, EOFError, AuthFailedError, LimitError) as exc:
-            unreached.append(f"{address[0]}:{address[1]} ({exc})")
-            continue
-        try:
-            return Job(codec.decode_outcome(connection.call("job", ref)), connection)
-        except InvalidRequestError:
-            connection.close()
-    unasked = f"; could not ask {', '.join(unreached)}" if unreached else ""
-    raise InvalidRequestError(f"no server knows job {ref!r}{unasked}")
+    unreached: list[str] = []
+    found: dict[str, tuple[dict[str, Any], Connection]] = {}  # by job id: servers of one host share their jobs
+    try:
+        for address in addresses:
+            try:
+                connection = connect_to(address, secret, tls_context)
+            except (OSError, EOFError, AuthFailedError, LimitError) as exc:
+                unreached.append(f"{address[0]}:{address[1]} ({exc})")
+                continue
+            try:
+                row = codec.decode_outcome(connection.call("job", ref))
+            except InvalidRequestError:  # this host does not know it
+                connection.close()
+                continue
+            except BaseException:
+                connection.close()
+                raise
+            if row["job_id"] in found:
+                connection.close()
+                continue
+            found[row["job_id"]] = (row, connection)
+            if row["job_id"] == ref:
+                break
+        if not found:
+            unasked = f"; could not ask {', '.join(unreached)}" if unreached else ""
+            raise InvalidRequestError(f"no server knows job {ref!r}{unasked}")
+        row, connection = found.pop(_choose(ref, {job_id: row for job_id, (row, _) in found.items()}))
+        return Job(row, connection)
+    finally:
+        for _, other in found.values():
+            other.close()
+
+
+def _choose(ref: str, rows: dict[str, dict[str, Any]]) -> str:
+    """The id of the job `ref` names among the rows the servers answered (by job id): the job whose id
+    it is, else the unfinished one of that name, else the latest submitted."""
+    if ref in rows:
+        return ref
+    live = [row for row in rows.values() if not JobState(row["state"]).finished]
+    if len(live) > 1:
+        raise InvalidRequestError(f"you have unfinished jobs named {ref!r} on several hosts: "
+                                  + ", ".join(f"{row['job_id']} on {row['server']}" for row in live)
+                                  + ": give the job's id instead")
+    return (live or sorted(rows.values(), key=lambda row: row["submitted"]))[-1]["job_id"]

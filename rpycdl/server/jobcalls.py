@@ -202,7 +202,8 @@ class JobCalls:
     def exposed_jobs(self, query: Any = None) -> bytes:
         """The host's jobs, newest first: by default the unfinished ones and those that ended in the last
         RECENT_JOBS seconds, JOBS_SHOWN at most. `query` may give: all (every job kept), users, states,
-        since (submitted in the last so many seconds), limit (0: no limit)."""
+        since (submitted in the last so many seconds, finished or not: instead of the default view),
+        limit (0: no limit)."""
         return _answer(lambda: [_shown(self.context, record, ahead=False) for record in _query(
             self.context, netrefs.materialize(query or {}, self.context.limits.max_payload))])
 
@@ -279,9 +280,15 @@ def _query(context: ServerContext, query: Any) -> list[JobRecord]:
         states = None if states is None else [JobState(str(state).upper()) for state in states]
     except ValueError:
         raise InvalidRequestError(f"states are {', '.join(s.value for s in JobState)}, not {states!r}") from None
-    since = request.check_seconds(query.get("since"), "since")
     limit = _count(query.get("limit", JOBS_SHOWN), "limit")
-    now = time.time()
-    return context.ledger.query(users=users, states=states, since=None if since is None else now - since,
-                                active_or_ended_since=None if query.get("all") else now - RECENT_JOBS,
-                                limit=limit or None)
+    return context.ledger.query(users=users, states=states, **window(query.get("all"),
+                                request.check_seconds(query.get("since"), "since"), time.time()), limit=limit or None)
+
+
+def window(every: Any, since: float | None, now: float) -> dict[str, float | None]:
+    """The times a jobs query reads between, as Ledger.query's `since` and `active_or_ended_since`: those
+    submitted in the last `since` seconds, if given; else with `every` all jobs, else the default view (the
+    unfinished ones and those ended in the last RECENT_JOBS seconds)."""
+    if since is not None:
+        return {"since": now - since, "active_or_ended_since": None}
+    return {"since": None, "active_or_ended_since": None if every else now - RECENT_JOBS}

@@ -115,14 +115,17 @@ class LocalCluster:
         self.processes.append(process)
         return process
 
-    def add_server(self, service: str, inventory: str | None, *extra: str) -> tuple[Process, int]:
-        """Start a server of `service` on a free loopback port; returns it and its port."""
+    def add_server(self, service: str, inventory: str | None, *extra: str,
+                   lock_dir: str | None = None) -> tuple[Process, int]:
+        """Start a server of `service` on a free loopback port (with a lock directory of its own, as a
+        server of another host has, if `lock_dir` is given); returns it and its port."""
+        lock_dir = lock_dir or self.lock_dir
         args = ["serve", "--service", service, "--host", "127.0.0.1", "--port", "0",
-                "--registry", self.registry_address, "--lock-dir", self.lock_dir, *extra]
+                "--registry", self.registry_address, "--lock-dir", lock_dir, *extra]
         if inventory:
             args += ["--gpus", inventory]
-        if "--state-dir" in extra:
-            self.state_dirs.add(extra[extra.index("--state-dir") + 1])
+        self.state_dirs.add(extra[extra.index("--state-dir") + 1] if "--state-dir" in extra
+                            else os.path.join(lock_dir, STATE_SUBDIR))
         process = self._start(args)
         port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
         deadline = time.monotonic() + READY_TIMEOUT
