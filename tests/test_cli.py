@@ -397,7 +397,9 @@ def taken_port():
 
 
 @pytest.mark.parametrize("case", ["port in use", "lock directory is a file", "lock directory under a file",
-                                  "lock directory not writable", "registry host unknown", "host unknown"])
+                                  "lock directory not writable", "state directory is a file",
+                                  "state directory under a file", "state directory not writable",
+                                  "registry host unknown", "host unknown"])
 def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
@@ -410,6 +412,9 @@ def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, t
         "lock directory is a file": (["--lock-dir", str(a_file)], f"cannot use the lock directory {a_file}"),
         "lock directory under a file": (["--lock-dir", str(a_file / "locks")], "cannot use the lock directory"),
         "lock directory not writable": (["--lock-dir", str(read_only / "locks")], "cannot use the lock directory"),
+        "state directory is a file": (["--state-dir", str(a_file)], f"cannot use the state directory {a_file}"),
+        "state directory under a file": (["--state-dir", str(a_file / "state")], "cannot use the state directory"),
+        "state directory not writable": (["--state-dir", str(read_only / "state")], "cannot use the state directory"),
         "registry host unknown": (["--registry", "no-such-registry.invalid"], "cannot find the registry's host"),
         "host unknown": (["--host", "no-such-host.invalid", "--insecure"], "a host name of this machine"),
     }[case]
@@ -420,6 +425,8 @@ def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, t
     assert line.startswith("rpycdl serve: ") and expected in line, line
     if "lock directory" in case:
         assert "chmod 1777" in line and "--lock-dir" in line
+    if "state directory" in case:
+        assert "make it a directory the servers may write" in line and "--state-dir" in line
     if case == "port in use":
         assert "--port" in line
 

@@ -38,6 +38,8 @@ from rpycdl.defaults import (
     SERVER_PORT,
     STATE_SUBDIR,
     WORKING_DIR_CACHE,
+    lock_dir,
+    state_dir,
 )
 from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError, require_extra
 from rpycdl.units import format_duration, format_size, parse_duration, parse_size
@@ -102,7 +104,7 @@ def _add_serve(command: Command) -> None:
                     "Run a GPU server for one framework service in the foreground, until Ctrl-C or SIGTERM. It "
                     "announces itself to the registry, queues each job for its GPUs first come, first served "
                     "with every server sharing the lock directory, and runs it in a process of its own that "
-                    "sees only its GPUs. If it cannot start (port in use, lock directory not writable, "
+                    "sees only its GPUs. If it cannot start (port in use, lock or state directory not writable, "
                     "unusable credential files), it says what failed and what to do in one line and exits "
                     f"with {EXIT_FAILED} ({EXIT_USAGE} for bad arguments).")
     serve.add_argument("--service", required=True,
@@ -220,12 +222,22 @@ def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
     listening = _listen_failure(exc, "tcp", args.host, args.port)
     if listening:
         return listening + " (0 picks a free one)" if "--port" in listening else listening
-    directory = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
+    locks = args.lock_dir or lock_dir()
+    directory = os.path.abspath(locks)
     failed = os.path.abspath(str(exc.filename)) if exc.filename else ""
-    if failed and os.path.commonpath([failed, directory]) in (failed, directory):  # in it, or on the way to it
+
+    def on_the_way(path: str) -> bool:  # in it, or on the way to it
+        return bool(failed) and os.path.commonpath([failed, path]) in (failed, path)
+
+    if on_the_way(directory):
         return (f"cannot use the lock directory {directory}: {exc.strerror} ({exc.filename}). Every server of "
                 f"the host writes there: make it a directory every user may write (chmod 1777 {directory}), "
                 f"or choose another (--lock-dir, ${ENV_LOCK_DIR})")
+    state = os.path.abspath(args.state_dir or state_dir(locks))
+    if on_the_way(state):
+        return (f"cannot use the state directory {state}: {exc.strerror} ({exc.filename}). Every server of the "
+                f"host keeps the job ledger and detached jobs' files there: make it a directory the servers may "
+                f"write, or choose another (--state-dir, ${ENV_STATE_DIR})")
     return f"cannot start: {os_error(exc)}"
 
 
@@ -245,7 +257,7 @@ def _demo(args: argparse.Namespace) -> int:
             gpus = "fake:2"
     if not Path(args.client).is_file():
         raise RpycdlError(f"no client script at {args.client}: run the demo from a checkout, or pass --client")
-    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as lock_dir, LocalCluster(lock_dir) as cluster:
+    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as locks, LocalCluster(locks) as cluster:
         print(f"rpycdl demo: registry on udp {cluster.registry_address}")
         _, port = cluster.add_server("pytorch", gpus)
         print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}")
