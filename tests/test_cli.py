@@ -163,7 +163,7 @@ def test_status_with_no_server_registered_fails_clearly(cluster):
 def test_serve_on_a_public_address_without_insecure_is_refused(lock_dir):
     result = rpycdl_cli("serve", "--service", "pytorch", "--host", "0.0.0.0", "--port", "0", "--registry", "none",
                         "--gpus", "fake:1", "--lock-dir", lock_dir, timeout=20)
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "authentication" in result.stderr and "--insecure" in result.stderr
     assert "0.0.0.0" in result.stderr
 
@@ -432,13 +432,15 @@ def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, t
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--secret-file", "/no/such/secret"], "cannot read the secret file /no/such/secret"),
-    (["--tls-cert", "/no/such.crt", "--tls-key", "/no/such.key", "--tls-ca", "/no/ca.crt"], "does not exist"),
+    (["--secret-file", "/no/such/secret"], "cannot read the secret file /no/such/secret: No such file or directory: "
+                                           "give the path of a file holding the secret"),
+    (["--tls-cert", "/no/such.crt", "--tls-key", "/no/such.key", "--tls-ca", "/no/ca.crt"],
+     "the certificate file /no/such.crt does not exist: give the path of the file `rpycdl certs` made"),
 ])
-def test_serve_with_unusable_credential_files_is_one_line_and_a_usage_error(flags, expected, lock_dir):
+def test_serve_with_unusable_credential_files_is_a_start_failure_saying_what_to_do(flags, expected, lock_dir):
     result = rpycdl_cli("serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none",
                         "--lock-dir", lock_dir, *flags, timeout=20)
-    assert result.returncode == 2 and expected in _one_line(result)
+    assert result.returncode == 1 and expected in _one_line(result), result.stderr
 
 
 def test_run_exit_codes_tell_what_happened(server, connect, tmp_path):

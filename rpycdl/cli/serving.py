@@ -105,8 +105,8 @@ def _add_serve(command: Command) -> None:
                     "announces itself to the registry, queues each job for its GPUs first come, first served "
                     "with every server sharing the lock directory, and runs it in a process of its own that "
                     "sees only its GPUs. If it cannot start (port in use, lock or state directory not writable, "
-                    "unusable credential files), it says what failed and what to do in one line and exits "
-                    f"with {EXIT_FAILED} ({EXIT_USAGE} for bad arguments).")
+                    "unusable credential files), it says what failed and what to do in one line and exits with "
+                    f"{EXIT_FAILED} ({EXIT_USAGE} for a command line it cannot take: an unknown flag, a bad size).")
     serve.add_argument("--service", required=True,
                        help="service name: pytorch, tensorflow, jax, caffe, deeplearning, or your own")
     serve.add_argument("--host", default="127.0.0.1",
@@ -195,8 +195,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")
     try:
         serve(config)
-    except OSError as exc:  # the server's own refusals are RpycdlErrors already
+    except OSError as exc:
         raise RpycdlError(_start_failure(exc, args)) from None
+    except InvalidRequestError as exc:  # credential files, the inventory, an address: a start failure, exit 1
+        raise RpycdlError(str(exc)) from None  # (exit 2 is the command line's: argparse and the checks above)
     print("rpycdl serve: stopped", file=sys.stderr)
     return 0
 
