@@ -1002,7 +1002,8 @@ def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: 
     live process, a queue entry whose waiter is gone, a row PENDING or RUNNING whose owner (connection
     process or supervisor) is dead, a process of a job whose row has ended. Each is read after what it
     is judged by (a row before the processes it ended, processes before the records they free, an
-    owner's death before its row), so a job that ends during the look is not taken for one that had."""
+    owner's death before its row, held/ both before and after the locks), so a job that ends during the
+    look is not taken for one that had."""
     found = Leftovers(time.time() - since)
     rows = {row["job_id"]: row for row in ledger_rows(lock_dir)}
     unfinished = {job for job, row in rows.items() if row["state"] in ("PENDING", "RUNNING")}
@@ -1010,14 +1011,16 @@ def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: 
     processes = job_processes(read_reports(reports_dir), token)
     found.processes = [p for job, ps in processes.items() if job in rows and job not in unfinished for p in ps]
     held = lock_dir_records(lock_dir / "held")
-    live = set(processes) | {record["job_id"] for record in held.values()  # a job process not yet reported
+    locks = lock_holders(lock_dir)
+    named = [*held.values(), *lock_dir_records(lock_dir / "held").values()]  # a lock granted or freed meanwhile
+    live = set(processes) | {record["job_id"] for record in named  # a job process not yet reported
                              if record.get("leader") and alive(read_stat(record["leader"][0]), record["leader"][1])}
     found.held_files = [f"{name} (job {record['job_id']})" for name, record in held.items()
                         if record["job_id"] not in live]
     holding: dict[int, set[str]] = {}  # owner pid -> the jobs of its records
-    for record in held.values():
+    for record in named:
         holding.setdefault(record["owner"][0], set()).add(record["job_id"])
-    for pid, gpus in lock_holders(lock_dir).items():
+    for pid, gpus in locks.items():
         if not holding.get(pid, set()) & live:
             jobs = f"job(s) {sorted(holding[pid])}" if pid in holding else "no held/ record"
             found.locked += [f"GPU {gpu_name(gpu)} locked by pid {pid} ({read_comm(pid) or 'gone'}) for {jobs}"
