@@ -23,7 +23,8 @@ from rpycdl.states import JobState
 def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path):
     """Two fake:4 servers on one lock directory, six clients, 25 s of kills (connection processes
     right after a grant, job processes, their children, server parents, clients): no GPU ever
-    over-committed, no grant outliving its job by a second, everything clean a second after the end."""
+    over-committed, no grant outliving its job by a second, nothing of a dead job a second after the
+    last kill, everything clean a second after the detached jobs ended."""
     result = run_chaos(cluster, tmp_path / "chaos", ChaosSettings())
     print(result.summary())
     missing = result.tested()
