@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import json
 import os
 import random
@@ -28,6 +29,7 @@ GIB = 1024**3
 GPU_MEMORY = 16 * GIB  # each GPU of fake:4
 GRACE = 1.0  # promise 3: a job's GPUs are free again within a second
 PATIENCE = 6.0  # seconds after the last kill the end check keeps looking, to say when it got clean
+OBSERVER_PERIOD = 0.001  # seconds: the observer's median time between looks must not exceed it
 TOKEN_VAR = "RPYCDL_CHAOS_RUN"
 JOB_VAR = "RPYCDL_JOB_ID"
 HERE = Path(__file__).resolve()
@@ -78,7 +80,7 @@ class ChaosSettings:
     kill_every: tuple[float, float] = (0.02, 0.08)  # seconds between the killer's actions
     restart_every: tuple[float, float] = (3.0, 6.0)  # seconds between server kills
     kills: tuple[tuple[str, float], ...] = tuple(KILLS.items())
-    observer_nice: int = 0
+    observer_nice: int = -10  # the observer's niceness; below 0 (a higher priority) only as root
     seed: int = field(default_factory=lambda: int(os.environ.get("RPYCDL_CHAOS_SEED", random.randrange(1 << 30))))
 
 
@@ -476,8 +478,11 @@ class Observer:
             last = now
 
     def step(self) -> None:
-        """One look at every process: which jobs' processes live, and on which GPUs."""
-        for report in take_inbox(self.inbox):
+        """One look at every process: which jobs' processes live, and on which GPUs. A process's
+        environment is read once (its pid and start time are its identity), and whom a process
+        belongs to is asked again only when a job has reported since: only a report can change it."""
+        reports = take_inbox(self.inbox)
+        for report in reports:
             self.jobs[report.job_id] = report
             self.by_pid.setdefault(report.pid, []).append(report)
             self.releases.reported(report)
@@ -491,10 +496,11 @@ class Observer:
                 if stat is None:
                     continue
                 seen = self.seen[pid] = _Seen(stat.start, stat.pgrp, marked_job(pid, self.token))
-            if seen.job is None:
                 seen.job = self._owner(pid, seen)
-                if seen.job is None:
-                    continue
+            elif seen.job is None and reports:
+                seen.job = self._owner(pid, seen)
+            if seen.job is None:
+                continue
             stat = stat or read_stat(pid)
             if stat is None or stat.start != seen.start:
                 del self.seen[pid]  # gone, or a new process with its pid: seen afresh next time
@@ -591,7 +597,9 @@ class Observer:
 def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
     """The observer process: loops until SIGTERM, then writes observer.json."""
     die_with_parent()
-    if nice:
+    # A higher priority than the servers and jobs it watches (nice -10 by default), so that on a few
+    # loaded cores they delay its looks less; only root may take one, anyone else looks at nice 0.
+    if nice and (nice > 0 or os.geteuid() == 0):
         os.nice(nice)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -912,12 +920,12 @@ def locked_gpus(lock_dir: Path) -> list[str]:
     return held
 
 
-def job_processes(reports: dict[str, Report], token: bytes) -> list[str]:
-    """Live processes of the run's jobs: job processes, processes marked with a job id, members of a
-    job process's group."""
+def job_processes(reports: dict[str, Report], token: bytes) -> dict[str, list[str]]:
+    """Live processes of the run's jobs, by job: job processes, processes marked with a job id, members
+    of a job process's group."""
     leaders = {(r.pid, r.start): r.job_id for r in reports.values()}
     groups = {r.pgrp: r for r in reports.values() if r.pgrp == r.pid}
-    found = []
+    found: dict[str, list[str]] = {}
     for pid in proc_pids():
         stat = read_stat(pid)
         if stat is None or stat.state in "ZX" or pid == os.getpid():
@@ -927,7 +935,7 @@ def job_processes(reports: dict[str, Report], token: bytes) -> list[str]:
         if job is None and leader is not None and leader.start <= stat.start:
             job = leader.job_id
         if job is not None:
-            found.append(f"{pid} {read_comm(pid)} of job {job}")
+            found.setdefault(job, []).append(f"{pid} {read_comm(pid)} of job {job}")
     return found
 
 
@@ -941,29 +949,104 @@ def ledger_rows(lock_dir: Path, where: str = "1", params: tuple[Any, ...] = ()) 
         return [dict(row) for row in db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY job_id", params)]
 
 
+LIVE = "state IN ('PENDING', 'RUNNING')"
+"""The ledger's rows of jobs that have not ended."""
+
+
+def describe_row(row: dict[str, Any]) -> str:
+    return (f"{row['job_id']} {row['state']} (server {row['server_id']}, owner process {row['owner_pid']}, group "
+            f"{row['pgid']})")
+
+
 def live_records(lock_dir: Path) -> list[str]:
     """Rows of the job ledger that still say PENDING or RUNNING."""
-    return [f"{row['job_id']} {row['state']} (server {row['server_id']}, owner process {row['owner_pid']}, group "
-            f"{row['pgid']})" for row in ledger_rows(lock_dir, "state IN ('PENDING', 'RUNNING')")]
+    return [describe_row(row) for row in ledger_rows(lock_dir, LIVE)]
 
 
 LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files")
 
 
-def lock_dir_entries(directory: Path) -> list[str]:
-    """The records of held/ or queue/ (grants and waiting requests), with the job each names."""
-    found = []
+def lock_dir_records(directory: Path) -> dict[str, dict[str, Any]]:
+    """The records of held/ or queue/ (grants and waiting requests), by file name."""
+    found = {}
     for path in sorted(directory.glob("*.json")):
         with contextlib.suppress(OSError, ValueError):
-            found.append(f"{path.name} (job {json.loads(path.read_text()).get('job_id')})")
+            found[path.name] = json.loads(path.read_text())
     return found
+
+
+def lock_dir_entries(directory: Path) -> list[str]:
+    """The records of held/ or queue/, with the job each names."""
+    return [f"{name} (job {record.get('job_id')})" for name, record in lock_dir_records(directory).items()]
+
+
+def lock_holders(lock_dir: Path) -> dict[int, list[str]]:
+    """Every process holding an fcntl lock on a GPU lock file (some of it or all), with those GPUs, as
+    /proc/locks lists them. Files are matched by inode alone: on overlayfs, /proc/locks names the
+    device of the layer below."""
+    gpus = {path.stat().st_ino: path.stem for path in (lock_dir / "gpus").glob("*.lock")}
+    holders: dict[int, list[str]] = {}
+    with open("/proc/locks") as locks:
+        for line in locks:
+            fields = line.split()  # "1: POSIX ADVISORY WRITE PID MAJ:MIN:INODE START END"; "1: -> ..." waits
+            if len(fields) < 8 or fields[1] != "POSIX":
+                continue
+            gpu = gpus.get(int(fields[5].rpartition(":")[2]))
+            if gpu is not None and gpu not in holders.setdefault(int(fields[4]), []):
+                holders[int(fields[4])].append(gpu)
+    return {pid: found for pid, found in holders.items() if found}
+
+
+def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: float) -> Leftovers:
+    """What jobs that ended or lost their owner still hold: a held/ record or a GPU lock whose job has no
+    live process, a queue entry whose waiter is gone, a row PENDING or RUNNING whose owner (connection
+    process or supervisor) is dead, a process of a job whose row has ended. Each is read after what it
+    is judged by (a row before the processes it ended, processes before the records they free, an
+    owner's death before its row, held/ both before and after the locks), so a job that ends during the
+    look is not taken for one that had."""
+    found = Leftovers(time.time() - since)
+    rows = {row["job_id"]: row for row in ledger_rows(lock_dir)}
+    unfinished = {job for job, row in rows.items() if row["state"] in ("PENDING", "RUNNING")}
+    orphaned = {job for job in unfinished if not alive(read_stat(rows[job]["owner_pid"]), rows[job]["owner_start"])}
+    processes = job_processes(read_reports(reports_dir), token)
+    found.processes = [p for job, ps in processes.items() if job in rows and job not in unfinished for p in ps]
+    held = lock_dir_records(lock_dir / "held")
+    locks = lock_holders(lock_dir)
+    named = [*held.values(), *lock_dir_records(lock_dir / "held").values()]  # a lock granted or freed meanwhile
+    live = set(processes) | {record["job_id"] for record in named  # a job process not yet reported
+                             if record.get("leader") and alive(read_stat(record["leader"][0]), record["leader"][1])}
+    found.held_files = [f"{name} (job {record['job_id']})" for name, record in held.items()
+                        if record["job_id"] not in live]
+    holding: dict[int, set[str]] = {}  # owner pid -> the jobs of its records
+    for record in named:
+        holding.setdefault(record["owner"][0], set()).add(record["job_id"])
+    for pid, gpus in locks.items():
+        if not holding.get(pid, set()) & live:
+            jobs = f"job(s) {sorted(holding[pid])}" if pid in holding else "no held/ record"
+            found.locked += [f"GPU {gpu_name(gpu)} locked by pid {pid} ({read_comm(pid) or 'gone'}) for {jobs}"
+                             for gpu in gpus]
+    queue = lock_dir / "queue"
+    found.queue_files = [f"{name} (job {entry.get('job_id')})" for name, entry in lock_dir_records(queue).items()
+                         if not fifo_read(queue / name.replace(".json", ".fifo"))]
+    found.records = [describe_row(row) for row in ledger_rows(lock_dir, LIVE) if row["job_id"] in orphaned]
+    return found
+
+
+def fifo_read(fifo: Path) -> bool:
+    """Whether some process has a waiter's wake-up FIFO open for reading (the waiter lives)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: no reader
+    except OSError:
+        return False
+    os.close(fd)
+    return True
 
 
 @dataclass
 class Leftovers:
     """What one look found still held, waiting, running or recorded as live."""
 
-    since_kill: float  # seconds after the last kill the look started
+    after: float  # seconds after the moment looked from (the last kill, or the end of the detached jobs)
     holders: list[str] = field(default_factory=list)
     queue: list[str] = field(default_factory=list)
     locked: list[str] = field(default_factory=list)
@@ -981,7 +1064,7 @@ class Leftovers:
             ("locked GPU lock files", self.locked), ("job processes", self.processes),
             ("job records pending/running", self.records), ("held/ records", self.held_files),
             ("queue/ entries", self.queue_files)) if items]
-        return f"{self.since_kill:.3f} s after the last kill: " + ("; ".join(parts) or "nothing left")
+        return f"{self.after:.3f} s after: " + ("; ".join(parts) or "nothing left")
 
 
 class EndCheck:
@@ -1005,7 +1088,7 @@ class EndCheck:
         found.holders = sorted(set(found.holders))
         found.queue = sorted(set(found.queue))
         found.locked = locked_gpus(self.lock_dir)
-        found.processes = job_processes(read_reports(self.reports_dir), self.token)
+        found.processes = [p for ps in job_processes(read_reports(self.reports_dir), self.token).values() for p in ps]
         found.records = live_records(self.lock_dir)
         found.held_files = lock_dir_entries(self.lock_dir / "held")
         found.queue_files = lock_dir_entries(self.lock_dir / "queue")
@@ -1034,9 +1117,10 @@ class EndCheck:
 
 @dataclass
 class Ending:
-    """What the looks after the last kill found: the first look, the first that started past GRACE
-    and found something, when each kind of leftover was first gone, and when all were."""
+    """What the looks after a moment found: the first look, the first that started past GRACE and
+    found something, when each kind of leftover was first gone, and when all were."""
 
+    what: str  # what the looks looked for, and from when: "dead jobs' leftovers after the last kill"
     first: Leftovers
     late: Leftovers | None = None
     gone_after: dict[str, float] = field(default_factory=dict)
@@ -1045,7 +1129,7 @@ class Ending:
     def describe(self) -> str:
         gone = ", ".join(f"{kind} {seconds:.3f} s" for kind, seconds in self.gone_after.items())
         clean = f"{self.clean_after:.3f} s" if self.clean_after is not None else f"not within {PATIENCE:g} s"
-        return f"clean after the last kill: {clean} (gone after: {gone or '-'})"
+        return f"{self.what}: none left after {clean} (gone after: {gone or '-'})"
 
 
 @dataclass
@@ -1061,7 +1145,8 @@ class ChaosResult:
     kill_log: list[Kill]
     servers: list[Server]
     observer: dict[str, Any]
-    ending: Ending
+    after_kill: Ending  # what dead jobs left, from the last kill
+    ending: Ending  # everything, once the detached jobs have ended
     records: dict[str, dict[str, Any]]
     status_late: list[dict[str, Any]]  # StatusWatch.late
     status_looks: int
@@ -1087,9 +1172,9 @@ class ChaosResult:
             shown = "\n  ".join(self.describe_status(entry) for entry in self.status_late[:10])
             found.append(f"promise 3: gpu_status still named {len(self.status_late)} job(s) as holders more than "
                          f"{GRACE:g} s after their last process ended:\n  {shown}")
-        if self.ending.late is not None:
-            found.append(f"promise 3: not clean {GRACE:g} s after the last kill ({self.ending.describe()}): "
-                         f"{self.ending.late.describe()}")
+        for ending in (self.after_kill, self.ending):
+            if ending.late is not None:
+                found.append(f"promise 3: {GRACE:g} s on, still {ending.describe()}: {ending.late.describe()}")
         return found + self.lost()
 
     def lost(self) -> list[str]:
@@ -1119,8 +1204,12 @@ class ChaosResult:
             missing.append(f"only {len(self.submitted)} detached jobs were submitted")
         if not self.observer.get("shared_at_once"):
             missing.append("the observer never saw two shares on one GPU at once")
+        median = self.observer.get("period_ms", {}).get("p50", 0.0) / 1000
         if not self.observer.get("loops"):
             missing.append("the observer never looped")
+        elif median > OBSERVER_PERIOD:
+            missing.append(f"the observer looked every {median * 1000:.2f} ms (median), not every "
+                           f"{OBSERVER_PERIOD * 1000:g} ms")
         return missing
 
     def culprits(self) -> str:
@@ -1197,8 +1286,9 @@ class ChaosResult:
             f"grants ended after their job: {release.get('count', 0)} jobs, p99 {release.get('p99', 0):.3f} s, "
             f"max {release.get('max', 0):.3f} s; late (> {GRACE:g} s): {len(self.observer.get('late_releases', []))} "
             f"by the locks, {len(self.status_late)} by gpu_status ({self.status_looks} looks)",
-            f"promise 1 violations: {len(self.observer.get('violations', []))}; {self.ending.describe()}",
-            f"first look after the last kill: {self.ending.first.describe()}",
+            f"promise 1 violations: {len(self.observer.get('violations', []))}",
+            f"{self.after_kill.describe()}; first look {self.after_kill.first.describe()}",
+            f"{self.ending.describe()}; first look {self.ending.first.describe()}",
         ])
 
 
@@ -1255,42 +1345,45 @@ class Chaos:
         self.killer.run(time.monotonic() + self.settings.duration)
         self.servers.wait_restarts()
         seconds = time.time() - started
-        self.clients.kill_all()
+        self.clients.kill_all()  # the last kills
+        reports = self.run_dir / "reports"
+        after_kill = self._wait_clean("dead jobs' leftovers after the last kill", time.time(), functools.partial(
+            dead_jobs_leftovers, self.lock_dir, reports, self.token.encode()))
         deadline = time.monotonic() + self.settings.queue_timeout + 10  # detached jobs outlive their clients
         while live_records(self.lock_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
-        ending = self._wait_clean(time.time())
+        check = EndCheck(self.lock_dir, self.servers, reports, self.token)
+        try:
+            ending = self._wait_clean("leftovers once the detached jobs ended", time.time(), check.look)
+        finally:
+            check.close()
         self.status.stop()
         observed = self._stop_observer()
-        reports = self.run_dir / "reports"
         return ChaosResult(self.settings, started, seconds, len(read_reports(reports)), self.clients.outcomes(),
                            self.killer.kills, self.killer.log, self.servers.killed + self.servers.live, observed,
-                           ending, {row["job_id"]: row for row in ledger_rows(self.lock_dir)},
+                           after_kill, ending, {row["job_id"]: row for row in ledger_rows(self.lock_dir)},
                            self.status.late(observed.get("ended", {})), len(self.status.samples),
                            set(os.listdir(self.run_dir / "submitted")), sorted(p.stem for p in reports.glob("*.twice")),
                            self.lock_dir / "state" / "jobs")
 
-    def _wait_clean(self, since: float) -> Ending:
-        """Look until everything is clean, or PATIENCE ran out."""
-        check = EndCheck(self.lock_dir, self.servers, self.run_dir / "reports", self.token)
+    @staticmethod
+    def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:
+        """Look (look(since)) until nothing is left, or PATIENCE ran out."""
         ending: Ending | None = None
-        try:
-            while True:
-                found = check.look(since)
-                ending = ending or Ending(found)
-                for kind in LEFTOVER_KINDS:
-                    if not getattr(found, kind):
-                        ending.gone_after.setdefault(kind, time.time() - since)
-                if not found:
-                    ending.clean_after = time.time() - since
-                    return ending
-                if found.since_kill > GRACE and ending.late is None:
-                    ending.late = found
-                if time.time() - since > PATIENCE:
-                    return ending
-                time.sleep(0.01)
-        finally:
-            check.close()
+        while True:
+            found = look(since)
+            ending = ending or Ending(what, found)
+            for kind in LEFTOVER_KINDS:
+                if not getattr(found, kind):
+                    ending.gone_after.setdefault(kind, time.time() - since)
+            if not found:
+                ending.clean_after = time.time() - since
+                return ending
+            if found.after > GRACE and ending.late is None:
+                ending.late = found
+            if time.time() - since > PATIENCE:
+                return ending
+            time.sleep(0.01)
 
     def _stop_observer(self) -> dict[str, Any]:
         if self.observer is None or self.observer.poll() is not None:
@@ -1368,10 +1461,13 @@ def run_chaos(cluster: Any, run_dir: Path, settings: ChaosSettings | None = None
       job whose server parent was killed; kill -9 a job process; kill -9 or SIGTERM a job's
       children; kill -9 a server parent and start another server; kill -9 a client.
     - The observer (`python chaos.py observe`, reading only /proc, the reports and the lock
-      directory) loops as fast as it can; see Observer and ReleaseWatch. A StatusWatch asks a
+      directory) loops as fast as it can, at nice -10 when run as root (its median period must
+      stay within OBSERVER_PERIOD); see Observer and ReleaseWatch. A StatusWatch asks a
       server for gpu_status every 50 ms, to compare the servers' own account with the jobs' ends.
-    - The end: the killer stops, the clients are killed, and every look that starts more than
-      GRACE seconds after that must find nothing left (EndCheck).
+    - The end: the killer stops and the clients are killed (the last kills). Within GRACE seconds
+      of them a look must find nothing that a dead job left (dead_jobs_leftovers: detached jobs run
+      on, so what they hold counts only once they have ended or lost their owner); once the detached
+      jobs have ended, within GRACE seconds a look must find nothing at all (EndCheck).
 
     Everything started carries RPYCDL_CHAOS_RUN=<token> in its environment (servers, and so their
     connection and job processes and what jobs start, clients, observer); close() kills every

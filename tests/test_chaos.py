@@ -3,18 +3,93 @@ attached and detached."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
-from chaos import ChaosSettings, run_chaos
+from chaos import JOB_VAR, TOKEN_VAR, ChaosSettings, dead_jobs_leftovers, read_stat, run_chaos
+
+from rpycdl.scheduler import procs
+from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.states import JobState
 
 
 @pytest.mark.slow
 def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path):
     """Two fake:4 servers on one lock directory, six clients, 25 s of kills (connection processes
     right after a grant, job processes, their children, server parents, clients): no GPU ever
-    over-committed, no grant outliving its job by a second, everything clean a second after the end."""
+    over-committed, no grant outliving its job by a second, nothing of a dead job a second after the
+    last kill, everything clean a second after the detached jobs ended."""
     result = run_chaos(cluster, tmp_path / "chaos", ChaosSettings())
     print(result.summary())
     missing = result.tested()
     assert not missing, "the chaos did not test what it should: " + "; ".join(missing) + "\n" + result.summary()
     problems = result.problems()
     assert not problems, "\n".join(problems) + "\n" + result.summary()
+
+
+def _holding(path: Path) -> subprocess.Popen[str]:
+    """A process that holds an fcntl lock on all of `path` until killed."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1], 'a')\nfcntl.lockf(f, fcntl.LOCK_EX)\nprint(flush=True)\n"
+                               "time.sleep(60)", str(path)], stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()
+    return holder
+
+
+def _identity(process: subprocess.Popen[Any]) -> list[int]:
+    return [process.pid, read_stat(process.pid).start]
+
+
+def test_the_end_check_finds_what_dead_jobs_left_and_only_that(tmp_path):
+    """dead_jobs_leftovers, against a lock directory and a ledger with one live job and one leftover of
+    each kind: a held/ record of a job with no process, a lock held with no record, a queue entry whose
+    waiter is gone, a RUNNING row whose owner died, a process of a job whose row has ended."""
+    token = "chaos-test-token"
+    for sub in ("gpus", "held", "queue", "reports"):
+        (tmp_path / sub).mkdir()
+    gpus = [tmp_path / "gpus" / f"GPU-{index:012d}.lock" for index in range(3)]
+    for gpu in gpus:
+        gpu.touch()
+    dead = subprocess.Popen(["sleep", "30"])
+    gone = _identity(dead)
+    dead.kill()
+    dead.wait()
+    env = {**os.environ, TOKEN_VAR: token}
+    started = [_holding(gpus[0]), _holding(gpus[2]), subprocess.Popen(["sleep", "30"]),
+               subprocess.Popen(["sleep", "30"], env={**env, JOB_VAR: "ended"})]
+    owner, stray, leader, _ = started
+    fifo = tmp_path / "queue" / "0000000000000002.fifo"
+    os.mkfifo(fifo)
+    waiting = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # a live waiter
+    os.mkfifo(tmp_path / "queue" / "0000000000000001.fifo")  # a dead one's
+    try:
+        (tmp_path / "held" / "GPU-000000000000.1.json").write_text(json.dumps(
+            {"job_id": "alive", "owner": _identity(owner), "leader": _identity(leader)}))
+        (tmp_path / "held" / "GPU-000000000001.2.json").write_text(json.dumps(
+            {"job_id": "gone", "owner": gone, "leader": gone}))
+        for ticket, job in ((1, "waited"), (2, "waiting")):
+            (tmp_path / "queue" / f"{ticket:016d}.json").write_text(json.dumps({"job_id": job}))
+        ledger = Ledger(tmp_path / "state")
+        for job, state, who in (("alive", JobState.RUNNING, procs.myself()), ("orphan", JobState.RUNNING, gone),
+                                ("ended", JobState.SUCCEEDED, gone)):
+            ledger.save(JobRecord(job, "server", "client", 1, state=state, owner_pid=who[0], owner_start=who[1]))
+        ledger.close()
+
+        found = dead_jobs_leftovers(tmp_path, tmp_path / "reports", token.encode(), time.time())
+        assert found.held_files == ["GPU-000000000001.2.json (job gone)"]
+        assert found.locked == [f"GPU 2 locked by pid {stray.pid} (python) for no held/ record"]
+        assert found.queue_files == ["0000000000000001.json (job waited)"]
+        assert [row.split()[:2] for row in found.records] == [["orphan", "RUNNING"]]
+        assert [process.split()[-1] for process in found.processes] == ["ended"]
+        assert not found.holders and not found.queue
+    finally:
+        os.close(waiting)
+        for process in started:
+            process.kill()
+            process.wait()

@@ -153,7 +153,7 @@ def test_status_with_no_server_registered_fails_clearly(cluster):
 def test_serve_on_a_public_address_without_insecure_is_refused(lock_dir):
     result = rpycdl_cli("serve", "--service", "pytorch", "--host", "0.0.0.0", "--port", "0", "--registry", "none",
                         "--gpus", "fake:1", "--lock-dir", lock_dir, timeout=20)
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "authentication" in result.stderr and "--insecure" in result.stderr
     assert "0.0.0.0" in result.stderr
 
@@ -387,7 +387,9 @@ def taken_port():
 
 
 @pytest.mark.parametrize("case", ["port in use", "lock directory is a file", "lock directory under a file",
-                                  "lock directory not writable", "registry host unknown", "host unknown"])
+                                  "lock directory not writable", "state directory is a file",
+                                  "state directory under a file", "state directory not writable",
+                                  "registry host unknown", "host unknown"])
 def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
@@ -400,6 +402,9 @@ def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, t
         "lock directory is a file": (["--lock-dir", str(a_file)], f"cannot use the lock directory {a_file}"),
         "lock directory under a file": (["--lock-dir", str(a_file / "locks")], "cannot use the lock directory"),
         "lock directory not writable": (["--lock-dir", str(read_only / "locks")], "cannot use the lock directory"),
+        "state directory is a file": (["--state-dir", str(a_file)], f"cannot use the state directory {a_file}"),
+        "state directory under a file": (["--state-dir", str(a_file / "state")], "cannot use the state directory"),
+        "state directory not writable": (["--state-dir", str(read_only / "state")], "cannot use the state directory"),
         "registry host unknown": (["--registry", "no-such-registry.invalid"], "cannot find the registry's host"),
         "host unknown": (["--host", "no-such-host.invalid", "--insecure"], "a host name of this machine"),
     }[case]
@@ -410,18 +415,22 @@ def test_serve_start_failures_are_one_line_saying_what_to_do(case, taken_port, t
     assert line.startswith("rpycdl serve: ") and expected in line, line
     if "lock directory" in case:
         assert "chmod 1777" in line and "--lock-dir" in line
+    if "state directory" in case:
+        assert "make it a directory the servers may write" in line and "--state-dir" in line
     if case == "port in use":
         assert "--port" in line
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--secret-file", "/no/such/secret"], "cannot read the secret file /no/such/secret"),
-    (["--tls-cert", "/no/such.crt", "--tls-key", "/no/such.key", "--tls-ca", "/no/ca.crt"], "does not exist"),
+    (["--secret-file", "/no/such/secret"], "cannot read the secret file /no/such/secret: No such file or directory: "
+                                           "give the path of a file holding the secret"),
+    (["--tls-cert", "/no/such.crt", "--tls-key", "/no/such.key", "--tls-ca", "/no/ca.crt"],
+     "the certificate file /no/such.crt does not exist: give the path of the file `rpycdl certs` made"),
 ])
-def test_serve_with_unusable_credential_files_is_one_line_and_a_usage_error(flags, expected, lock_dir):
+def test_serve_with_unusable_credential_files_is_a_start_failure_saying_what_to_do(flags, expected, lock_dir):
     result = rpycdl_cli("serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none",
                         "--lock-dir", lock_dir, *flags, timeout=20)
-    assert result.returncode == 2 and expected in _one_line(result)
+    assert result.returncode == 1 and expected in _one_line(result), result.stderr
 
 
 def test_run_exit_codes_tell_what_happened(server, connect, tmp_path):

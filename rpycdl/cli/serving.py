@@ -38,6 +38,8 @@ from rpycdl.defaults import (
     SERVER_PORT,
     STATE_SUBDIR,
     WORKING_DIR_CACHE,
+    lock_dir,
+    state_dir,
 )
 from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError, require_extra
 from rpycdl.units import format_duration, format_size, parse_duration, parse_size
@@ -102,9 +104,9 @@ def _add_serve(command: Command) -> None:
                     "Run a GPU server for one framework service in the foreground, until Ctrl-C or SIGTERM. It "
                     "announces itself to the registry, queues each job for its GPUs first come, first served "
                     "with every server sharing the lock directory, and runs it in a process of its own that "
-                    "sees only its GPUs. If it cannot start (port in use, lock directory not writable, "
-                    "unusable credential files), it says what failed and what to do in one line and exits "
-                    f"with {EXIT_FAILED} ({EXIT_USAGE} for bad arguments).")
+                    "sees only its GPUs. If it cannot start (port in use, lock or state directory not writable, "
+                    "unusable credential files), it says what failed and what to do in one line and exits with "
+                    f"{EXIT_FAILED} ({EXIT_USAGE} for a command line it cannot take: an unknown flag, a bad size).")
     serve.add_argument("--service", required=True,
                        help="service name: pytorch, tensorflow, jax, caffe, deeplearning, or your own")
     serve.add_argument("--host", default="127.0.0.1",
@@ -193,8 +195,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")
     try:
         serve(config)
-    except OSError as exc:  # the server's own refusals are RpycdlErrors already
+    except OSError as exc:
         raise RpycdlError(_start_failure(exc, args)) from None
+    except InvalidRequestError as exc:  # credential files, the inventory, an address: a start failure, exit 1
+        raise RpycdlError(str(exc)) from None  # (exit 2 is the command line's: argparse and the checks above)
     print("rpycdl serve: stopped", file=sys.stderr)
     return 0
 
@@ -220,12 +224,22 @@ def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
     listening = _listen_failure(exc, "tcp", args.host, args.port)
     if listening:
         return listening + " (0 picks a free one)" if "--port" in listening else listening
-    directory = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
+    locks = args.lock_dir or lock_dir()
+    directory = os.path.abspath(locks)
     failed = os.path.abspath(str(exc.filename)) if exc.filename else ""
-    if failed and os.path.commonpath([failed, directory]) in (failed, directory):  # in it, or on the way to it
+
+    def on_the_way(path: str) -> bool:  # in it, or on the way to it
+        return bool(failed) and os.path.commonpath([failed, path]) in (failed, path)
+
+    if on_the_way(directory):
         return (f"cannot use the lock directory {directory}: {exc.strerror} ({exc.filename}). Every server of "
                 f"the host writes there: make it a directory every user may write (chmod 1777 {directory}), "
                 f"or choose another (--lock-dir, ${ENV_LOCK_DIR})")
+    state = os.path.abspath(args.state_dir or state_dir(locks))
+    if on_the_way(state):
+        return (f"cannot use the state directory {state}: {exc.strerror} ({exc.filename}). Every server of the "
+                f"host keeps the job ledger and detached jobs' files there: make it a directory the servers may "
+                f"write, or choose another (--state-dir, ${ENV_STATE_DIR})")
     return f"cannot start: {os_error(exc)}"
 
 
@@ -245,7 +259,7 @@ def _demo(args: argparse.Namespace) -> int:
             gpus = "fake:2"
     if not Path(args.client).is_file():
         raise RpycdlError(f"no client script at {args.client}: run the demo from a checkout, or pass --client")
-    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as lock_dir, LocalCluster(lock_dir) as cluster:
+    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as locks, LocalCluster(locks) as cluster:
         print(f"rpycdl demo: registry on udp {cluster.registry_address}")
         _, port = cluster.add_server("pytorch", gpus)
         print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}")

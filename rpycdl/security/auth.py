@@ -98,7 +98,8 @@ def load_secret(path: str | None = None) -> bytes | None:
     try:
         secret = Path(path).read_bytes().strip()
     except OSError as exc:
-        raise InvalidRequestError(f"cannot read the secret file {path}: {exc.strerror}") from None
+        raise InvalidRequestError(f"cannot read the secret file {path}: {exc.strerror}: give the path of a file "
+                                  "holding the secret, readable by you alone (chmod 600)") from None
     tls.check_private(path, "secret file")
     if len(secret) < 16:
         raise InvalidRequestError(f"the secret in {path} is too short: use at least 16 characters "

@@ -31,7 +31,8 @@ def _check_files(cert: str | None, key: str | None, ca: str | None, what: str,
         raise InvalidRequestError(f"TLS for {what} needs {needs}; missing: {', '.join(missing)}")
     for name, path in given.items():
         if not os.path.isfile(path):  # type: ignore[arg-type]
-            raise InvalidRequestError(f"the {name} file {path} does not exist")
+            raise InvalidRequestError(f"the {name} file {path} does not exist: give the path of the file "
+                                      "`rpycdl certs` made")
     check_private(key, "key file")  # type: ignore[arg-type]
     return cert, key, ca  # type: ignore[return-value]
 
