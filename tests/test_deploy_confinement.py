@@ -18,6 +18,7 @@ from helpers import Background, gate_job, open_gate, wait_until
 import rpycdl
 from rpycdl import InvalidRequestError, JobState
 from rpycdl.site.local import Process, start
+from rpycdl.site.selftest import confined
 
 UUIDS = [f"GPU-{i}{i}{i}{i}cafe-0000-4000-8000-00000000000{i}" for i in range(4)]
 
@@ -29,20 +30,24 @@ def gpu_env(_):
                                                 "NVIDIA_VISIBLE_DEVICES", "RPYCDL_GPU_UUIDS")}
 
 
+def driver(state: Path, denied: tuple[int, ...] = ()) -> dict[str, str]:
+    """The environment that has a process use the fake driver, its four GPUs in `state`, `denied` ones kept
+    from it as by a cgroup."""
+    state.write_text(json.dumps([asdict(Device(uuid, bus_id=f"00000000:{16 + i:02X}:00.0", denied=i in denied))
+                                 for i, uuid in enumerate(UUIDS)]))
+    return {"RPYCDL_NVML_MODULE": "fake_nvml_driver", "FAKE_NVML_STATE": str(state),
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.fixture
 def node(tmp_path, monkeypatch, cluster) -> Callable[..., Process]:
     """node(denied=(), **confinement) starts `rpycdl serve --gpus nvml` on a host of four GPUs played by the
-    fake driver, `denied` ones kept from it as by a cgroup, with the confinement's variables set."""
+    fake driver, `denied` ones kept from it, with the confinement's variables set."""
     for variable in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
         monkeypatch.delenv(variable, raising=False)
 
     def serve(denied: tuple[int, ...] = (), **confinement: str) -> Process:
-        state = tmp_path / f"nvml-{len(cluster.processes)}.json"
-        state.write_text(json.dumps([asdict(Device(uuid, bus_id=f"00000000:{16 + i:02X}:00.0", denied=i in denied))
-                                     for i, uuid in enumerate(UUIDS)]))
-        env = {"RPYCDL_NVML_MODULE": "fake_nvml_driver", "FAKE_NVML_STATE": str(state),
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-               **confinement}
+        env = {**driver(tmp_path / f"nvml-{len(cluster.processes)}.json", denied), **confinement}
         process = start(["serve", "--service", "pytorch", "--gpus", "nvml", "--host", "127.0.0.1", "--port", "0",
                          "--registry", cluster.registry_address, "--lock-dir", cluster.lock_dir], env=env)
         cluster.processes.append(process)  # stopped with the cluster
@@ -110,3 +115,33 @@ def test_a_server_refuses_a_confinement_it_cannot_honour_in_one_line(node, confi
     assert process.popen.wait(30) == 1
     wait_until(lambda: any(words in line for line in process.lines), 5, f"the server to say {words!r}")
     assert not any("Traceback" in line for line in process.lines), process.lines
+
+
+def torch_as_the_driver_shows_it(_):
+    """What the self-test's PyTorch job reports, as CUDA would show the job its GPUs: those it was granted."""
+    import os
+
+    granted = os.environ["RPYCDL_GPU_UUIDS"]
+    return {"count": len(granted.split(",")), "uuid": granted, "granted": granted,
+            "visible": os.environ["CUDA_VISIBLE_DEVICES"]}
+
+
+@pytest.mark.parametrize("denied, confinement, said", [
+    ((), {"CUDA_VISIBLE_DEVICES": "2"}, f"GPU 2 {UUIDS[2]} listed alone; the job saw it as CUDA_VISIBLE_DEVICES=2"),
+    ((0, 2), {"CUDA_VISIBLE_DEVICES": "1"}, f"GPU 1 {UUIDS[3]} listed alone"),
+    ((), {"NVIDIA_VISIBLE_DEVICES": UUIDS[1]}, f"GPU 1 {UUIDS[1]} listed alone"),
+])
+def test_the_selftest_checks_a_confined_server(tmp_path, monkeypatch, lock_dir, denied, confinement, said):
+    for variable, value in driver(tmp_path / "nvml.json", denied).items():
+        monkeypatch.setenv(variable, value)
+    assert said in confined(lock_dir, confinement, torch_as_the_driver_shows_it)
+
+
+def test_the_selftests_confinement_check_can_fail(tmp_path, monkeypatch, lock_dir):
+    def sees_two(_):  # as a job on a server whose mapping were wrong would
+        return {**torch_as_the_driver_shows_it(None), "count": 2}
+
+    for variable, value in driver(tmp_path / "nvml.json").items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(AssertionError, match="'count': 2"):
+        confined(lock_dir, {"CUDA_VISIBLE_DEVICES": "0"}, sees_two)
