@@ -107,7 +107,7 @@ def test_confined_servers_share_the_lock_directory_by_uuid(node, port_of, connec
 
 @pytest.mark.parametrize("confinement, words", [
     ({"CUDA_VISIBLE_DEVICES": "MIG-a1b2c3d4-0000-4000-8000-000000000000"}, "names the MIG device"),
-    ({"NVIDIA_VISIBLE_DEVICES": "void"}, "leave no GPU here"),
+    ({"NVIDIA_VISIBLE_DEVICES": "none"}, "leave no GPU here"),
     ({"CUDA_VISIBLE_DEVICES": "4"}, "'4' names no GPU here (this process may use 4 GPU(s)"),
 ])
 def test_a_server_refuses_a_confinement_it_cannot_honour_in_one_line(node, confinement, words):

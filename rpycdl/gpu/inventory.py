@@ -226,11 +226,11 @@ def confine(devices: Sequence[tuple[int, GPU]], environ: Mapping[str, str]) -> l
 
     `devices` are the GPUs this process may open, in NVML's (PCI bus) order, each with NVML's index; a
     GPU's `index` is its place among them, CUDA's index here. Each variable names GPUs by index or UUID
-    (CUDA also takes a unique prefix of one), or none (empty; the runtime's `none` and `void`); the
-    runtime's `all` names every one. CUDA counts indices among the GPUs this process may open (so a Slurm
-    job's 0,1 are its own two GPUs); the runtime counts the host's, and where it has applied the variable
-    (inside its container) NVML shows just the GPUs listed, and all of them are left. The GPUs keep their
-    `index`: a job's CUDA_VISIBLE_DEVICES, which replaces the server's, counts as CUDA in the server does.
+    (CUDA also takes a unique prefix of one); an empty CUDA_VISIBLE_DEVICES and the runtime's `none` name
+    none. CUDA counts indices among the GPUs this process may open (so a Slurm job's 0,1 are its own two
+    GPUs); the runtime counts the host's, and what it has applied inside its container leaves every GPU
+    NVML shows there (see _applied). The GPUs keep their `index`: a job's CUDA_VISIBLE_DEVICES, which
+    replaces the server's, counts as CUDA in the server does.
 
     Raises:
         NoInventoryError: an entry names no GPU here, or one twice, or a MIG device; or no GPU is left.
@@ -253,11 +253,10 @@ def _named(variable: str, value: str, devices: Sequence[tuple[int, GPU]]) -> set
     """The UUIDs of the GPUs `variable`=`value` names; None for every GPU here."""
     words = [word.strip() for word in value.split(",")] if value.strip() else []
     runtime = variable == ENV_NVIDIA_VISIBLE
-    if runtime and [word.lower() for word in words] in (["none"], ["void"]):
+    if runtime and [word.lower() for word in words] == ["none"]:
         return set()
-    if runtime and ([word.lower() for word in words] == ["all"]
-                    or all(word.isdigit() for word in words) and len(set(words)) == len(devices) > 0):
-        return None  # every GPU, or the host's indices of exactly as many GPUs as NVML shows: applied already
+    if runtime and _applied(words, devices):
+        return None
     named: set[str] = set()
     for word in words:
         if _MIG.match(word):
@@ -274,6 +273,17 @@ def _named(variable: str, value: str, devices: Sequence[tuple[int, GPU]]) -> set
             raise NoInventoryError(f"{variable}={value!r}: {word!r} names {why} ({_listing(devices)})")
         named.add(found[0].uuid)
     return named
+
+
+def _applied(words: list[str], devices: Sequence[tuple[int, GPU]]) -> bool:
+    """Whether NVIDIA_VISIBLE_DEVICES leaves every GPU NVML shows: `all`; `void` or empty (the runtime then
+    adds no GPU itself: CDI injects them, and its specs set `void`); the runtime's own references, which it
+    has applied (device list files under /var/run/nvidia-container-devices, the device plugin's volume-mounts
+    strategy; CDI names such as nvidia.com/gpu=0); or the host's indices of exactly as many GPUs as NVML shows,
+    which it has applied inside its container."""
+    lowered = [word.lower() for word in words]
+    return (lowered in (["all"], ["void"], []) or all(word.startswith("/") or "=" in word for word in words)
+            or all(word.isdigit() for word in words) and len(set(words)) == len(devices))
 
 
 def _listing(devices: Sequence[tuple[int, GPU]]) -> str:

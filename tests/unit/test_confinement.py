@@ -32,10 +32,20 @@ def _refused(environ: dict[str, str], denied: tuple[int, ...] = ()) -> str:
     return str(info.value)
 
 
-def test_unconfined_a_server_gets_every_gpu_by_its_nvml_index():
-    assert _gpus({}) == list(enumerate(UUIDS))
-    assert _gpus({"NVIDIA_VISIBLE_DEVICES": "all"}) == list(enumerate(UUIDS))
-    assert _gpus({"NVIDIA_VISIBLE_DEVICES": "ALL"}) == list(enumerate(UUIDS))
+@pytest.mark.parametrize("environ", [{}, {"NVIDIA_VISIBLE_DEVICES": "all"}, {"NVIDIA_VISIBLE_DEVICES": "ALL"},
+                                     {"NVIDIA_VISIBLE_DEVICES": "void"}, {"NVIDIA_VISIBLE_DEVICES": ""}])
+def test_unconfined_a_server_gets_every_gpu_by_its_nvml_index(environ):
+    """The runtime's `void` and empty mean what unset does: it adds no GPU itself."""
+    assert _gpus(environ) == list(enumerate(UUIDS))
+
+
+@pytest.mark.parametrize("value", ["void", "/var/run/nvidia-container-devices", "nvidia.com/gpu=0,nvidia.com/gpu=1"])
+def test_what_the_runtime_or_cdi_applied_inside_a_container_is_every_gpu_nvml_shows(value):
+    """CDI injects a pod's GPUs and its specs set NVIDIA_VISIBLE_DEVICES=void; the device plugin's volume-mounts
+    strategy sets a path; the runtime's CDI mode takes CDI names: NVML shows just the GPUs given."""
+    nvml = make_nvml([Device(UUIDS[1]), Device(UUIDS[3])])
+    gpus = NvmlInventory(nvml=nvml, environ={"NVIDIA_VISIBLE_DEVICES": value}).gpus()
+    assert [(gpu.index, gpu.uuid) for gpu in gpus] == [(0, UUIDS[1]), (1, UUIDS[3])]
 
 
 @pytest.mark.parametrize("value", ["1,3", "3,1", " 1 , 3 ", f"{UUIDS[1]},{UUIDS[3]}", f"{UUIDS[3][:12]},1",
@@ -100,8 +110,7 @@ def test_both_variables_leave_what_both_name():
 
 
 @pytest.mark.parametrize("environ", [{"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": " "},
-                                     {"NVIDIA_VISIBLE_DEVICES": ""}, {"NVIDIA_VISIBLE_DEVICES": "none"},
-                                     {"NVIDIA_VISIBLE_DEVICES": "void"}])
+                                     {"NVIDIA_VISIBLE_DEVICES": "none"}, {"NVIDIA_VISIBLE_DEVICES": "None"}])
 def test_a_confinement_to_no_gpu_refuses_to_start(environ):
     [(variable, value)] = environ.items()
     message = _refused(environ)
