@@ -34,7 +34,7 @@ setup(
         "site": SITE,
         "all": SERVER + SITE,
         "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22", "selenium>=4",
-                                   "moto[server]>=5"],
+                                   "moto[server]>=5", "kubernetes-validate>=1.33"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

@@ -156,6 +156,10 @@ ENV_TLS_CERT = "RPYCDL_TLS_CERT"
 ENV_TLS_KEY = "RPYCDL_TLS_KEY"
 ENV_TLS_CA = "RPYCDL_TLS_CA"
 ENV_CONFIG = "RPYCDL_CONFIG"
+ENV_CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+ENV_NVIDIA_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+"""CUDA's and the NVIDIA container runtime's: a server started with either set manages only the GPUs they
+leave it (rpycdl.gpu.inventory.confine), as a Kubernetes pod or a Slurm job is given them."""
 
 
 def lock_dir() -> str:

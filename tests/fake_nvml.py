@@ -17,6 +17,7 @@ GiB = 1024**3
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
@@ -25,6 +26,7 @@ NVML_ERROR_GPU_IS_LOST = 15
 _MESSAGES = {
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
     NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
     NVML_ERROR_NOT_FOUND: "Not Found",
     NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
     NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
@@ -45,7 +47,9 @@ class NVMLError(Exception):
 
 @dataclass
 class Device:
-    """One GPU of the fake driver. `lost` makes every query about it fail, as after an Xid error."""
+    """One GPU of the fake driver. `lost` makes every query about it fail, as after an Xid error; `denied`
+    keeps it from this process, as a cgroup's device rules do (a Slurm job's with ConstrainDevices): NVML
+    still counts it, and refuses a handle to it with NVML_ERROR_NO_PERMISSION."""
 
     uuid: str
     name: str = "NVIDIA A100-SXM4-40GB"
@@ -53,6 +57,7 @@ class Device:
     used: int = 0
     bus_id: str = "00000000:07:00.0"
     lost: bool = False
+    denied: bool = False
     utilization: int = 0  # percent of the last sample period its kernels ran
     processes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes used (None: not available)
 
@@ -114,7 +119,12 @@ class Driver:
         self._check()
         if not isinstance(handle, Handle) or handle.session != self.session:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)  # a stale handle from an earlier session
-        device = self.devices[handle.index]
+        return self._usable(self.devices[handle.index])
+
+    @staticmethod
+    def _usable(device: Device) -> Device:
+        if device.denied:
+            raise NVMLError(NVML_ERROR_NO_PERMISSION)
         if device.lost:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         return device
@@ -142,8 +152,7 @@ class Driver:
         self._check()
         if not isinstance(index, int) or not 0 <= index < len(self.devices):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        if self.devices[index].lost:
-            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+        self._usable(self.devices[index])
         return Handle(index, self.session)
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> Handle:  # noqa: N802
@@ -154,8 +163,7 @@ class Driver:
             uuid = uuid.encode()
         for index, device in enumerate(self.devices):
             if device.uuid.encode() == uuid:
-                if device.lost:
-                    raise NVMLError(NVML_ERROR_GPU_IS_LOST)
+                self._usable(device)
                 return Handle(index, self.session)
         raise NVMLError(NVML_ERROR_NOT_FOUND)
 

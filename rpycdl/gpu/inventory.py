@@ -6,13 +6,13 @@ import contextlib
 import importlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
-from rpycdl.defaults import ENV_GPUS, ENV_NVML_MODULE, ENV_SIMULATED_GPUS
+from rpycdl.defaults import ENV_CUDA_VISIBLE, ENV_GPUS, ENV_NVIDIA_VISIBLE, ENV_NVML_MODULE, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
@@ -22,11 +22,18 @@ _T = TypeVar("_T")
 
 FAKE_DEFAULT_MEMORY = 16 * GiB
 
+NVML_ERROR_NO_PERMISSION = 4
+"""NVML's answer for a GPU this process may not open (a cgroup's device rules keep it out, as in a Slurm job
+with ConstrainDevices): NVML counts it, CUDA here does not."""
+
+_MIG = re.compile(r"MIG-|\d+:\d+$", re.I)  # CUDA's MIG-<uuid> (MIG-GPU-<uuid>/GI/CI before 11.1), the runtime's GPU:MIG
+
 
 @dataclass(frozen=True)
 class GPU:
-    """One GPU as the server sees it. `index` counts in PCI bus order, as CUDA does with
-    CUDA_DEVICE_ORDER=PCI_BUS_ID; `uuid` is the same in every container of the host."""
+    """One GPU as the server sees it. `index` is CUDA's index of the GPU in the server's processes, its jobs
+    included, with CUDA_DEVICE_ORDER=PCI_BUS_ID: its place in PCI bus order among the GPUs they may open
+    (NVML's index, unless a cgroup keeps some GPUs of the host out); `uuid` is the same everywhere on the host."""
 
     index: int
     uuid: str
@@ -116,21 +123,23 @@ class FakeInventory(Inventory):
 class NvmlInventory(Inventory):
     """Real GPUs through NVML. `nvml` is the pynvml module, or a stand-in that plays a driver.
 
-    NVML is initialised and shut down around each query, so a forking server parent keeps no
-    NVML state (and never touches CUDA)."""
+    Only the GPUs this process may use: those it may open, and of those the ones its environment
+    (`environ`, default os.environ) leaves it (see confine). NVML is initialised and shut down around each
+    query, so a forking server parent keeps no NVML state (and never touches CUDA)."""
 
     spec = "nvml"
 
-    def __init__(self, nvml: ModuleType | None = None) -> None:
+    def __init__(self, nvml: ModuleType | None = None, environ: Mapping[str, str] | None = None) -> None:
         if nvml is None:
             try:  # nvidia-ml-py, or what $RPYCDL_NVML_MODULE names (a stand-in playing a driver, for tests)
                 nvml = importlib.import_module(os.environ.get(ENV_NVML_MODULE) or "pynvml")
             except ImportError as exc:  # a client-only install
                 raise NoInventoryError(f"pynvml is not installed ({exc}): pip install 'rpycdl[server]'") from exc
         self._nvml = nvml
-        self._gpus = self._query()
+        self._gpus = confine(self._query(), os.environ if environ is None else environ)
 
-    def _query(self) -> list[GPU]:
+    def _query(self) -> list[tuple[int, GPU]]:
+        """Every GPU this process may open, in NVML's order, with NVML's index."""
         nvml = self._nvml
         try:
             nvml.nvmlInit()
@@ -139,15 +148,21 @@ class NvmlInventory(Inventory):
                 f"NVML could not start ({exc}). On a machine without NVIDIA GPUs, choose a "
                 f"simulated inventory: --gpus fake:2 (or {ENV_GPUS}=fake:2)"
             ) from exc
-        gpus: list[GPU] = []
+        gpus: list[tuple[int, GPU]] = []
         what = "the GPU count"
         try:
-            for index in range(nvml.nvmlDeviceGetCount()):
-                what = f"GPU {index}"
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                gpus.append(GPU(index, _text(nvml.nvmlDeviceGetUUID(handle)), _text(nvml.nvmlDeviceGetName(handle)),
-                                int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
-                                _text(nvml.nvmlDeviceGetPciInfo(handle).busId)))
+            for number in range(nvml.nvmlDeviceGetCount()):
+                what = f"GPU {number}"
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(number)
+                except Exception as exc:
+                    if getattr(exc, "value", None) == NVML_ERROR_NO_PERMISSION:
+                        continue  # not this process's: CUDA here does not count it either
+                    raise
+                gpus.append((number, GPU(len(gpus), _text(nvml.nvmlDeviceGetUUID(handle)),
+                                         _text(nvml.nvmlDeviceGetName(handle)),
+                                         int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                                         _text(nvml.nvmlDeviceGetPciInfo(handle).busId))))
             return gpus
         except Exception as exc:  # a GPU that fails to answer is not served: say which one, and why
             raise NoInventoryError(f"NVML could not query {what} ({exc}); check it with nvidia-smi, "
@@ -203,6 +218,78 @@ class NvmlInventory(Inventory):
             return failed
         finally:
             self._nvml.nvmlShutdown()
+
+
+def confine(devices: Sequence[tuple[int, GPU]], environ: Mapping[str, str]) -> list[GPU]:
+    """The GPUs of `devices` that the environment leaves this process: all, unless NVIDIA_VISIBLE_DEVICES
+    or CUDA_VISIBLE_DEVICES is set; then those that both leave, in NVML's order.
+
+    `devices` are the GPUs this process may open, in NVML's (PCI bus) order, each with NVML's index; a
+    GPU's `index` is its place among them, CUDA's index here. Each variable names GPUs by index or UUID
+    (CUDA also takes a unique prefix of one); an empty CUDA_VISIBLE_DEVICES and the runtime's `none` name
+    none. CUDA counts indices among the GPUs this process may open (so a Slurm job's 0,1 are its own two
+    GPUs); the runtime counts the host's, and what it has applied inside its container leaves every GPU
+    NVML shows there (see _applied). The GPUs keep their `index`: a job's CUDA_VISIBLE_DEVICES, which
+    replaces the server's, counts as CUDA in the server does.
+
+    Raises:
+        NoInventoryError: an entry names no GPU here, or one twice, or a MIG device; or no GPU is left.
+    """
+    left = [gpu for _, gpu in devices]
+    said = []
+    for variable in (ENV_NVIDIA_VISIBLE, ENV_CUDA_VISIBLE):
+        value = environ.get(variable)
+        if value is not None:
+            said.append(f"{variable}={value!r}")
+            named = _named(variable, value, devices)
+            left = [gpu for gpu in left if named is None or gpu.uuid in named]
+    if said and not left:
+        raise NoInventoryError(f"{' and '.join(said)} leave no GPU here ({_listing(devices)}): name some, or unset "
+                               "the variable for every GPU")
+    return left
+
+
+def _named(variable: str, value: str, devices: Sequence[tuple[int, GPU]]) -> set[str] | None:
+    """The UUIDs of the GPUs `variable`=`value` names; None for every GPU here."""
+    words = [word.strip() for word in value.split(",")] if value.strip() else []
+    runtime = variable == ENV_NVIDIA_VISIBLE
+    if runtime and [word.lower() for word in words] == ["none"]:
+        return set()
+    if runtime and _applied(words, devices):
+        return None
+    named: set[str] = set()
+    for word in words:
+        if _MIG.match(word):
+            raise NoInventoryError(f"{variable}={value!r} names the MIG device {word!r}: rpycdl grants whole GPUs "
+                                   "and shares of them by memory, not MIG instances; give the server whole GPUs "
+                                   f"(indices or UUIDs), or unset {variable}")
+        if re.fullmatch(r"-?\d+", word):  # the runtime counts the host's GPUs (NVML's index), CUDA its own
+            found = [gpu for number, gpu in devices if (number if runtime else gpu.index) == int(word)]
+        else:
+            found = [gpu for _, gpu in devices if word.upper().startswith("GPU-")
+                     and gpu.uuid.lower().startswith(word.lower())]
+        if len(found) != 1 or found[0].uuid in named:
+            why = "twice" if found and found[0].uuid in named else "more than one GPU" if found else "no GPU here"
+            raise NoInventoryError(f"{variable}={value!r}: {word!r} names {why} ({_listing(devices)})")
+        named.add(found[0].uuid)
+    return named
+
+
+def _applied(words: list[str], devices: Sequence[tuple[int, GPU]]) -> bool:
+    """Whether NVIDIA_VISIBLE_DEVICES leaves every GPU NVML shows: `all`; `void` or empty (the runtime then
+    adds no GPU itself: CDI injects them, and its specs set `void`); the runtime's own references, which it
+    has applied (device list files under /var/run/nvidia-container-devices, the device plugin's volume-mounts
+    strategy; CDI names such as nvidia.com/gpu=0); or the host's indices of exactly as many GPUs as NVML shows,
+    which it has applied inside its container."""
+    lowered = [word.lower() for word in words]
+    return (lowered in (["all"], ["void"], []) or all(word.startswith("/") or "=" in word for word in words)
+            or all(word.isdigit() for word in words) and len(set(words)) == len(devices))
+
+
+def _listing(devices: Sequence[tuple[int, GPU]]) -> str:
+    """The GPUs this process may use, in words: `this process may use 2 GPU(s): 0 GPU-..., 1 GPU-...`."""
+    gpus = ", ".join(f"{gpu.index} {gpu.uuid}" for _, gpu in devices)
+    return f"this process may use {len(devices)} GPU(s): {gpus}" if devices else "this process may use no GPU"
 
 
 def simulate_memory(size: int, device: int = 0) -> None:

@@ -29,14 +29,17 @@ ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
 
 
 def gpu_environment(indices: Sequence[int], uuids: Sequence[str]) -> dict[str, str]:
-    """The variables that make exactly the granted GPUs visible, CUDA counting as NVML does."""
-    index_list = ",".join(str(i) for i in indices)
+    """The variables that make exactly the granted GPUs visible: CUDA_VISIBLE_DEVICES by `indices`, CUDA's in
+    the server's processes (GPU.index: in PCI bus order, as CUDA_DEVICE_ORDER=PCI_BUS_ID counts, among the GPUs
+    they may open, which a confinement such as a Slurm job's cgroup may make fewer than the host's); the
+    variables read outside them, by a container runtime on the host, by UUID."""
+    uuid_list = ",".join(uuids)
     return {
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": index_list,
-        "NV_GPU": index_list,
-        "NVIDIA_VISIBLE_DEVICES": ",".join(uuids),
-        "RPYCDL_GPU_UUIDS": ",".join(uuids),
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in indices),
+        "NV_GPU": uuid_list,
+        "NVIDIA_VISIBLE_DEVICES": uuid_list,
+        "RPYCDL_GPU_UUIDS": uuid_list,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import platform
 import shutil
 import subprocess
@@ -15,8 +16,9 @@ from typing import Any
 
 import rpycdl
 from rpycdl import errors
+from rpycdl.defaults import ENV_CUDA_VISIBLE, ENV_NVIDIA_VISIBLE
 from rpycdl.gpu.inventory import GPU, NvmlInventory
-from rpycdl.site.local import LocalCluster
+from rpycdl.site.local import LocalCluster, start
 
 
 def _nvidia_smi() -> list[dict[str, str]]:
@@ -175,21 +177,25 @@ def run_selftest(report_path: str | None = None) -> int:
     report.say(f"rpycdl {rpycdl.__version__} self-test on {platform.node()}, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, "
                f"Python {platform.python_version()}")
     try:
-        gpus = NvmlInventory().gpus()
+        every = NvmlInventory(environ={}).gpus()  # as nvidia-smi, which no *_VISIBLE_DEVICES restricts
+        gpus = NvmlInventory().gpus()  # as this process's servers: confined, if this process is
     except Exception as exc:  # noqa: BLE001
         report.say(f"FAIL  NVML inventory: {exc}")
         return 1
 
     def inventory_matches_smi() -> str:
         smi = _nvidia_smi()
-        assert len(smi) == len(gpus), f"NVML sees {len(gpus)} GPUs, nvidia-smi {len(smi)}"
-        for gpu, row in zip(gpus, smi, strict=True):
+        assert len(smi) == len(every), f"NVML sees {len(every)} GPUs, nvidia-smi {len(smi)}"
+        for gpu, row in zip(every, smi, strict=True):
             assert (str(gpu.index), gpu.uuid, gpu.name) == (row["index"], row["uuid"], row["name"]), (gpu, row)
             assert abs(gpu.memory_total / 2**20 - float(row["memory_mib"])) < 2, (gpu, row)
-        return "; ".join(f"{g.index} {g.uuid} {g.name} {g.memory_total / 2**30:.1f} GiB" for g in gpus)
+        return "; ".join(f"{g.index} {g.uuid} {g.name} {g.memory_total / 2**30:.1f} GiB" for g in every)
 
     report.check("NVML inventory equals nvidia-smi", inventory_matches_smi)
     with tempfile.TemporaryDirectory(prefix="rpycdl-selftest-") as lock_dir, LocalCluster(lock_dir) as cluster:
+        for variable, value in ((ENV_CUDA_VISIBLE, str(gpus[-1].index)), (ENV_NVIDIA_VISIBLE, gpus[0].uuid)):
+            report.check(f"a server started with {variable}={value} manages that GPU alone, and a PyTorch job "
+                         "there sees it", lambda confinement={variable: value}: confined(lock_dir, confinement))
         _, port = cluster.add_server("pytorch", "nvml")
         report.check("PyTorch job with ngpus=1 sees exactly its GPU", lambda: _one_gpu(port, gpus))
         report.check(f"{len(gpus) + 1} one-GPU jobs on {len(gpus)} GPU(s): the last waits, then runs",
@@ -208,6 +214,29 @@ def run_selftest(report_path: str | None = None) -> int:
         with open(report_path, "w", encoding="utf-8") as out:
             out.write("\n".join(report.lines) + "\n")
     return 1 if report.failed else 0
+
+
+def confined(lock_dir: str, confinement: dict[str, str], job: Callable[[Any], dict[str, Any]] = _torch_job) -> str:
+    """Start a server on NVML with the `confinement` variables set, as a Slurm job or a pod starts one (one
+    GPU by CUDA's index, or by UUID as the container runtime is given it); check that it lists only the GPU
+    they name, and that `job` sees that GPU alone; stop it."""
+    [(variable, value)] = confinement.items()
+    process = start(["serve", "--service", "pytorch", "--gpus", "nvml", "--host", "127.0.0.1", "--port", "0",
+                     "--registry", "none", "--lock-dir", lock_dir], env=confinement)
+    try:
+        port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            listed = [(gpu["index"], gpu["uuid"]) for gpu in conn.root.gpu_status()["gpus"]]
+            seen = conn.root.run_code(job, None, ngpus=1)
+    finally:
+        process.stop()
+    expected = NvmlInventory(environ={**os.environ, **confinement}).gpus()  # the server's environment
+    assert listed == [(gpu.index, gpu.uuid) for gpu in expected] and len(listed) == 1, \
+        f"{variable}={value}: the server lists {listed}"
+    uuid = listed[0][1]
+    assert seen["count"] == 1 and seen["granted"] == uuid and uuid.endswith(seen["uuid"].removeprefix("GPU-")), seen
+    assert seen["visible"] == str(listed[0][0]), seen
+    return f"GPU {listed[0][0]} {uuid} listed alone; the job saw it as CUDA_VISIBLE_DEVICES={seen['visible']}"
 
 
 def _one_gpu(port: int, gpus: list[GPU]) -> str:
