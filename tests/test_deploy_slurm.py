@@ -101,7 +101,7 @@ def test_a_server_refuses_to_listen_beyond_loopback_without_authentication(clust
     environ = slurm_job(tmp_path, cluster.registry_address, CUDA_VISIBLE_DEVICES="0")
     del environ["RPYCDL_SECRET_FILE"]
     output, _ = (script := run_script(environ)).communicate(timeout=30)
-    assert script.returncode == 2 and "refusing to listen on 0.0.0.0 without authentication" in output, output
+    assert script.returncode == 1 and "refusing to listen on 0.0.0.0 without authentication" in output, output
 
 
 def test_the_allocation_signals_the_batch_shell_before_its_end():
