@@ -55,6 +55,17 @@ KEEP = 7 * 24 * 3600.0
 PRUNE_INTERVAL = 60.0
 """Seconds between a server's prunes of jobs past their retention (or a tenth of a shorter --keep)."""
 
+FAIR_SHARE_REFRESH = 2.0
+"""Seconds between a server's refreshes of the host's fair-share snapshot (under --policy fair): what jobs
+that ended since used reaches the order of the queue within this (running ones count at once)."""
+
+SAMPLER_MODULE = "rpycdl.gpu.sampler"
+"""The module of a server's load sampler (python -m), which its sweep leaves alone."""
+
+LOAD_PERIOD, LOAD_WINDOW = 1.0, 5
+"""Under --placement least-busy: seconds between a server's samples of its GPUs' load (NVML), and how many
+of the last samples each GPU's load averages."""
+
 MAX_LOG = 1024**3
 """Bytes of output a detached job's log keeps (`--max-log`); past them, a marker line and nothing more."""
 

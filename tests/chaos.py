@@ -73,6 +73,7 @@ class ChaosSettings:
     gpus: str = "fake:4"
     server_args: tuple[str, ...] = ()
     requests: tuple[dict[str, Any], ...] = REQUESTS  # run_code keywords, drawn at random
+    users: int = 1  # clients connect as one of this many users (fair share orders them)
     queue_timeout: float = 3.0
     detached: float = 0.3  # the share of requests submitted as detached jobs
     hold: tuple[float, float] = (0.02, 0.25)  # seconds a job runs
@@ -300,7 +301,9 @@ def client_main(run_dir: str, seed: int) -> None:
     conn = None
     with open(Path(run_dir, "clients", f"{os.getpid()}.log"), "a", buffering=1) as log:
         while True:
-            conn = conn or _connect(Path(run_dir, "ports.json"), rng)
+            if conn is None:
+                conn = _connect(Path(run_dir, "ports.json"), rng)
+                conn.root.identify(f"user{rng.randrange(config['users'])}")
             try:
                 request = {"queue_timeout": config["queue_timeout"], **rng.choice(config["requests"])}
                 if rng.random() < config["detached"]:
@@ -1309,7 +1312,7 @@ class Chaos:
             "reports": str(run_dir / "reports"), "inboxes": [str(run_dir / "inbox-observer"),
                                                              str(run_dir / "inbox-killer")],
             "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "detached": settings.detached,
-            "hold": settings.hold,
+            "hold": settings.hold, "users": settings.users,
             "children": settings.children, "requests": settings.requests}))
         self.servers = Servers(cluster, run_dir / "ports.json", settings)
         self.clients = Clients(run_dir, self.rng.randrange(1 << 30))

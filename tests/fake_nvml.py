@@ -59,6 +59,7 @@ class Device:
     lost: bool = False
     denied: bool = False
     utilization: int = 0  # percent of the last sample period its kernels ran
+    memory_utilization: int = 0  # percent of it its memory was read or written
     processes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes used (None: not available)
 
 
@@ -184,7 +185,8 @@ class Driver:
         return [ProcessInfo(pid, used) for pid, used in self._device(handle).processes.items()]
 
     def nvmlDeviceGetUtilizationRates(self, handle: Handle) -> Utilization:  # noqa: N802
-        return Utilization(gpu=self._device(handle).utilization, memory=0)
+        device = self._device(handle)
+        return Utilization(gpu=device.utilization, memory=device.memory_utilization)
 
 
 FUNCTIONS = ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",

@@ -12,20 +12,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chaos import JOB_VAR, TOKEN_VAR, ChaosSettings, dead_jobs_leftovers, read_stat, run_chaos
+from chaos import JOB_VAR, REQUESTS, TOKEN_VAR, ChaosSettings, dead_jobs_leftovers, read_stat, run_chaos
 
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.states import JobState
 
+TIMED = tuple({**request, "timeout": timeout} for request in REQUESTS for timeout in (1, 5))
+"""Requests that declare a timeout (longer than any chaos job runs), so that backfill has work to do."""
+
+POLICIES = {
+    "fcfs": ChaosSettings(),
+    "fcfs-backfill": ChaosSettings(duration=18.0, server_args=("--policy", "fcfs-backfill"), requests=TIMED + REQUESTS),
+    "fair": ChaosSettings(duration=18.0, server_args=("--policy", "fair"), users=3),
+}
+"""The chaos under each scheduling policy: promises 1 and 3 hold whoever goes first (the default policy runs
+longest)."""
+
 
 @pytest.mark.slow
-def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path):
-    """Two fake:4 servers on one lock directory, six clients, 25 s of kills (connection processes
-    right after a grant, job processes, their children, server parents, clients): no GPU ever
-    over-committed, no grant outliving its job by a second, nothing of a dead job a second after the
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path, policy):
+    """Two fake:4 servers on one lock directory, six clients, 25 s of kills (18 s under the other policies:
+    connection processes right after a grant, job processes, their children, server parents, clients): no
+    GPU ever over-committed, no grant outliving its job by a second, nothing of a dead job a second after the
     last kill, everything clean a second after the detached jobs ended."""
-    result = run_chaos(cluster, tmp_path / "chaos", ChaosSettings())
+    result = run_chaos(cluster, tmp_path / "chaos", POLICIES[policy])
     print(result.summary())
     missing = result.tested()
     assert not missing, "the chaos did not test what it should: " + "; ".join(missing) + "\n" + result.summary()

@@ -91,6 +91,7 @@ def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_pa
     assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") == 1
     assert value(samples, "rpycdl_jobs", state="RUNNING") == 2 and value(samples, "rpycdl_jobs", state="PENDING") == 1
     assert "rpycdl_job_run_seconds_count" not in samples  # nothing ended yet
+    assert value(samples, "rpycdl_scheduling_info", policy="fcfs", placement="pack") == 1
 
     open_gate(whole_gate)
     open_gate(share_gate)
@@ -198,6 +199,7 @@ def test_health_and_what_is_not_there(monitor):
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(f"{monitor}/nothing", timeout=10)
     assert missing.value.code == 404
+    assert "rpycdl_scheduling_info" not in scrape(monitor)  # no server lives: no policy is in force
 
 
 def test_a_monitor_on_a_public_address_needs_insecure(lock_dir):

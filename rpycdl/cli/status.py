@@ -42,7 +42,9 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
     now = status["time"]
     server = status["server"]
     kind = "simulated " + server["inventory"] if server["simulated"] else "NVML"
-    lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}"]
+    scheduling = server.get("scheduling") or {"policy": "fcfs", "placement": "pack"}  # a server before policies
+    lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}  "
+             f"policy {scheduling['policy']}, placement {scheduling['placement']}"]
     lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<22}HELD BY")
     for gpu in status["gpus"]:
         used = "?" if gpu["memory_used"] is None else format_size(gpu["memory_used"])
@@ -59,21 +61,45 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
         if holders and holders[0]["share_bytes"]:
             lines.extend(f"      {format_size(holder['share_bytes'])}: {_holder(holder, now)}" for holder in holders)
     if status["queue"]:
-        lines.append(f"  waiting ({len(status['queue'])}), first come first served:")
+        lines.append(f"  waiting ({len(status['queue'])}), {ORDERS.get(scheduling['policy'], 'in order')}:")
         for place, waiter in enumerate(status["queue"], 1):
             wants = need_text(waiter["ngpus"], waiter["share_mib"] * MiB)
             waited = format_duration(now - waiter["since"])
             lines.append(f"    {place}. job {waiter['job_id']} of {waiter.get('user', 'unknown')} wants {wants}, "
-                         f"from {waiter['client']} ({waiter['server']}), waiting {waited}")
+                         f"from {waiter['client']} ({waiter['server']}), waiting {waited}{_plan(waiter, place, now)}")
     else:
         lines.append("  nobody waiting")
     return "\n".join(lines) + "\n"
 
 
+ORDERS = {"fcfs": "first come first served", "fcfs-backfill": "first come first served, with backfill",
+          "fair": "fair share: least recent GPU use first"}
+
+
 def _holder(holder: dict[str, Any], now: float) -> str:
-    since = time.strftime("%H:%M:%S", time.localtime(holder["since"]))
+    since = _clock(holder["since"])
+    until = "" if holder.get("seconds") is None else f", until {_clock(holder['since'] + holder['seconds'])} at most"
+    backfilled = ", backfilled" if holder.get("backfilled") else ""
     return (f"job {holder['job_id']} of {holder.get('user', 'unknown')} from {holder['client']} ({holder['server']}) "
-            f"since {since} ({format_duration(now - holder['since'])})")
+            f"since {since} ({format_duration(now - holder['since'])}{until}{backfilled})")
+
+
+def _plan(waiter: dict[str, Any], place: int, now: float) -> str:
+    """What the policy says of a waiting request: its planned start under backfill (the first one's is
+    reserved), its user's recent GPU use under fair share."""
+    if "usage" in waiter:
+        return f"; its user's recent use {waiter['usage'] / 3600:.2f} GPU-hours"
+    if "planned_start" not in waiter:
+        return ""
+    if waiter["planned_start"] is None:
+        return "; start unknown (a job ahead declared no timeout)"
+    start = waiter["planned_start"]
+    return (f"; {'reserved start' if place == 1 else 'planned start'} {_clock(start)} "
+            f"(in {format_duration(max(0.0, start - now))})")
+
+
+def _clock(when: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when))
 
 
 def _unreachable(exc: Exception) -> str:

@@ -67,6 +67,11 @@ class Inventory:
         unknown (a simulated GPU, a failed query)."""
         return {gpu.uuid: None for gpu in self.gpus()}
 
+    def load(self) -> dict[str, float | None]:
+        """How busy each GPU was over the last sample period, by UUID: the larger of the share of it its
+        kernels ran and the share its memory was read or written (0 to 1); None where unknown."""
+        return {gpu.uuid: None for gpu in self.gpus()}
+
     def use_lock_dir(self, lock_dir: str | os.PathLike[str]) -> None:
         """Read what the jobs of the host's lock directory do on these GPUs (simulated GPUs keep their
         memory use there; a driver needs nothing)."""
@@ -187,12 +192,20 @@ class NvmlInventory(Inventory):
         return self._ask(query, {gpu.uuid: None for gpu in self._gpus})
 
     def utilization(self) -> dict[str, float | None]:
-        def query(nvml: ModuleType) -> dict[str, float | None]:
-            rates: dict[str, float | None] = {}
+        return {uuid: None if rates is None else rates[0] for uuid, rates in self._rates().items()}
+
+    def load(self) -> dict[str, float | None]:
+        return {uuid: None if rates is None else max(rates) for uuid, rates in self._rates().items()}
+
+    def _rates(self) -> dict[str, tuple[float, float] | None]:
+        """Each GPU's (SM, memory bandwidth) utilisation over the driver's last sample period, 0 to 1."""
+        def query(nvml: ModuleType) -> dict[str, tuple[float, float] | None]:
+            rates: dict[str, tuple[float, float] | None] = {}
             for gpu in self._gpus:
                 try:
                     handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode())
-                    rates[gpu.uuid] = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100
+                    rate = nvml.nvmlDeviceGetUtilizationRates(handle)
+                    rates[gpu.uuid] = (rate.gpu / 100, rate.memory / 100)
                 except Exception:
                     rates[gpu.uuid] = None
             return rates

@@ -17,13 +17,20 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rpycdl.gpu.inventory import Inventory
 from rpycdl.scheduler.ledger import REFUSALS, JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.policyfiles import host_scheduling
 
 BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, math.inf)
 """Upper bounds of the queue wait and run time histograms, in seconds (a second to a day)."""
@@ -89,6 +96,12 @@ class HostCollector(Collector):
             for reason in REFUSALS:
                 refused.add_metric([service, reason], counts.get((service, reason), 0))
         yield refused
+        scheduling = host_scheduling(self.locks.root)
+        policy = InfoMetricFamily("rpycdl_scheduling", "The scheduling policy and placement of the host's live servers "
+                                  "(absent while none lives)")
+        if scheduling is not None:
+            policy.add_metric([], {"policy": scheduling.policy, "placement": scheduling.placement})
+        yield policy
         yield from self._ended()
 
     def _gpus(self, held: dict[str, list[dict[str, Any]]]) -> Iterator[Metric]:

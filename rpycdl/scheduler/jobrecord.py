@@ -55,6 +55,7 @@ class JobRecord:
     log_bytes: int = 0
     result_bytes: int | None = None
     cancel_requested: bool = False
+    gpus: float = 0.0  # GPUs it was granted: ngpus, or its share's fraction of its GPU (0 before its grant)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""

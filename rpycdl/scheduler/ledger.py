@@ -323,6 +323,16 @@ class Ledger:
             return None
         return {"state": row[0], "files": json.loads(row[1]), "error": row[2], "updated": row[3]}
 
+    def usage_since(self, since: float) -> list[tuple[str, float, float | None, float]]:
+        """What the jobs that ran at or after `since` used: (user, started, ended or None, GPUs), GPUs being
+        the job's grant (a share's fraction; a whole GPU for a share of a ledger before version 4)."""
+        columns = "user, started, ended, gpus, ngpus, share_bytes FROM jobs"
+        with self._db() as db:
+            rows = db.execute(f"SELECT {columns} WHERE ended >= ? AND started IS NOT NULL UNION ALL "
+                              f"SELECT {columns} WHERE {LIVE} AND started IS NOT NULL", (since,)).fetchall()
+        return [(user, started, ended, gpus or (1.0 if share_bytes else float(ngpus)))
+                for user, started, ended, gpus, ngpus, share_bytes in rows]
+
     def ended_since(self, since: float, known: Container[str] = ()) -> list[JobRecord]:
         """The jobs that ended at or after `since`, in the order they ended, but those whose ids are in
         `known` (skipped before their rows are decoded: a caller re-reading a window pays little for

@@ -61,6 +61,15 @@ def open_once(path: str) -> int:
     return fd
 
 
+def claim(directory: Path, name: str) -> list[str]:
+    """Mark `directory/name` as in use for as long as this process lives (a shared lock on that file, kept
+    by open_once's descriptor); returns the other names of `directory` that a live process marks."""
+    shared_dir(directory)
+    fcntl.lockf(open_once(str(directory / name)), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    return [other for other in names(directory, "", "") if other != name and not other.startswith(".")
+            and "." not in other and others(open_once(str(directory / other)), 0, 0, [])]
+
+
 def claim_pid_namespace(root: Path) -> None:
     """Mark the lock directory `root` as used by this process's PID namespace, for as long as this
     process lives (a shared lock on pid-namespaces/<namespace>); refuse if a live process of
@@ -70,16 +79,12 @@ def claim_pid_namespace(root: Path) -> None:
     Raises:
         RpycdlError: a server in another PID namespace uses the lock directory.
     """
-    mine = os.stat("/proc/self/ns/pid").st_ino
-    directory = root / "pid-namespaces"
-    shared_dir(directory)
-    fcntl.lockf(open_once(str(directory / str(mine))), fcntl.LOCK_SH | fcntl.LOCK_NB)
-    for name in names(directory, "", ""):
-        if name != str(mine) and not name.startswith(".") and others(open_once(str(directory / name)), 0, 0, []):
-            raise RpycdlError(
-                f"the lock directory {root} is used by servers in another PID namespace (pid:[{name}], this is "
-                f"pid:[{mine}]); servers sharing a lock directory must see each other's processes: run server "
-                "containers with --pid host (rpycdl up and scripts/start_servers.sh do)")
+    mine = str(os.stat("/proc/self/ns/pid").st_ino)
+    for name in claim(root / "pid-namespaces", mine):
+        raise RpycdlError(
+            f"the lock directory {root} is used by servers in another PID namespace (pid:[{name}], this is "
+            f"pid:[{mine}]); servers sharing a lock directory must see each other's processes: run server "
+            "containers with --pid host (rpycdl up and scripts/start_servers.sh do)")
 
 
 def names(directory: Path, prefix: str, suffix: str) -> list[str]:

@@ -44,8 +44,10 @@ from typing import Any
 
 from rpycdl.defaults import KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
-from rpycdl.scheduler import lockdir, planning, procs
+from rpycdl.scheduler import lockdir, planning, policies, policyfiles, procs
 from rpycdl.scheduler.holders import Grant, Holders, job_left
+from rpycdl.scheduler.load import read_load
+from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
 from rpycdl.units import MiB, format_size
 
 _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path (never rewritten)
@@ -68,12 +70,15 @@ class Need:
         share_bytes: bytes of one GPU for a share, a whole number of MiB (the lock files count
             MiB); 0 for whole GPUs.
         sizes: each candidate's memory in bytes; needed for a share.
+        seconds: the job's declared timeout, the longest it holds what it is granted (backfill plans
+            with it); None if it declared none.
     """
 
     ngpus: int
     candidates: tuple[str, ...]
     share_bytes: int = 0
     sizes: Mapping[str, int] = field(default_factory=dict)
+    seconds: float | None = None
 
     def check(self) -> None:
         """Raise InvalidRequestError if it can never be granted."""
@@ -90,7 +95,7 @@ class Need:
     def entry(self) -> dict[str, Any]:
         """The request as its queue entry says it (the lock files' unit: MiB)."""
         return {"ngpus": self.ngpus, "share_mib": self.share_bytes // MiB, "candidates": list(self.candidates),
-                "sizes_mib": {uuid: size // MiB for uuid, size in self.sizes.items()}}
+                "sizes_mib": {uuid: size // MiB for uuid, size in self.sizes.items()}, "seconds": self.seconds}
 
 
 @dataclass(frozen=True)
@@ -113,11 +118,15 @@ class GPULockManager:
 
     Args:
         lock_dir: the directory shared by every server on the host.
+        scheduling: the host's policy and placement (rpycdl.scheduler.policies), the same in every process
+            that grants from the directory (claim_scheduling).
         sleep_poll: the longest a waiter sleeps between re-checks when not woken.
     """
 
-    def __init__(self, lock_dir: str | os.PathLike[str], sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
+    def __init__(self, lock_dir: str | os.PathLike[str], scheduling: Scheduling | None = None,
+                 sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
+        self.scheduling = scheduling or Scheduling()
         for sub in ("", "gpus", "held", "queue"):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
@@ -283,47 +292,57 @@ class GPULockManager:
         return fifo_fd
 
     def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, int]:
-        """Under the queue lock: grant to `ticket` if every earlier request is served first."""
-        earlier = self._waiters(before=ticket)
+        """Under the queue lock: grant to `ticket` if the host's policy lets it go now (policies.decide: after
+        every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
+        and how many competing requests are ahead."""
+        policy = self.scheduling.policy
+        waiters = [waiter for waiter in self._waiters(before=ticket if policy == FCFS else None)
+                   if waiter["ticket"] != ticket]  # behind it too, for a backfill's plan or fair share's order
         mine = need.entry()
-        candidates = mine["candidates"]
-        involved, sizes = set(candidates), {}
-        for waiter in earlier:
+        me = policyfiles.want(ticket, mine, info)
+        involved, sizes = set(me.candidates), {}
+        for waiter in waiters:
             involved.update(waiter["candidates"])
             sizes.update(waiter.get("sizes_mib", {}))
         sizes.update(mine["sizes_mib"])
-        fractional = bool(mine["share_mib"]) or any(waiter.get("share_mib") for waiter in earlier)
+        fractional = bool(mine["share_mib"]) or any(waiter.get("share_mib") for waiter in waiters)
         records = self._holders.records()
         self._holders.killing = False
         taken = {uuid: self._holders.taken(uuid, sizes.get(uuid, 0) if fractional else 0, records.get(uuid, []))
                  for uuid in involved}
-        rooms = planning.rooms(taken, sizes, fractional)
-        ahead = 0
-        behind_a_grant = False
-        for waiter in earlier:
-            competes = bool(set(waiter["candidates"]) & set(candidates))
-            ahead += competes
-            share = waiter.get("share_mib", 0)
-            theirs = planning.pick(rooms, waiter["ngpus"], share, waiter["candidates"])
-            if theirs:
-                planning.take(rooms, theirs, share)  # they will take these first
-                behind_a_grant |= competes  # and be granted first: their grant wakes us
-            else:
-                planning.take(rooms, waiter["candidates"], 0)  # reserved while they wait
-        uuids = planning.pick(rooms, mine["ngpus"], mine["share_mib"], candidates)
-        if behind_a_grant or not uuids:
-            return None, ahead
-        # No earlier request was planned on these GPUs (it would compete, and we would be behind
-        # its grant), so what is taken of them is still what was probed above.
+        now = time.time()
+        usage = policyfiles.usage(self.root, records, self.scheduling.fair_share, now) if policy == FAIR else None
+        wants = [policyfiles.want(waiter["ticket"], waiter, waiter) for waiter in waiters]
+        waiting = policies.order([*wants, me], policy, usage)
+        placement = self.scheduling.placement
+        rules = Rules(policy, placement, read_load(self.root, now) if placement == planning.LEAST_BUSY else {})
+        board = policyfiles.board(self._holders.records(), sizes, now) if policy == BACKFILL else None  # after taken()
+        decision = policies.decide(planning.rooms(taken, sizes, fractional), waiting, me, rules, board=board, now=now)
+        if not decision.uuids:
+            return None, decision.ahead
+        # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
+        # what is taken of them is still what was probed above.
+        uuids = list(decision.uuids)
         ranges, locked = self._holders.lock(uuids, mine["share_mib"], sizes, taken, ticket)
         if not locked:  # cannot happen under the queue lock, but never double-book
-            return None, ahead
+            return None, decision.ahead
         grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges)
-        self._holders.write(grant, info, time.time())
+        each = mine["share_mib"] / sizes[uuids[0]] if mine["share_mib"] else 1.0
+        self._holders.write(grant, {**info, "seconds": need.seconds, "gpus": each, "backfilled": decision.backfilled},
+                            now)
         entry = self.root / "queue" / f"{ticket:016d}.json"
         entry.unlink(missing_ok=True)
         entry.with_suffix(".fifo").unlink(missing_ok=True)
-        return grant, ahead
+        return grant, decision.ahead
+
+    def claim_scheduling(self) -> None:
+        """Mark the lock directory as granted from with this manager's scheduling, for as long as this process
+        lives (a server parent, a detached job's supervisor); refuse if a live process grants with another.
+
+        Raises:
+            RpycdlError: servers or supervisors of the directory use another policy, placement or fair share.
+        """
+        policyfiles.claim(self.root, self.scheduling)
 
     def release(self, grant: Grant) -> None:
         """Free the grant's GPUs (or share) and wake every waiter. Releasing twice is harmless."""
@@ -377,12 +396,16 @@ class GPULockManager:
         probes (F_GETLK) take nothing, records appear by rename after their locks are taken, and
         nothing is removed or killed here (granters and sweeps do that)."""
         held: dict[str, list[dict[str, Any]]] = {}
-        for uuid, records in self._holders.records().items():
-            for _, record in records:
+        records = self._holders.records()
+        for uuid, entries in records.items():
+            for _, record in entries:
                 if self._holders.holds(uuid, record):
                     held.setdefault(uuid, []).append(record)
                 elif self._holders.orphan_holds(record, kill=False):
                     held.setdefault(uuid, []).append({**record, "leftover": True})
         for holders in held.values():
             holders.sort(key=lambda holder: holder["sequence"])
-        return {"held": held, "queue": self._waiters(prune=False)}
+        return {"held": held, "queue": policyfiles.in_order(self.root, self.scheduling, self._waiters(prune=False),
+                                                             records)}
+
+

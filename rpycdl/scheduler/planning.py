@@ -36,17 +36,29 @@ def rooms(taken: Mapping[str, list[Range]], sizes: Mapping[str, int], fractional
     return found
 
 
-def pick(rooms: dict[str, Room], ngpus: int, share_mib: int, candidates: Sequence[str]) -> list[str]:
-    """The GPUs a request would get now ([] if none): the first idle ones for whole GPUs; for a
-    share, the fullest GPU already shared that has room, else the first idle one large enough."""
+PACK, SPREAD, LEAST_BUSY = "pack", "spread", "least-busy"
+PLACEMENTS = (PACK, SPREAD, LEAST_BUSY)
+"""Where a share goes among the GPUs with room for it: the fullest one already shared (pack: whole GPUs stay
+free for whole-GPU requests), the emptiest (spread: shares run apart while there is room), or the one whose
+measured load leaves it the most room (least-busy; pack where a GPU's load is not known)."""
+
+
+def pick(rooms: dict[str, Room], ngpus: int, share_mib: int, candidates: Sequence[str], placement: str = PACK,
+         load: Mapping[str, float] | None = None) -> list[str]:
+    """The GPUs a request would get now ([] if none): the first idle ones for whole GPUs; for a share, one GPU
+    with room for it chosen by `placement` (PLACEMENTS), given each GPU's measured `load` (0 idle to 1 busy)."""
     if not share_mib:
         idle = [uuid for uuid in candidates if rooms[uuid].idle]
         return idle[:ngpus] if len(idle) >= ngpus else []
-    shared = [uuid for uuid in candidates if not rooms[uuid].idle and rooms[uuid].free >= share_mib]
-    if shared:
-        return [min(shared, key=lambda uuid: rooms[uuid].free)]
-    idle = [uuid for uuid in candidates if rooms[uuid].idle and rooms[uuid].free >= share_mib]
-    return idle[:1]
+    fits = [uuid for uuid in candidates if rooms[uuid].free >= share_mib]
+    if not fits:
+        return []
+    if placement == LEAST_BUSY and load and all(uuid in load for uuid in fits):
+        return [min(fits, key=lambda uuid: (load[uuid], rooms[uuid].idle, rooms[uuid].free))]
+    if placement == SPREAD:
+        return [max(fits, key=lambda uuid: (rooms[uuid].idle, rooms[uuid].free))]
+    shared = [uuid for uuid in fits if not rooms[uuid].idle]
+    return [min(shared, key=lambda uuid: rooms[uuid].free)] if shared else fits[:1]
 
 
 def take(rooms: dict[str, Room], uuids: list[str], share_mib: int) -> None:

@@ -7,7 +7,8 @@ field (rpycdl.scheduler.jobrecord), job_id its primary key, request and gpu_uuid
 filters, cheap whatever the history), (user, submitted), (user, name) for find, and (user, name) UNIQUE
 among unfinished rows: one live job of a name per user. `refusals(service, reason, count)` counts the
 requests the host's servers refused, one row per service and reason. `artifacts(job_id, state, files,
-error, updated)` says where a job's outputs stand; a job's row going takes it along (a trigger).
+error, updated)` says where a job's outputs stand; a job's row going takes it along (a trigger). Version 4
+adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair share counts.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ MIGRATIONS = [
     CREATE TRIGGER jobs_artifacts_deleted AFTER DELETE ON jobs BEGIN
         DELETE FROM artifacts WHERE job_id = old.job_id;
     END;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN gpus REAL NOT NULL DEFAULT 0;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

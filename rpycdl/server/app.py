@@ -8,16 +8,19 @@ import getpass
 import importlib.metadata
 import logging
 import signal
+import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rpycdl.defaults import REREGISTER_INTERVAL, lock_dir, state_dir
+from rpycdl.defaults import REREGISTER_INTERVAL, SAMPLER_MODULE, lock_dir, state_dir
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.registry import registry_client
 from rpycdl.scheduler import lockdir
+from rpycdl.scheduler.planning import LEAST_BUSY
+from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
 from rpycdl.security import auth, tls
 from rpycdl.security.auth import is_loopback
@@ -62,6 +65,7 @@ class ServerConfig:
     version: str | None = None  # framework version to announce; None reads package metadata
     artifact_store: str = ""  # where jobs' outputs go (a URL); "": the state directory's artifacts/
     artifact_endpoint: str | None = None  # an S3-compatible endpoint (MinIO)
+    scheduling: Scheduling = field(default_factory=Scheduling)  # --policy, --placement, --fair-share
 
 
 def framework_version(service: str) -> str | None:
@@ -121,8 +125,9 @@ def build_server(config: ServerConfig) -> DLServer:
                             state_dir=config.state_dir or state_dir(directory),
                             host=config.host, framework_version=version, limits=config.limits,
                             shares=config.shares, artifact_store=config.artifact_store,
-                            artifact_endpoint=config.artifact_endpoint)
+                            artifact_endpoint=config.artifact_endpoint, scheduling=config.scheduling)
     lockdir.claim_pid_namespace(Path(directory))
+    context.locks.claim_scheduling()
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)
@@ -158,6 +163,9 @@ def serve(config: ServerConfig) -> None:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())
     child.name_process("rpycdl-server")
+    sampler = None
+    if ctx.scheduling.placement == LEAST_BUSY and not ctx.inventory.simulated:  # NVML in a process of its own
+        sampler = subprocess.Popen([sys.executable, "-m", SAMPLER_MODULE, ctx.lock_dir], stdin=subprocess.DEVNULL)
     try:
         server.start()
     except (KeyboardInterrupt, OSError):
@@ -165,4 +173,6 @@ def serve(config: ServerConfig) -> None:
     finally:
         if server.active:
             server.close()
+        if sampler is not None:
+            sampler.terminate()
 

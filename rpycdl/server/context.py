@@ -27,6 +27,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import Ledger
 from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
 
 
@@ -68,6 +69,7 @@ class ServerContext:
     server_process: procs.Pid = field(default_factory=lambda: procs.identify(os.getpid()))
     artifact_store: str = ""  # a URL (rpycdl.artifacts.store); "": the state directory's artifacts/
     artifact_endpoint: str | None = None  # an S3 endpoint (MinIO); None: $AWS_ENDPOINT_URL, else AWS
+    scheduling: Scheduling = field(default_factory=Scheduling)  # the host's policy and placement
     locks: GPULockManager = field(init=False)
     ledger: Ledger = field(init=False)
     files: JobFiles = field(init=False)
@@ -76,7 +78,7 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.gpus = self.inventory.gpus()
-        self.locks = GPULockManager(self.lock_dir)  # creates the layout; every connection process inherits it
+        self.locks = GPULockManager(self.lock_dir, self.scheduling)  # creates the layout; connections inherit it
         self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
         self.files = JobFiles(self.state_dir)
         self.working_dirs = WorkdirCache(os.path.join(self.state_dir, "workdirs"), self.limits.working_dir_cache)
@@ -90,4 +92,4 @@ class ServerContext:
                 "simulated": self.inventory.simulated, "framework_version": self.framework_version,
                 "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict(),
                 "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id,
-                "artifact_store": self.artifact_store}
+                "artifact_store": self.artifact_store, "scheduling": self.scheduling.to_dict()}

@@ -19,9 +19,17 @@ from typing import Any
 import rpyc
 from rpyc.utils.server import ForkingServer
 
-from rpycdl.defaults import KILL_WAIT, PRUNE_INTERVAL, SPARE_CONNECTIONS, SWEEP_INTERVAL
+from rpycdl.defaults import (
+    FAIR_SHARE_REFRESH,
+    KILL_WAIT,
+    PRUNE_INTERVAL,
+    SAMPLER_MODULE,
+    SPARE_CONNECTIONS,
+    SWEEP_INTERVAL,
+)
 from rpycdl.errors import LimitError
-from rpycdl.scheduler import lockdir, procs, sweep
+from rpycdl.scheduler import fairshare, lockdir, procs, sweep
+from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
 from rpycdl.server import child, container_watcher, runner, supervisor
 from rpycdl.server.context import ServerContext
@@ -242,13 +250,16 @@ class DLServer(ForkingServer):
             service.after_reply()
 
     def _sweep(self) -> None:
-        next_prune = 0.0
+        next_prune = next_share = 0.0
         while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
                 self._sweep_once()
                 if time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + min(PRUNE_INTERVAL, self.context.limits.keep / 10)
                     sweep.prune(self.context.ledger, self.context.files, self.context.limits.keep)
+                if self.context.scheduling.policy == FAIR and time.monotonic() >= next_share:
+                    next_share = time.monotonic() + FAIR_SHARE_REFRESH
+                    fairshare.refresh(self.context.lock_dir, self.context.ledger, self.context.scheduling.fair_share)
             except Exception:  # a sweep must never take the server down
                 log.exception("sweep failed")
             select.select([self._wake_r], [], [], SWEEP_INTERVAL)
@@ -276,12 +287,12 @@ class DLServer(ForkingServer):
         """The running processes this server adopted (it is a child subreaper): its children that
         are neither spares nor connection processes (what dead connection processes left), and
         their descendants; but not a job container's watcher, which removes its container, nor a
-        detached job's supervisor (with its job)."""
+        detached job's supervisor (with its job), nor its load sampler."""
         with self._forking:
             mine = self._spares | self._connections
             found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
-        found = [pid for pid in found if not any(procs.runs_module(pid, module)
-                                                 for module in (container_watcher.__name__, supervisor.MODULE))]
+        found = [pid for pid in found if not any(procs.runs_module(pid, module) for module in
+                                                 (container_watcher.__name__, supervisor.MODULE, SAMPLER_MODULE))]
         return [each for pid in found for each in (pid, *procs.subtree(pid)) if procs.alive(each)]
 
 

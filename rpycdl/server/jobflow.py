@@ -160,6 +160,8 @@ class JobFlow:
                                   queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
                                   on_wake=self._on_wake, on_position=self._on_position)
         record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
+        share = grant.share_bytes / self._gpu(grant.uuids[0]).memory_total
+        record.gpus = share if grant.share_bytes else len(grant.uuids)
         self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),
                    share_bytes=grant.share_bytes)
         return grant
@@ -314,15 +316,15 @@ class JobFlow:
 
 
 def need_of(context: ServerContext, record: JobRecord) -> Need:
-    """What a job waits for: its GPUs or its share, among its server's GPUs."""
+    """What a job waits for: its GPUs or its share, among its server's GPUs, and for how long at most."""
     return Need(record.ngpus, tuple(gpu.uuid for gpu in context.gpus), record.share_bytes,
-                {gpu.uuid: gpu.memory_total for gpu in context.gpus})
+                {gpu.uuid: gpu.memory_total for gpu in context.gpus}, record.request.get("timeout"))
 
 
 def queue_info(context: ServerContext, record: JobRecord, request: JobRequest) -> dict[str, Any]:
-    """What the queue and the GPUs' holders show of a job."""
+    """What the queue and the GPUs' holders show of a job; `account`, the user its GPU time counts against."""
     return {"job_id": record.job_id, "client": record.client, "server": context.name,
-            "server_id": context.server_id, "user": request.owner.label}
+            "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user}
 
 
 def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str) -> None:

@@ -31,6 +31,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import Place
+from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security.auth import Identity
 from rpycdl.server import child, jobdirs, orphans, request, runner
@@ -103,7 +104,8 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                        "port": context.port, "framework_version": context.framework_version,
                        "limits": context.limits.to_dict(), "shares": {"unit": context.shares.unit,
                                                                       "allowance": context.shares.allowance},
-                       "artifact_store": context.artifact_store, "artifact_endpoint": context.artifact_endpoint},
+                       "artifact_store": context.artifact_store, "artifact_endpoint": context.artifact_endpoint,
+                       "scheduling": context.scheduling.to_dict()},
             "request": {"ngpus": checked.gpu_request.ngpus, "share_bytes": checked.gpu_request.share_bytes,
                         "user": checked.owner.user, "verified": checked.owner.verified, "client": checked.client,
                         "timeout": checked.timeout, "queue_timeout": checked.queue_timeout, "name": checked.name,
@@ -167,7 +169,8 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          port=server["port"], framework_version=server["framework_version"],
                          limits=Limits(**server["limits"]), shares=ShareRules(**server["shares"]),
                          artifact_store=server.get("artifact_store", ""),
-                         artifact_endpoint=server.get("artifact_endpoint"))
+                         artifact_endpoint=server.get("artifact_endpoint"),
+                         scheduling=Scheduling.from_dict(server["scheduling"]))
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:
@@ -201,6 +204,7 @@ def supervise(state_dir: str, job_id: str, place: Place, go_fd: int) -> int:
     try:
         spec = JobFiles(state_dir).spec(job_id)
         context = _context(spec, state_dir)
+        context.locks.claim_scheduling()  # a server started with another policy is refused while this one waits
         record = context.ledger.get(job_id)
         assert record is not None, "the ledger lost a row it had when GO was sent"
     except (OSError, ValueError, KeyError, TypeError, AssertionError, RpycdlError) as exc:

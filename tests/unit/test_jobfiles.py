@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpycdl import defaults
+from rpycdl.gpu import sampler
 from rpycdl.scheduler.jobfiles import TAIL_CHUNK, JobFiles, LogWriter
 from rpycdl.server import supervisor
 
@@ -54,5 +55,6 @@ def test_the_tail_is_the_last_lines(tmp_path_factory, pieces, lines, big):
     assert tail == expected
 
 
-def test_the_sweep_finds_supervisors_by_this_modules_name():
+def test_the_sweep_finds_supervisors_and_samplers_by_their_modules_names():
     assert defaults.SUPERVISOR_MODULE == supervisor.__name__
+    assert defaults.SAMPLER_MODULE == sampler.__name__
