@@ -143,10 +143,10 @@ def hand_off(port: int, n: int) -> list[float]:
     return gaps
 
 
-def _makespan_client(port: int, jobs: list[int], out: multiprocessing.Queue) -> None:
+def _makespan_client(port: int, jobs: list[int], out: multiprocessing.Queue, timeout: float | None) -> None:
     with rpycdl.connect(host="127.0.0.1", port=port) as conn:
         for ngpus in jobs:
-            conn.root.run_code(_sleep_job, 0.05, ngpus=ngpus)
+            conn.root.run_code(_sleep_job, JOB_SECONDS, ngpus=ngpus, timeout=timeout)
     out.put(len(jobs))
 
 
@@ -168,17 +168,23 @@ def fcfs_schedule(jobs: list[int], seconds: float, gpus: int = 4) -> float:
     return max(free_at)
 
 
-def makespan(port: int, total: int, clients: int) -> tuple[float, float, float]:
+JOB_SECONDS = 0.05
+PATTERN = [1, 1, 2, 1, 4, 1, 2, 1]
+"""The makespan workload: jobs of JOB_SECONDS asking for these GPU counts in turn."""
+
+
+def makespan(port: int, total: int, clients: int, timeout: float | None = None) -> tuple[float, float, float]:
     """(measured, ideal, FCFS ideal) seconds for `total` 50 ms jobs of mixed ngpus from `clients`
-    processes on 4 GPUs. Ideal packs GPU-seconds perfectly; FCFS ideal keeps arrival order."""
-    pattern = [1, 1, 2, 1, 4, 1, 2, 1]
-    jobs = [pattern[i % len(pattern)] for i in range(total)]
-    ideal = sum(0.05 * n for n in jobs) / 4
+    processes on 4 GPUs, each declaring `timeout`. Ideal packs GPU-seconds perfectly; FCFS ideal keeps
+    arrival order."""
+    jobs = [PATTERN[i % len(PATTERN)] for i in range(total)]
+    ideal = sum(JOB_SECONDS * n for n in jobs) / 4
     arrival = [jobs[c + clients * k] for k in range(total // clients + 1) for c in range(clients)
                if c + clients * k < total]  # every client's k-th job before anyone's (k+1)-th
     ctx = multiprocessing.get_context("fork")  # children keep __main__, so dill sends the job by value
     out = ctx.Queue()
-    procs = [ctx.Process(target=_makespan_client, args=(port, jobs[i::clients], out)) for i in range(clients)]
+    procs = [ctx.Process(target=_makespan_client, args=(port, jobs[i::clients], out, timeout))
+             for i in range(clients)]
     start = time.perf_counter()
     for proc in procs:
         proc.start()
@@ -187,7 +193,7 @@ def makespan(port: int, total: int, clients: int) -> tuple[float, float, float]:
     for proc in procs:
         proc.join()
     assert done == total
-    return elapsed, ideal, fcfs_schedule(arrival, 0.05)
+    return elapsed, ideal, fcfs_schedule(arrival, JOB_SECONDS)
 
 
 def status_under_load(port: int, waiting: int) -> tuple[list[float], list[float]]:
@@ -264,24 +270,32 @@ def ray_benchmarks(n: int, total: int, clients: int) -> dict[str, object] | None
         reused = ray.remote(num_gpus=1, num_cpus=0, max_calls=0)(trivial)
         timed(lambda: ray.get(reused.remote(1)), 20)  # warm up
         samples = timed(lambda: ray.get(reused.remote(1)), n)
-        sleep_task = ray.remote(num_cpus=0, max_calls=0)(_sleep_job)
-        pattern = [1, 1, 2, 1, 4, 1, 2, 1]
-        jobs = [pattern[i % len(pattern)] for i in range(total)]
-
-        def client(mine: list[int]) -> None:
-            for ngpus in mine:
-                ray.get(sleep_task.options(num_gpus=ngpus).remote(0.05))
-
-        threads = [threading.Thread(target=client, args=(jobs[i::clients],)) for i in range(clients)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
         return {"init": init, "first": first, "default": default, "round_trip": samples,
-                "makespan": time.perf_counter() - start}
+                "makespan": ray_makespan(total, clients)}
     finally:
         ray.shutdown()
+
+
+def ray_makespan(total: int, clients: int) -> float:
+    """Ray (initialised) on the makespan workload, workers reused: `clients` threads, each waiting for its
+    task before submitting the next, as rpycdl's clients do."""
+    import ray
+
+    sleep_task = ray.remote(num_cpus=0, max_calls=0)(_sleep_job)
+    jobs = [PATTERN[i % len(PATTERN)] for i in range(total)]
+
+    def client(mine: list[int]) -> None:
+        for ngpus in mine:
+            ray.get(sleep_task.options(num_gpus=ngpus).remote(JOB_SECONDS))
+
+    ray.get([sleep_task.options(num_gpus=1).remote(0) for _ in range(8)])  # workers started
+    threads = [threading.Thread(target=client, args=(jobs[i::clients],)) for i in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import rpycdl
 from rpycdl import errors
 from rpycdl.defaults import ENV_CUDA_VISIBLE, ENV_NVIDIA_VISIBLE
 from rpycdl.gpu.inventory import GPU, NvmlInventory
+from rpycdl.scheduler.load import read_load
 from rpycdl.site.local import LocalCluster, start
 
 
@@ -206,6 +207,8 @@ def run_selftest(report_path: str | None = None) -> int:
         report.check("a job allocating past its gpus=0.25 grant outside PyTorch is stopped by the watchdog",
                      lambda: _watchdog_stops(port))
         report.check("a detached PyTorch job runs to its end and its result is kept", lambda: _detached(port))
+        report.check("under --placement least-busy, a second compute-heavy share avoids the GPU the first keeps busy "
+                     "(where there is another)", lambda: _least_busy(gpus))
         monitor = cluster.add_monitor("nvml")[1]
         report.check("the monitor's /metrics shows NVML's memory and utilisation of every GPU",
                      lambda: _monitor_sees_nvml(monitor, gpus))
@@ -214,6 +217,46 @@ def run_selftest(report_path: str | None = None) -> int:
         with open(report_path, "w", encoding="utf-8") as out:
             out.write("\n".join(report.lines) + "\n")
     return 1 if report.failed else 0
+
+
+def _busy_job(seconds: float) -> dict[str, Any]:
+    """Runs on the server with a share of a GPU: keeps its SMs busy with matrix products for `seconds`."""
+    import os
+    import time
+
+    import torch
+
+    x = torch.randn(4096, 4096, device="cuda")
+    start = time.time()
+    while time.time() - start < seconds:
+        x = torch.tanh(x @ x)
+        torch.cuda.synchronize()
+    return {"granted": os.environ["RPYCDL_GPU_UUIDS"], "start": start, "end": time.time()}
+
+
+def _least_busy(gpus: list[GPU]) -> str:
+    """A server of its own lock directory with --placement least-busy: one compute-heavy share, then, once the
+    sampler has seen its GPU busy, a second one; where each was placed, and the loads the sampler saw."""
+    with tempfile.TemporaryDirectory(prefix="rpycdl-selftest-placement-") as lock_dir:
+        process = start(["serve", "--service", "pytorch", "--gpus", "nvml", "--host", "127.0.0.1", "--port", "0",
+                         "--registry", "none", "--lock-dir", lock_dir, "--placement", "least-busy"])
+        try:
+            port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
+            with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+                first = conn.root.submit(_busy_job, 20.0, gpus=0.25)
+                deadline, seen = time.monotonic() + 15, {}
+                while time.monotonic() < deadline and max(seen.values(), default=0.0) < 0.5:
+                    time.sleep(0.5)
+                    seen = read_load(lock_dir, time.time())
+                second = conn.root.submit(_busy_job, 5.0, gpus=0.25)
+                placed = [job.result(120)["granted"] for job in (second, first)][::-1]
+        finally:
+            process.stop()
+    loads = ", ".join(f"{uuid}: {busy:.2f}" for uuid, busy in sorted(seen.items()))
+    assert max(seen.values(), default=0.0) >= 0.5, f"the sampler never saw the first share's GPU busy ({loads})"
+    if len(gpus) > 1:
+        assert placed[0] != placed[1], f"both shares on {placed[0]} although the sampler saw {loads}"
+    return f"first share on {placed[0]}, second on {placed[1]} ({len(gpus)} GPU(s)); loads seen: {loads}"
 
 
 def confined(lock_dir: str, confinement: dict[str, str], job: Callable[[Any], dict[str, Any]] = _torch_job) -> str:
