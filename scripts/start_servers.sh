@@ -43,6 +43,10 @@ Options:
                         client certificates they accept (make them with `rpycdl certs`)
                         Credential files are mounted read-only under /run/rpycdl and must be
                         readable by the servers' user (uid 1000 unless --user): chown them.
+  --policy NAME, --placement NAME
+                        the servers' scheduling (see rpycdl serve --help; default: fcfs, pack)
+  --fair-share FILE     with --policy fair: the site's fair-share file (mounted read-only, as
+                        the credential files are)
   --port PORT           first server port, one more per further server (default: 18861)
   --gpus all|fake:N     every GPU of the host through the NVIDIA runtime (default: all),
                         or a simulated inventory without GPU access
@@ -79,13 +83,15 @@ ULIMITS=(--ulimit memlock=-1 --ulimit stack=67108864)
 DRY_RUN=0
 SPECS=()
 CREDENTIALS=()  # pairs: option name, host file
+SCHEDULING=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --registry) REGISTRY=$2; shift 2 ;;
         --no-registry) START_REGISTRY=0; shift ;;
         --host) HOST=$2; shift 2 ;;
         --insecure) INSECURE=1; shift ;;
-        --secret-file|--tls-cert|--tls-key|--tls-ca) CREDENTIALS+=("${1#--}" "$2"); shift 2 ;;
+        --secret-file|--tls-cert|--tls-key|--tls-ca|--fair-share) CREDENTIALS+=("${1#--}" "$2"); shift 2 ;;
+        --policy|--placement) SCHEDULING+=("$1=$2"); shift 2 ;;
         --port) PORT=$2; shift 2 ;;
         --gpus) GPUS=$2; shift 2 ;;
         --lock-dir) LOCK_DIR=$2; shift 2 ;;
@@ -110,16 +116,17 @@ fi
 [[ $LOCK_DIR == /* ]] || { echo "--lock-dir must be an absolute path" >&2; exit 2; }
 credential_options=()
 credential_args=()
-tls=0
+tls=0 auth=0
 for ((i = 0; i < ${#CREDENTIALS[@]}; i += 2)); do
     name=${CREDENTIALS[i]} file=${CREDENTIALS[i + 1]}
     [[ $file == /* && -f $file ]] || { echo "--$name must be an absolute path to a file: $file" >&2; exit 2; }
     [[ $name == tls-* ]] && tls=$((tls + 1))
+    [[ $name == tls-* || $name == secret-file ]] && auth=$((auth + 1))
     credential_options+=(-v "$file:/run/rpycdl/$name:ro")
     credential_args+=("--$name" "/run/rpycdl/$name")
 done
 [[ $tls == 0 || $tls == 3 ]] || { echo "TLS needs all three of --tls-cert, --tls-key and --tls-ca" >&2; exit 2; }
-if [[ ${#CREDENTIALS[@]} == 0 && $INSECURE == 0 && $HOST != 127.* && $HOST != localhost && $HOST != ::1 ]]; then
+if [[ $auth == 0 && $INSECURE == 0 && $HOST != 127.* && $HOST != localhost && $HOST != ::1 ]]; then
     echo "servers on $HOST need authentication: --tls-cert/--tls-key/--tls-ca or --secret-file (or --insecure)" >&2
     exit 2
 fi
@@ -210,7 +217,8 @@ port=$PORT
 for spec in "${SPECS[@]}"; do
     parse_spec "$spec"
     name="rpycdl-$service${version:+-$version}"
-    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR" "${credential_args[@]}")
+    args=(--host "$HOST" --port "$port" --registry "$REGISTRY" --lock-dir "$LOCK_DIR" "${credential_args[@]}"
+          "${SCHEDULING[@]}")
     port=$((port + 1))
     ! keep "$name" || continue
     options=(--label rpycdl.role=server --label "rpycdl.service=$service" --pid host

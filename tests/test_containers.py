@@ -263,6 +263,21 @@ def test_start_script_dry_run_prints_the_docker_commands() -> None:
     assert lines.index(monitor) > lines.index(generic) and lines[-1] == "monitor on http://127.0.0.1:18870/metrics"
 
 
+def test_start_script_dry_run_passes_the_hosts_scheduling_and_mounts_its_fair_share_file(tmp_path: Path) -> None:
+    settings = tmp_path / "fair-share.toml"
+    settings.write_text('half_life = "12h"\n')
+    out = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--gpus", "fake:4", "--policy",
+                          "fair", "--placement", "spread", "--fair-share", str(settings), "pytorch"],
+                         capture_output=True, text=True, check=True).stdout
+    server = next(line for line in out.splitlines() if "--name rpycdl-pytorch " in line)
+    for option in (f"-v {settings}:/run/rpycdl/fair-share:ro", "--fair-share /run/rpycdl/fair-share",
+                   "--policy=fair", "--placement=spread"):
+        assert option in server, option
+    refused = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--host", "10.0.0.5",
+                              "--fair-share", str(settings), "pytorch"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "need authentication" in refused.stderr  # a fair-share file is no credential
+
+
 def test_start_script_dry_run_of_the_monitor_on_gpus_another_port_or_none() -> None:
     """Real GPUs: the monitor gets NVML alone (the driver's utility capability), never counted as a CUDA user;
     --monitor-port moves it, 0 starts none; --insecure publishes it on --host."""
@@ -489,6 +504,22 @@ def test_up_twice_leaves_the_same_containers_and_replaces_stale_ones(cleaned: An
     _wait(lambda: _registered("JAX", address), "JAX to register")
     with rpycdl.connect("jax", registry_address=address) as conn:
         assert conn.root.run_code(lambda pid: __import__("os").path.exists(f"/proc/{pid}"), os.getpid())
+
+
+def test_up_starts_servers_with_the_hosts_scheduling_and_its_fair_share_file(cleaned: Any, shared_locks: str,
+                                                                             tmp_path: Path) -> None:
+    settings = tmp_path / "fair-share.toml"
+    settings.write_text('half_life = "12h"\n[weights]\nalice = 2\n')
+    settings.chmod(0o644)  # read by the servers' user
+    address = f"127.0.0.1:{_free_udp_port()}"
+    config = UpConfig(specs=["jax"], registry=address, port=0, inventory="fake:2", lock_dir=shared_locks,
+                      shm_size="64m", ulimits=[], monitor_port=0, scheduling=["--policy=fair", "--placement=spread"],
+                      fair_share=str(settings))
+    up(config, cleaned)
+    _wait(lambda: _registered("JAX", address), "JAX to register")
+    with rpycdl.connect("jax", registry_address=address) as conn:
+        scheduling = conn.root.gpu_status()["server"]["scheduling"]
+    assert scheduling == {"policy": "fair", "placement": "spread", "half_life": 43200.0, "weights": {"alice": 2.0}}
 
 
 def test_up_removes_what_it_created_when_a_start_fails(cleaned: Any, shared_locks: str) -> None:

@@ -30,7 +30,7 @@ from rpycdl.scheduler.planning import Room
 FCFS, BACKFILL, FAIR = "fcfs", "fcfs-backfill", "fair"
 POLICIES = (FCFS, BACKFILL, FAIR)
 
-PLAN_MAX = 64
+PLAN_MAX = 32
 """Requests ahead a backfill plans at most: behind more of them (that share GPUs with it), nothing backfills."""
 
 

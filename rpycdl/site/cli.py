@@ -19,6 +19,8 @@ from rpycdl.defaults import (
     USER_CERT_DAYS,
 )
 from rpycdl.errors import require_extra
+from rpycdl.scheduler.planning import PLACEMENTS
+from rpycdl.scheduler.policies import POLICIES
 
 Command = Callable[..., argparse.ArgumentParser]
 """rpycdl.cli's maker of a subcommand: command(name, help, description, **options) -> its parser."""
@@ -130,6 +132,12 @@ def _container_commands(command: Command) -> None:
     up.add_argument("--monitor-port", type=int, default=MONITOR_PORT, metavar="PORT",
                     help="host port of the monitor container, 0 to start none (default: %(default)s)")
     up.add_argument("--shm-size", default="8g", help="shared memory per server (default: %(default)s)")
+    up.add_argument("--policy", default=None, choices=POLICIES,
+                    help="the servers' scheduling policy (see rpycdl serve --help; default: fcfs)")
+    up.add_argument("--placement", default=None, choices=PLACEMENTS,
+                    help="where the servers place shares of a GPU (see rpycdl serve --help; default: pack)")
+    up.add_argument("--fair-share", default=None, metavar="PATH",
+                    help="with --policy fair: the site's fair-share file (mounted read-only)")
     up.add_argument("--no-ulimits", action="store_true",
                     help="keep the engine's ulimits instead of asking for memlock=-1, stack=64 MiB (an engine that "
                          "refuses them gets its own anyway)")
@@ -148,7 +156,10 @@ def _up(args: argparse.Namespace) -> int:
     config = UpConfig(specs=args.specs, registry=args.registry, start_registry=not args.no_registry, host=args.host,
                       insecure=args.insecure, port=args.port, inventory=args.gpus, lock_dir=args.lock_dir,
                       user=args.user, secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                      tls_ca=args.tls_ca, shm_size=args.shm_size, monitor_port=args.monitor_port)
+                      tls_ca=args.tls_ca, shm_size=args.shm_size, monitor_port=args.monitor_port,
+                      scheduling=[f"--{name}={value}" for name, value in (("policy", args.policy),
+                                                                          ("placement", args.placement)) if value],
+                      fair_share=args.fair_share)
     if args.no_ulimits:
         config.ulimits = []
     client = docker_client()

@@ -55,6 +55,8 @@ class UpConfig:
         monitor_port: host port of the monitor container (`rpycdl monitor`, from the first server's
             image), published on 127.0.0.1, or on `host` when `insecure` makes that non-loopback;
             0 starts none.
+        scheduling: `rpycdl serve` options of the host's scheduling (`--policy fair`), and fair_share a host
+            file of fair-share settings (`--fair-share`, mounted read-only under CREDENTIALS_DIR).
     """
 
     specs: list[str]
@@ -73,6 +75,8 @@ class UpConfig:
     shm_size: str = "8g"
     image_prefix: str = "rpycdl"
     monitor_port: int = MONITOR_PORT
+    scheduling: list[str] = field(default_factory=list)
+    fair_share: str | None = None
     ulimits: list[Ulimit] = field(default_factory=lambda: [
         Ulimit(name="memlock", soft=-1, hard=-1), Ulimit(name="stack", soft=67108864, hard=67108864)])
 
@@ -342,7 +346,8 @@ def _engine_words(exc: docker.errors.APIError) -> str:
 
 
 def _credentials(config: UpConfig) -> tuple[list[Mount], list[str]]:
-    """The read-only mounts and `rpycdl serve` options that give the servers their credentials."""
+    """The read-only mounts and `rpycdl serve` options that give the servers their credentials (and the
+    host's scheduling, its fair-share file mounted as they are)."""
     files = {"secret-file": config.secret_file, "tls-cert": config.tls_cert, "tls-key": config.tls_key,
              "tls-ca": config.tls_ca}
     tls = [files[name] for name in ("tls-cert", "tls-key", "tls-ca")]
@@ -351,8 +356,8 @@ def _credentials(config: UpConfig) -> tuple[list[Mount], list[str]]:
     if not any(files.values()) and not config.insecure and not is_loopback(config.host):
         raise InvalidRequestError(f"servers on {config.host} need authentication: give --tls-cert, --tls-key and "
                                   "--tls-ca, or --secret-file, or --insecure if the network is trusted")
-    mounts, args = [], []
-    for name, path in files.items():
+    mounts, args = [], list(config.scheduling)
+    for name, path in {**files, "fair-share": config.fair_share}.items():
         if path is None:
             continue
         if not os.path.isabs(path) or not os.path.isfile(path):
