@@ -79,6 +79,7 @@ def test_fair_share_serves_another_users_request_before_one_users_hundred(cluste
     status = bob.root.gpu_status()
     assert status["queue"][0]["job_id"] == late.id and status["queue"][0]["usage"] == 0
     assert status["queue"][1]["usage"] > 0  # alice's: her first job has been running
+    assert late.status().ahead == 0 and queued[0].status().ahead == 1  # in the policy's order, not the tickets'
     open_gate(gate)
     assert late.result(60) == "bob's"
     results = [job.result(120) for job in queued]

@@ -22,6 +22,8 @@ from rpycdl.gpu.inventory import Inventory
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.policies import Scheduling
+from rpycdl.scheduler.policyfiles import host_scheduling
 from rpycdl.security.auth import Identity
 from rpycdl.states import UNFINISHED
 
@@ -57,6 +59,11 @@ class HostView:
         self.files = JobFiles(state_dir)
         self.hostname = socket.gethostname()
 
+    def _snapshot(self) -> dict[str, Any]:
+        """The lock manager's snapshot, its queue in the order of the policy the host's servers use now."""
+        self.locks.scheduling = host_scheduling(self.locks.root) or Scheduling()
+        return self.locks.snapshot()
+
     def host(self) -> dict[str, Any]:
         """The host now: {"host", "now", "gpus": [...], "queue": [...], "jobs": [...], "jobs_limit"}.
 
@@ -67,7 +74,7 @@ class HostView:
         which GPUs (their indices), since when. The jobs are the ledger's default view, newest first."""
         now = time.time()
         with SNAPSHOTS:
-            snapshot = self.locks.snapshot()
+            snapshot = self._snapshot()
         records = self.ledger.query(active_or_ended_since=now - RECENT_JOBS, limit=RECENT_LIMIT)
         names = {record.job_id: record.name for record in records}
         gpus, index = [], {}
@@ -100,7 +107,7 @@ class HostView:
                    log_size=self.files.log_size(job_id) if record.detached else None)
         if record.state in UNFINISHED and not record.started:
             with SNAPSHOTS:
-                queue = self.locks.snapshot()["queue"]
+                queue = self._snapshot()["queue"]
             row["position"] = next((place for place, waiter in enumerate(queue, 1)
                                     if waiter.get("job_id") == job_id), None)
         return {"now": time.time(), "job": row}

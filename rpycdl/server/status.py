@@ -32,11 +32,11 @@ def load(ctx: ServerContext) -> tuple[int, int, int]:
 
 
 def ahead(ctx: ServerContext, job_id: str) -> int | None:
-    """How many waiting requests are before a job's in line and compete for its GPUs (None if it does
-    not wait)."""
+    """How many waiting requests are before a job's in line, in the order of the host's policy, and compete
+    for its GPUs (None if it does not wait)."""
     queue = ctx.locks.snapshot()["queue"]
-    mine = next((waiter for waiter in queue if waiter["job_id"] == job_id), None)
-    if mine is None:
+    place = next((place for place, waiter in enumerate(queue) if waiter["job_id"] == job_id), None)
+    if place is None:
         return None
-    return sum(1 for waiter in queue if waiter["ticket"] < mine["ticket"]
-               and set(waiter["candidates"]) & set(mine["candidates"]))
+    mine = set(queue[place]["candidates"])
+    return sum(1 for waiter in queue[:place] if mine & set(waiter["candidates"]))
