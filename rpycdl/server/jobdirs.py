@@ -4,7 +4,7 @@ recorded). An upload that fails keeps the outputs on the server, the ledger sayi
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import shutil
 
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
@@ -58,11 +58,14 @@ def upload(context: ServerContext, record: JobRecord) -> dict[str, object] | Non
         return ledger.artifacts(job_id)
     ledger.set_artifacts(job_id, "uploading", [])
     try:
-        uploaded = context.store.upload(record.user, job_id, output)
+        uploaded = context.store.upload(record.user, job_id, output, move=True)
     except (ArtifactStoreError, InvalidRequestError, OSError) as exc:
-        ledger.set_artifacts(job_id, "failed", [], f"{exc}; the outputs stay on the server: rpycdl artifacts "
-                                                   f"{job_id} --retry")
+        there: list[dict[str, object]] = []  # those that went up before it failed
+        with contextlib.suppress(ArtifactStoreError, InvalidRequestError):
+            there = [artifact.listed() for artifact in context.store.list(record.user, job_id)]
+        ledger.set_artifacts(job_id, "failed", there, f"{exc}; the outputs stay on the server: rpycdl artifacts "
+                                                      f"{job_id} --retry")
     else:
-        ledger.set_artifacts(job_id, "uploaded", [dataclasses.asdict(artifact) for artifact in uploaded])
+        ledger.set_artifacts(job_id, "uploaded", [artifact.listed() for artifact in uploaded])
         shutil.rmtree(output, ignore_errors=True)
     return ledger.artifacts(job_id)

@@ -1,0 +1,77 @@
+"""Files of jobs, read without following links and copied in the kernel: what the artifact store and the
+working directories' cache need of the filesystem (open_beneath, copy_range, identity)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable
+
+COPY_CHUNK = 8 * 1024**2
+"""Bytes copied at a time, and so the steps in which copy_range reports its progress."""
+
+Identity = tuple[int, int, int, int, int, int]
+"""A file as stat sees it: (device, inode, mode, size, mtime in ns, ctime in ns). Writing to a file changes
+its size or its times (ctime cannot be set from user space), so an identity unchanged says the content is
+unchanged, but within one tick of the kernel's clock, or through a shared mapping not yet synced."""
+
+
+def identity(status: os.stat_result) -> Identity:
+    """The identity of the file `status` describes."""
+    return (status.st_dev, status.st_ino, status.st_mode, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+def open_beneath(directory: str | os.PathLike[str], name: str) -> int:
+    """Open the regular file `name` (a relative POSIX path) under `directory` for reading, following no
+    symbolic link on the way (the directory itself included): each component is opened O_NOFOLLOW from
+    its open parent. The caller closes the descriptor.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        IsADirectoryError / OSError(ELOOP): it, or a directory on the way, is a symbolic link or not a
+            regular file (ELOOP: a link; EINVAL: a device, FIFO, socket or directory).
+    """
+    parts = name.split("/")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        found = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        raise OSError(errno.EINVAL, f"not a regular file: {name}")
+    return found
+
+
+def copy_range(source: int, target: int, count: int, offset: int = 0,
+               on_progress: Callable[[int], None] | None = None) -> int:
+    """Copy up to `count` bytes of the file `source` from `offset` to the file `target` at its position,
+    in the kernel (copy_file_range, else sendfile: no byte through this process's memory, and a reflink on
+    filesystems that have them), by COPY_CHUNK, telling `on_progress`. Stops early at the end of
+    `source`; returns the bytes copied."""
+    copied = 0
+    calls: list[Callable[[int], int]] = [
+        lambda size: os.copy_file_range(source, target, size, offset + copied),
+        lambda size: os.sendfile(target, source, offset + copied, size),
+    ]
+    while copied < count:
+        size = min(COPY_CHUNK, count - copied)
+        try:
+            moved = calls[0](size)
+        except OSError as exc:  # another filesystem (before Linux 5.19's checks), or none of the calls
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL) or len(calls) == 1:
+                raise
+            calls.pop(0)
+            continue
+        if not moved:
+            break
+        copied += moved
+        if on_progress is not None:
+            on_progress(moved)
+    return copied
+
