@@ -68,6 +68,13 @@ WORKING_DIR_CACHE = 10 * 1024**3
 """Bytes of working directories a state directory keeps by content hash (`--working-dir-cache`), so that
 the same directory is not sent twice; the least recently used go first."""
 
+MANIFESTS = "~/.cache/rpycdl/workdirs"
+"""Where a client remembers the working directories it sent ($RPYCDL_MANIFESTS overrides; "" for nowhere):
+each one's entries as stat saw them and its digest, so that an unchanged directory is not read again."""
+
+MANIFESTS_KEPT = 256
+"""Most working directories a client remembers; the least recently used are forgotten first."""
+
 ARTIFACT_CHUNK = 4 * 1024**2
 """Bytes of an artifact a download reads through its server per call."""
 
@@ -156,6 +163,7 @@ ENV_TLS_CERT = "RPYCDL_TLS_CERT"
 ENV_TLS_KEY = "RPYCDL_TLS_KEY"
 ENV_TLS_CA = "RPYCDL_TLS_CA"
 ENV_CONFIG = "RPYCDL_CONFIG"
+ENV_MANIFESTS = "RPYCDL_MANIFESTS"
 
 
 def lock_dir() -> str:
