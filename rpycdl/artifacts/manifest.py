@@ -1,6 +1,7 @@
 """The client's memory of the working directories it sent (manifests): a directory scanned again with
 every entry as it was (names, types, modes, sizes, and each file's device, inode, mtime and ctime) has
-the digest it had, and its files are not read again.
+the digest it had, and its files are not read again. A manifest holds for one server: the digest is the
+one that server computed of what it received, so no server can make a client name a content on another.
 
 A write to a file changes its mtime and ctime (a program can set the mtime back, not the ctime), so an
 identity unchanged says the content is unchanged, but for what the kernel's clock cannot tell apart: a
@@ -36,9 +37,10 @@ class Manifests:
         self.root = Path(where).expanduser() if where else None
         self.racy_ns = racy_ns
 
-    def known(self, scanned: Scan) -> str | None:
-        """The digest of the directory `scanned`, if it is as it was when it was last sent; else None."""
-        path = self._path(scanned)
+    def known(self, scanned: Scan, server: str) -> str | None:
+        """The digest of the directory `scanned`, if it is as it was when it was last sent to `server` (its
+        address as dialled); else None."""
+        path = self._path(scanned, server)
         try:
             stored = json.loads(path.read_text()) if path is not None else None
         except (OSError, ValueError):
@@ -50,7 +52,7 @@ class Manifests:
             return None
         settled = set(racy) - set(self.racy(scanned))
         if settled:  # now old enough for their times to tell
-            self.remember(scanned, stored["digest"], {name: racy[name] for name in set(racy) - settled})
+            self.remember(scanned, server, stored["digest"], {name: racy[name] for name in set(racy) - settled})
         else:
             with contextlib.suppress(OSError):
                 os.utime(path)  # type: ignore[arg-type]
@@ -60,10 +62,10 @@ class Manifests:
         """The files of `scanned` to remember by content as well (see the module's docstring)."""
         return scanned.changed_since(scanned.scanned_ns - self.racy_ns)
 
-    def remember(self, scanned: Scan, digest: str, racy: dict[str, str]) -> None:
-        """Remember that `scanned` was sent as the archive `digest`; `racy`: the SHA-256 of the content of
-        its racy files, as they were sent. Forgets the least recently used beyond MANIFESTS_KEPT."""
-        path = self._path(scanned)
+    def remember(self, scanned: Scan, server: str, digest: str, racy: dict[str, str]) -> None:
+        """Remember that `scanned` was sent to `server`, which named it `digest`; `racy`: the SHA-256 of the
+        content of its racy files, as they were sent. Forgets the least recently used beyond MANIFESTS_KEPT."""
+        path = self._path(scanned, server)
         if path is None:
             return
         with contextlib.suppress(OSError):
@@ -71,7 +73,8 @@ class Manifests:
             fd, aside = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             try:
                 with open(fd, "w") as out:
-                    json.dump({"directory": scanned.root, "key": scanned.key(), "digest": digest, "racy": racy}, out)
+                    json.dump({"directory": scanned.root, "server": server, "key": scanned.key(), "digest": digest,
+                               "racy": racy}, out)
                 os.replace(aside, path)
             finally:
                 with contextlib.suppress(FileNotFoundError):
@@ -80,7 +83,8 @@ class Manifests:
             for forgotten in kept[:-MANIFESTS_KEPT]:
                 forgotten.unlink(missing_ok=True)
 
-    def _path(self, scanned: Scan) -> Path | None:
+    def _path(self, scanned: Scan, server: str) -> Path | None:
         if self.root is None:
             return None
-        return self.root / f"{hashlib.sha256(os.path.realpath(scanned.root).encode()).hexdigest()[:32]}.json"
+        where = f"{os.path.realpath(scanned.root)}\0{server}".encode(errors="surrogateescape")
+        return self.root / f"{hashlib.sha256(where).hexdigest()[:32]}.json"

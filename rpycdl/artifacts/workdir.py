@@ -1,13 +1,14 @@
-"""A job's working directory as the client packs it: a tar archive, named by its SHA-256, streamed (each
-file read once, hashed as it goes); the server keeps it in a cache by that name and unpacks it for each job
+"""A job's working directory as the client packs it: a tar archive streamed to the server, each file read
+once; the server names it by its SHA-256, keeps it in a cache by that name and unpacks it for each job
 alone (rpycdl.artifacts.workdircache).
 
 The archive is deterministic (entries sorted, times, owners and extra mode bits left out), so the same
-content always has the same name and is sent once. `.rpycdlignore` at the directory's top leaves files
-out (gitignore syntax, through pathspec); `.git/` and `__pycache__/` always are. A client sends only
-directories, regular files and symlinks that stay inside; the server trusts nothing it receives: every
-member of an archive is checked before anything is written, and nothing is written outside the job's
-directory (no absolute names, no `..`, no link out or through a link, no devices, sizes bounded)."""
+content always has the same name, and a server keeps it once whoever sent it. `.rpycdlignore` at the
+directory's top leaves files out (gitignore syntax, through pathspec); `.git/` and `__pycache__/` always
+are. A client sends only directories, regular files and symlinks that stay inside; the server trusts
+nothing it receives: every member of an archive is checked before anything is written, and nothing is
+written outside the job's directory (no absolute names, no `..`, no link out or through a link, no
+devices, sizes bounded)."""
 
 from __future__ import annotations
 
@@ -96,39 +97,39 @@ class Scan:
                 found[entry.name] = own.hexdigest() if intact else None
         return found
 
-    def stream(self, sink: Callable[[memoryview], None], apart: Collection[str] = ()) -> tuple[str, dict[str, str]]:
+    def stream(self, sink: Callable[[memoryview], None], apart: Collection[str] = ()) -> dict[str, str]:
         """Write the archive to `sink` piece by piece (a piece is valid only during the call), each file read
-        once; returns its SHA-256 and that of the content of each file named in `apart` (hex).
+        once; returns the SHA-256 (hex) of the content of each file named in `apart`. Whoever keeps the
+        archive hashes it (the server, as it arrives): nothing else is hashed here.
 
         Raises:
             InvalidRequestError: a file changed or went while it was read (named); the archive was written
                 whole all the same, the rest of such a file as zeros, so that a stream stays in step.
         """
-        digest, apart_digests, changed = hashlib.sha256(), {}, []
+        apart_digests, changed = {}, []
         buffer = memoryview(bytearray(PIECE))
 
         def put(piece: memoryview, also: Any = None) -> None:
-            digest.update(piece)
             if also is not None:
                 also.update(piece)
             sink(piece)
 
         for entry in self.entries:
-            put(memoryview(entry.header))
+            sink(memoryview(entry.header))
             if entry.identity is None:
                 continue
             own = hashlib.sha256() if entry.name in apart else None
             done, intact = _read_file(entry, buffer, functools.partial(put, also=own))
             if not intact:
                 changed.append(entry.name)
-            _zeros(put, entry.size - done + -entry.size % tarfile.BLOCKSIZE)
+            _zeros(sink, entry.size - done + -entry.size % tarfile.BLOCKSIZE)
             if own is not None:
                 apart_digests[entry.name] = own.hexdigest()
-        _zeros(put, self.size - sum(len(e.header) + e.size + -e.size % tarfile.BLOCKSIZE for e in self.entries))
+        _zeros(sink, self.size - sum(len(e.header) + e.size + -e.size % tarfile.BLOCKSIZE for e in self.entries))
         if changed:
             raise InvalidRequestError(f"{changed[0]!r} in the working directory changed while it was packed"
                                       f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}: try again")
-        return digest.hexdigest(), apart_digests
+        return apart_digests
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,9 @@ def pack(directory: str | os.PathLike[str], limit: int) -> Packed:
     """Pack `directory` for a job into memory (scan(), then Scan.stream()); raises as they do."""
     scanned = scan(directory, limit)
     buffer = io.BytesIO()
-    digest, _ = scanned.stream(buffer.write)
-    return Packed(digest, buffer.getvalue(), scanned.files, scanned.content)
+    scanned.stream(buffer.write)
+    data = buffer.getvalue()
+    return Packed(hashlib.sha256(data).hexdigest(), data, scanned.files, scanned.content)
 
 
 def _read_file(entry: Entry, buffer: memoryview, put: Callable[[memoryview], None]) -> tuple[int, bool]:

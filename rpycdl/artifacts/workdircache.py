@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rpycdl.artifacts.files import copy_range
+from rpycdl.artifacts.files import copy_range, preallocate
 from rpycdl.artifacts.workdir import BAD_CHARACTERS, MAX_MEMBERS, escapes
 from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler.lockdir import shared_dir
@@ -147,11 +147,12 @@ class WorkdirCache:
 
     def put(self, digest: str, data: bytes | memoryview) -> None:
         """Keep `data` as the archive `digest` (checked); see receive()."""
-        self.receive(lambda sink: sink(memoryview(data)), digest)
+        self.receive(lambda sink: sink(memoryview(data)), len(data), digest)
 
-    def receive(self, fill: Callable[[Sink], None], digest: str | None = None) -> str:
-        """Keep the archive that `fill(sink)` hands to `sink` piece by piece, hashed and written as it comes
-        (one pass, bounded memory), then evict the least recently used beyond max_bytes. Returns its digest.
+    def receive(self, fill: Callable[[Sink], None], size: int, digest: str | None = None) -> str:
+        """Keep the archive of `size` bytes that `fill(sink)` hands to `sink` piece by piece, hashed and
+        written as it comes (one pass, bounded memory), then evict the least recently used beyond max_bytes.
+        Returns its digest.
 
         Raises:
             InvalidRequestError: `digest` was given and is not a SHA-256, or not that of the archive.
@@ -162,6 +163,8 @@ class WorkdirCache:
         temporary = self.root / f".{os.getpid()}.{secrets.token_hex(8)}.tmp"
         try:
             with open(temporary, "wb", buffering=0) as out:
+                preallocate(out.fileno(), size)
+
                 def sink(piece: memoryview) -> None:
                     hashed.update(piece)
                     out.write(piece)

@@ -206,17 +206,17 @@ class RemoteRoot:
 
     def _working_dir(self, directory: str | os.PathLike[str] | None) -> str | None:
         """Make sure the server has `directory`, packed (rpycdl.artifacts.workdir): an unchanged directory
-        this client sent before (rpycdl.artifacts.manifest) is only named, else it is streamed raw beside
-        RPyC, each file read once, and the server names it by the hash it computes. Returns that content
-        hash, which the job's request names; None for none."""
+        this client sent it before (rpycdl.artifacts.manifest) is only named, else it is streamed raw beside
+        RPyC, each file read once, and the server names it by the hash it computes as it arrives. Returns
+        that content hash, which the job's request names; None for none."""
         if directory is None:
             return None
         limits = json.loads(call(self._conn, "limits"))
         if "max_working_dir" not in limits:
             raise InvalidRequestError("this server predates working directories: upgrade it, or run without one")
         scanned = workdir.scan(directory, limits["max_working_dir"])
-        manifests = Manifests()
-        known = manifests.known(scanned)
+        manifests, server = Manifests(), "{}:{}".format(*self._connection.address)
+        known = manifests.known(scanned, server)
         if known is not None and call(self._conn, "has_working_dir", known):
             return known
         sock, sent = bulk.bulk_socket(self._conn), {}
@@ -225,17 +225,14 @@ class RemoteRoot:
         def send() -> None:  # the server's callback: the archive, raw; a file changed meanwhile is told after
             with stream.closed_on_failure(self._conn):
                 try:
-                    sent["digest"], sent["racy"] = scanned.stream(functools.partial(stream.send_view, sock), racy)
+                    sent["racy"] = scanned.stream(functools.partial(stream.send_view, sock), racy)
                 except InvalidRequestError as exc:
                     sent["error"] = exc
 
         digest = codec.decode_outcome(call(self._conn, "put_working_dir", None, scanned.size, send))
         if "error" in sent:
             raise sent["error"]
-        if digest != sent["digest"]:
-            raise InvalidRequestError(f"the working directory arrived damaged (the server's SHA-256 {digest} is not "
-                                      f"this client's {sent['digest']}): send it again")
-        manifests.remember(scanned, digest, sent["racy"])
+        manifests.remember(scanned, server, digest, sent["racy"])
         return digest
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,

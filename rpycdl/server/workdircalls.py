@@ -41,7 +41,7 @@ class WorkdirCalls:
                                  f"{most} (--max-working-dir): leave files out with {workdir.IGNORE_FILE}")
             try:
                 received = self.context.working_dirs.receive(
-                    lambda sink: bulk.pull_pieces(self._conn, send, size, sink), digest)
+                    lambda sink: bulk.pull_pieces(self._conn, send, size, sink), size, digest)
             except OSError as exc:  # the cache's disk
                 raise LimitError(f"this server could not keep the working directory: {exc.strerror or exc}") from None
             return codec.encode_ok(received)
