@@ -84,6 +84,13 @@ OUTPUT_DIR_VARIABLE = "RPYCDL_OUTPUT_DIR"
 WORKING_DIR_VARIABLE = "RPYCDL_WORKING_DIR"
 """A job's working directory, unpacked for it alone: its current directory, first on its sys.path."""
 
+SAVE_SOCKET_VARIABLE = "RPYCDL_SAVE_SOCKET"
+"""Set in a job (but a container's): the socket on which the process that owns it takes rpycdl.save_artifact's
+requests."""
+
+STORE_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+"""The store's credentials as a server may find them in its environment: taken out of every job's."""
+
 RECENT_JOBS = 24 * 3600.0
 """Seconds after its end that a job still shows in `rpycdl jobs` without --all."""
 

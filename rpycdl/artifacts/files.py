@@ -8,6 +8,9 @@ import errno
 import os
 import stat
 from collections.abc import Callable
+from typing import Any
+
+from rpycdl.errors import InvalidRequestError
 
 COPY_CHUNK = 8 * 1024**2
 """Bytes copied at a time, and so the steps in which copy_range reports its progress."""
@@ -20,6 +23,16 @@ Identity = tuple[int, int, int, int, int, int]
 """A file as stat sees it: (device, inode, mode, size, mtime in ns, ctime in ns). Writing to a file changes
 its size or its times (ctime cannot be set from user space), so an identity unchanged says the content is
 unchanged, but within one tick of the kernel's clock, or through a shared mapping not yet synced."""
+
+
+def check_name(name: Any) -> str:
+    """`name` if it can name an artifact: a relative POSIX path without empty, '.' or '..' components, NUL,
+    newlines or backslashes; else InvalidRequestError naming it."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    if any(part in ("", ".", "..") or any(c in part for c in "\0\n\r\\") for part in parts):
+        raise InvalidRequestError(f"not an artifact's name: {name!r} (a relative path without empty, '.' or '..' "
+                                  "components, NUL, newlines or backslashes)")
+    return name
 
 
 def identity(status: os.stat_result) -> Identity:

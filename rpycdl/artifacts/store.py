@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 import fsspec
 
-from rpycdl.artifacts.files import COPY_CHUNK, Identity, copy_range, identity, open_beneath
+from rpycdl.artifacts.files import COPY_CHUNK, Identity, check_name, copy_range, identity, open_beneath
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 
 MULTIPART_THRESHOLD = 64 * 1024**2
@@ -220,11 +220,7 @@ class ArtifactStore:
     def _path(self, user: str, job_id: str, name: str) -> str:
         """The path of the job's artifact `name`, once all three are checked."""
         prefix = self._job(user, job_id)
-        parts = name.split("/") if isinstance(name, str) else [""]
-        if any(part in ("", ".", "..") or any(c in part for c in "\0\n\r\\") for part in parts):
-            raise InvalidRequestError(f"not an artifact's name: {name!r} (a relative path without empty, '.' or "
-                                      "'..' components, NUL, newlines or backslashes)")
-        return f"{prefix}/{name}"
+        return f"{prefix}/{check_name(name)}"
 
     def _moved(self, fd: int, parent: int, leaf: str, path: str, name: str,
                on_progress: Callable[[int], None] | None) -> Artifact | None:
