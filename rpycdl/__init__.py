@@ -1,16 +1,18 @@
 """rpycdl: run Python functions on shared GPU servers over RPyC, first come, first served.
 
 The public API: `connect` (and the Connection it returns), `job` (a detached job's handle, found by
-id or name), job states, every exception a user can see, `output_dir` inside a job, and
-`simulate_memory` for jobs on simulated GPUs. Everything else is reached through its sub-package."""
+id or name), job states, every exception a user can see, `output_dir` and `save_artifact` inside a job,
+and `simulate_memory` for jobs on simulated GPUs. Everything else is reached through its sub-package."""
 
 from __future__ import annotations
 
 import os
 
+from rpycdl.artifacts import saving
 from rpycdl.client import Connection, Job, JobStatus, connect, job
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE
 from rpycdl.errors import (
+    ArtifactStoreError,
     AuthFailedError,
     ContainerError,
     DiscoveryError,
@@ -36,11 +38,11 @@ from rpycdl.states import JobState
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthFailedError", "Connection", "ContainerError", "DiscoveryError", "GPUMemoryExceededError",
+    "ArtifactStoreError", "AuthFailedError", "Connection", "ContainerError", "DiscoveryError", "GPUMemoryExceededError",
     "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
     "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
     "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError", "__version__", "connect", "job",
-    "output_dir", "simulate_memory",
+    "output_dir", "save_artifact", "simulate_memory",
 ]
 
 
@@ -56,3 +58,26 @@ def output_dir() -> str:
         raise RuntimeError(f"rpycdl.output_dir() is for code running as an rpycdl job (${OUTPUT_DIR_VARIABLE} "
                            "is not set)")
     return path
+
+
+def save_artifact(path: str | os.PathLike[str], name: str | None = None) -> str:
+    """Inside a job: upload the file `path` to the job's artifacts now (a checkpoint), so that it is kept
+    however the job ends. `path` is a file under the job's output directory (rpycdl.output_dir()) or its
+    working directory; it is put in the output directory under `name` (default: its path under the
+    directory that holds it; hard-linked, else copied) and the server that owns the job uploads it to
+    the artifact store with its own credentials, lists it (`job.artifacts()`), and returns once it is
+    there. Saving a name again replaces the artifact; a file saved and unchanged at the job's end is not
+    uploaded twice. Do not change the file until this returns (call it from a thread of yours to train on
+    meanwhile): a file that changes while it is read is not put in place.
+
+    Returns:
+        The artifact's name.
+
+    Raises:
+        InvalidRequestError: `path` is outside the job's own directories, not a regular file, or a symbolic
+            link is on its way (not followed); `name` is not a relative path.
+        ArtifactStoreError: the store failed, or the file changed while it was read: not saved now, but
+            it stays in the output directory, which goes up when the job ends.
+        RuntimeError: not called inside an rpycdl job, or inside a container job (not supported).
+    """
+    return saving.save_artifact(path, name)

@@ -79,6 +79,13 @@ WORKING_DIR_CACHE = 10 * 1024**3
 """Bytes of working directories a state directory keeps by content hash (`--working-dir-cache`), so that
 the same directory is not sent twice; the least recently used go first."""
 
+MANIFESTS = "~/.cache/rpycdl/workdirs"
+"""Where a client remembers the working directories it sent ($RPYCDL_MANIFESTS overrides; "" for nowhere):
+each one's entries as stat saw them and its digest, so that an unchanged directory is not read again."""
+
+MANIFESTS_KEPT = 256
+"""Most working directories a client remembers; the least recently used are forgotten first."""
+
 ARTIFACT_CHUNK = 4 * 1024**2
 """Bytes of an artifact a download reads through its server per call."""
 
@@ -87,6 +94,13 @@ OUTPUT_DIR_VARIABLE = "RPYCDL_OUTPUT_DIR"
 
 WORKING_DIR_VARIABLE = "RPYCDL_WORKING_DIR"
 """A job's working directory, unpacked for it alone: its current directory, first on its sys.path."""
+
+SAVE_SOCKET_VARIABLE = "RPYCDL_SAVE_SOCKET"
+"""Set in a job (but a container's): the socket on which the process that owns it takes rpycdl.save_artifact's
+requests."""
+
+STORE_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+"""The store's credentials as a server may find them in its environment: taken out of every job's."""
 
 RECENT_JOBS = 24 * 3600.0
 """Seconds after its end that a job still shows in `rpycdl jobs` without --all."""
@@ -171,6 +185,7 @@ ENV_CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 ENV_NVIDIA_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 """CUDA's and the NVIDIA container runtime's: a server started with either set manages only the GPUs they
 leave it (rpycdl.gpu.inventory.confine), as a Kubernetes pod or a Slurm job is given them."""
+ENV_MANIFESTS = "RPYCDL_MANIFESTS"
 
 
 def lock_dir() -> str:

@@ -120,4 +120,5 @@ class ContainerError(RpycdlError):
 
 class ArtifactStoreError(RpycdlError):
     """The artifact store could not be reached or refused an operation (down, refused credentials, no
-    such bucket, not writable); the files to upload stay where they were."""
+    such bucket, not writable), or a file changed while it was uploaded (not put in place); the files to
+    upload stay where they were."""

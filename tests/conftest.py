@@ -14,8 +14,9 @@ from rpycdl.site.local import LocalCluster
 
 @pytest.fixture(autouse=True)
 def no_credentials_file(tmp_path, monkeypatch) -> None:
-    """Tests never read the credentials file of whoever runs them."""
+    """Tests never read the credentials file of whoever runs them, nor the working directories it sent."""
     monkeypatch.setenv("RPYCDL_CONFIG", str(tmp_path / "no-credentials.toml"))
+    monkeypatch.setenv("RPYCDL_MANIFESTS", str(tmp_path / "manifests"))
 
 
 @pytest.fixture(scope="session")

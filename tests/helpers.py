@@ -17,9 +17,10 @@ import rpycdl
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """This environment without the RPYCDL_ variables of whoever runs the tests (but RPYCDL_CONFIG, set
-    by the tests), with `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RPYCDL_") or k == "RPYCDL_CONFIG"}
+    """This environment without the RPYCDL_ variables of whoever runs the tests (but RPYCDL_CONFIG and
+    RPYCDL_MANIFESTS, set by the tests), with `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RPYCDL_") or k in ("RPYCDL_CONFIG", "RPYCDL_MANIFESTS")}
     return {**env, **extra}
 
 

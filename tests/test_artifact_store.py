@@ -103,17 +103,19 @@ def test_upload_list_and_read_back(store, tmp_path):
     assert store.read("alice", "job1", "empty", 0, 10) == b""
     assert snapshot(source) == before  # the outputs untouched
 
-    assert store.upload_file("alice", "job1", source / "ckpt" / "epoch 1.pt", "later/step 2.pt") == \
-        Artifact("later/step 2.pt", 3)
-    (tmp_path / "new").write_bytes(b"newer")
-    assert store.upload_file("alice", "job1", tmp_path / "new", "empty") == Artifact("empty", 5)  # replaced
+    newer = tmp_path / "newer"
+    (newer / "later").mkdir(parents=True)
+    (newer / "later" / "step 2.pt").write_bytes(b"two")
+    (newer / "empty").write_bytes(b"newer")
+    assert store.upload_file("alice", "job1", newer, "later/step 2.pt") == Artifact("later/step 2.pt", 3)
+    assert store.upload_file("alice", "job1", newer, "empty") == Artifact("empty", 5)  # replaced
     assert [(a.name, a.size) for a in store.list("alice", "job1")] == [
         ("ckpt/deep/x.bin", 1000), ("ckpt/epoch 1.pt", 3), ("empty", 5), ("later/step 2.pt", 3),
         ("model.pt", COPY_CHUNK + 5)]
     assert store.read("alice", "job1", "empty", 1, 100) == b"ewer"
 
-    store.upload_file("alice", "job10", tmp_path / "new", "other")  # a job whose id starts alike
-    assert store.list("alice", "job10") == [Artifact("other", 5)] and len(store.list("alice", "job1")) == 5
+    store.upload_file("alice", "job10", newer, "empty")  # a job whose id starts alike
+    assert store.list("alice", "job10") == [Artifact("empty", 5)] and len(store.list("alice", "job1")) == 5
     assert store.list("alice", "nothing") == [] and store.list("bob", "job1") == []
     for name in ("missing.pt", "ckpt", "ckpt/deep", "empty/x"):
         with pytest.raises(InvalidRequestError, match="no artifact"):
@@ -124,14 +126,49 @@ def test_upload_list_and_read_back(store, tmp_path):
 
 def test_only_regular_files_are_uploaded_by_name(store, tmp_path):
     source = outputs(tmp_path / "out")
-    for path in ("link", "linked dir", "fifo", "ckpt", "no such file"):
-        with pytest.raises(InvalidRequestError, match="file"):
-            store.upload_file("alice", "job1", source / path, "x")
+    for name in ("link", "linked dir", "fifo", "ckpt", "no such file", "linked dir/epoch 1.pt"):
+        with pytest.raises(InvalidRequestError, match=f"no regular file {name!r}"):
+            store.upload_file("alice", "job1", source, name)
+    with pytest.raises(InvalidRequestError, match="no regular file"):  # the directory itself a link
+        store.upload_file("alice", "job1", source / "linked dir", "epoch 1.pt")
     for path in ("linked dir", "model.pt", "no such dir"):
         with pytest.raises(InvalidRequestError, match="no directory"):
             store.upload("alice", "job1", source / path)
     assert store.list("alice", "job1") == []
     assert store.upload("alice", "job1", tmp_path / "out" / "ckpt" / "deep") == [Artifact("x.bin", 1000)]
+
+
+def test_unchanged_files_are_skipped_and_a_file_changing_is_not_put_in_place(store, tmp_path):
+    source = outputs(tmp_path / "out")
+    first = {artifact.name: artifact.source for artifact in store.upload("alice", "job1", source)}
+    assert store.upload("alice", "job1", source, skip=first) == []  # nothing changed since
+    (source / "empty").write_bytes(b"now")
+    assert store.upload("alice", "job1", source, skip=first) == [Artifact("empty", 3)]
+
+    def grow(_: int) -> None:  # the job writes on while its file goes up
+        with open(source / "model.pt", "ab") as model:
+            model.write(b"more")
+
+    with pytest.raises(ArtifactStoreError, match="model.pt changed while it was uploaded"):
+        store.upload("alice", "job1", source, on_progress=grow)
+    assert store.read("alice", "job1", "model.pt", COPY_CHUNK, 100) == (source / "model.pt").read_bytes()[
+        COPY_CHUNK:COPY_CHUNK + 5]  # the version before stays, whole
+    if store.url.startswith("file://"):
+        assert list((Path(store.url.removeprefix("file://")) / UPLOADING).iterdir()) == []
+
+
+def test_a_local_store_takes_files_by_renaming_them(store, tmp_path):
+    source = outputs(tmp_path / "out")
+    os.link(source / "ckpt" / "epoch 1.pt", tmp_path / "elsewhere")  # another name links to this one
+    content = (source / "model.pt").read_bytes()
+    progress: list[int] = []
+    uploaded = store.upload("alice", "job1", source, progress.append, move=True)
+    assert [artifact.name for artifact in uploaded] == ["ckpt/deep/x.bin", "ckpt/epoch 1.pt", "empty", "model.pt"]
+    assert read_all(store, "alice", "job1", "model.pt", 1024**2) == content and sum(progress) == COPY_CHUNK + 1008
+    local = store.url.startswith("file://")
+    assert (source / "model.pt").exists() is not local  # moved into a local store, copied to S3
+    assert (source / "ckpt" / "epoch 1.pt").read_bytes() == b"one"  # linked elsewhere: copied
+    assert (source / "link").is_symlink() and (source / "fifo").exists()  # never taken
 
 
 def test_a_local_store_lays_out_whole_files(tmp_path):
@@ -160,12 +197,13 @@ def test_a_large_file_goes_up_in_parts(endpoint, tmp_path):
 
 
 def test_a_forked_process_uses_the_store_too(store, tmp_path):
-    (tmp_path / "f").write_bytes(b"x")
-    store.upload_file("alice", "job1", tmp_path / "f", "before-fork")  # the parent's filesystem object made
+    for name in ("before-fork", "from-child"):
+        (tmp_path / name).write_bytes(b"x")
+    store.upload_file("alice", "job1", tmp_path, "before-fork")  # the parent's filesystem object made
     pid = os.fork()
     if pid == 0:  # the child: a server's connection process
         try:
-            store.upload_file("alice", "job1", tmp_path / "f", "from-child")
+            store.upload_file("alice", "job1", tmp_path, "from-child")
             os._exit(0 if len(store.list("alice", "job1")) == 2 else 1)
         finally:
             os._exit(2)
@@ -255,7 +293,7 @@ def test_hostile_names_are_refused_and_write_nothing(tmp_path, position, value):
     args = {"user": "alice", "job_id": "job", "name": "x", position: value}
     before = sorted(tmp_path.rglob("*"))
     for store in (local, s3):
-        calls = [lambda: store.upload_file(args["user"], args["job_id"], tmp_path / "out" / "f", args["name"]),  # noqa: B023
+        calls = [lambda: store.upload_file(args["user"], args["job_id"], tmp_path / "out", args["name"]),  # noqa: B023
                  lambda: store.read(args["user"], args["job_id"], args["name"], 0, 1)]  # noqa: B023
         if position != "name":
             calls += [lambda: store.upload(args["user"], args["job_id"], tmp_path / "out"),  # noqa: B023

@@ -128,3 +128,37 @@ def test_outputs_go_to_s3(server, connect, tmp_path, monkeypatch):
         assert hashlib.sha256(body["Body"].read()).digest() == hashlib.sha256(MODEL).digest()
         job.download(tmp_path / "dl", pattern="model.pt")
         assert (tmp_path / "dl" / "model.pt").read_bytes() == MODEL and not (tmp_path / "dl" / "ckpt").exists()
+
+
+def test_an_upload_that_fails_midway_lists_what_went_up(server, connect, lock_dir, tmp_path):
+    port = server("pytorch", "fake:2")
+    conn = connect(port)
+    gate = tmp_path / "gate"
+
+    def leave_two(gate: str) -> None:
+        import os
+        import time
+
+        import rpycdl
+
+        out = rpycdl.output_dir()
+        os.makedirs(os.path.join(out, "sub"))
+        for name in ("a.bin", "sub/b.bin"):
+            with open(os.path.join(out, name), "w") as file:
+                file.write(name)
+        while not os.path.exists(gate):
+            time.sleep(0.05)
+
+    job = conn.root.submit(leave_two, str(gate))
+    prefix = Path(lock_dir) / "state" / "artifacts" / job.info["user"] / job.id
+    prefix.mkdir(parents=True)
+    (prefix / "sub").write_text("a file where a directory should be")  # sub/b.bin cannot go up
+    gate.touch()
+    job.wait(30)
+    entry = uploaded(job)
+    assert entry["state"] == "failed" and {"name": "a.bin", "size": 5} in entry["files"]  # it is in the store
+    assert not (Path(lock_dir) / "state" / "jobs" / job.id / "output" / "a.bin").exists()
+    (prefix / "sub").unlink()
+    retried = job.artifacts(retry=True)
+    assert retried["state"] == "uploaded" and {"name": "sub/b.bin", "size": 9} in retried["files"]
+    assert (prefix / "a.bin").read_text() == "a.bin" and (prefix / "sub" / "b.bin").read_text() == "sub/b.bin"

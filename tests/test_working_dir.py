@@ -14,6 +14,7 @@ import pickle
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 from helpers import wait_until
 
 import rpycdl
-from rpycdl.artifacts import workdir
+from rpycdl.artifacts import workdir, workdircache
 from rpycdl.client.connection import call
 from rpycdl.wire import bulk, codec
 
@@ -87,6 +88,24 @@ def test_a_job_runs_in_its_working_directory_sent_once(server, connect, lock_dir
     assert conn.root.run_code(train, 4, working_dir=tmp_path / "project")["lr"] == 1.0  # new content: sent
 
 
+def test_the_client_remembers_a_directory_but_never_a_changed_file(server, connect, lock_dir, tmp_path, imported):
+    port = server("pytorch", "fake:2")
+    conn = connect(port)
+    project = _project(tmp_path)
+    train = imported(project)
+    assert conn.root.run_code(train, 2, working_dir=project)["lr"] == 1.0
+    assert conn.root.run_code(train, 2, working_dir=project)["lr"] == 1.0  # remembered: named, not read again
+    lr = project / "data" / "lr.txt"
+    before = lr.stat()
+    time.sleep(0.05)  # a tick of the kernel's clock later
+    lr.write_text("0.7")  # the same size, and its mtime set back as a careless tool might
+    os.utime(lr, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert conn.root.run_code(train, 2, working_dir=project)["lr"] == 1.4
+    for cached in (Path(lock_dir) / "state" / "workdirs").iterdir():
+        cached.unlink()  # the server let it go: the client remembers it, and sends it again
+    assert conn.root.run_code(train, 2, working_dir=project)["lr"] == 1.4
+
+
 def test_a_detached_job_and_the_command_line(server, connect, lock_dir, tmp_path, imported):
     port = server("pytorch", "fake:2")
     project = _project(tmp_path)
@@ -95,7 +114,8 @@ def test_a_detached_job_and_the_command_line(server, connect, lock_dir, tmp_path
     conn.root.identify("alice")
     job = conn.root.submit(imported(project), 4, working_dir=project)
     assert job.result(timeout=30)["lr"] == 2.0
-    assert not (Path(lock_dir) / "state" / "jobs" / job.id / "work").exists()  # its log and result stay
+    wait_until(lambda: not (Path(lock_dir) / "state" / "jobs" / job.id / "work").exists(), 10,
+               "its working directory to go (after its end is recorded)")  # its log and result stay
     assert (Path(lock_dir) / "state" / "jobs" / job.id / "result").exists()
 
     cli = [sys.executable, "-m", "rpycdl"]
@@ -170,5 +190,5 @@ def test_an_archive_of_too_many_entries_is_refused_before_writing(tmp_path):
     dest = tmp_path / "dest"
     dest.mkdir()
     with pytest.raises(rpycdl.InvalidRequestError, match="entries"):
-        workdir.unpack(buffer.getvalue(), dest, 2**20)
+        workdircache.unpack(buffer.getvalue(), dest, 2**20)
     assert not any(dest.iterdir())

@@ -23,19 +23,17 @@ import re
 import stat
 import tempfile
 import urllib.parse
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import fsspec
 
+from rpycdl.artifacts.files import COPY_CHUNK, Identity, check_name, copy_range, identity, open_beneath
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 
 MULTIPART_THRESHOLD = 64 * 1024**2
 """Bytes of each part of an upload to S3 (s3fs's block size): a larger file goes up in parts."""
-
-COPY_CHUNK = 8 * 1024**2
-"""Bytes copied at a time, and so the steps in which upload() reports its progress."""
 
 UPLOADING = "@uploading"
 """A local store's directory, under its root, of the files being written."""
@@ -45,10 +43,17 @@ _COMPONENT = re.compile(r"[A-Za-z0-9._-]+")
 
 @dataclass(frozen=True)
 class Artifact:
-    """One of a job's artifacts: its name under the job's prefix (a relative POSIX path), its size in bytes."""
+    """One of a job's artifacts: its name under the job's prefix (a relative POSIX path), its size in bytes;
+    for one just uploaded, the identity of the file it was read from (files.identity), to tell later
+    whether that file changed since."""
 
     name: str
     size: int
+    source: Identity | None = field(default=None, compare=False, repr=False)
+
+    def listed(self) -> dict[str, object]:
+        """As the ledger lists it: {"name", "size"}."""
+        return {"name": self.name, "size": self.size}
 
 
 class ArtifactStore:
@@ -113,10 +118,13 @@ class ArtifactStore:
                     pass
 
     def upload(self, user: str, job_id: str, source: str | os.PathLike[str],
-               on_progress: Callable[[int], None] | None = None) -> list[Artifact]:
+               on_progress: Callable[[int], None] | None = None,
+               skip: Mapping[str, Identity] | None = None, move: bool = False) -> list[Artifact]:
         """Upload every regular file under the directory `source` as the job's artifacts, named by their
-        paths under it; links and other entries are skipped, never followed. `on_progress` is told the bytes
-        of each piece sent, as they go. Returns the artifacts uploaded, by name.
+        paths under it; links and other entries are skipped, never followed, and so is a file whose identity
+        is `skip`'s for its name (uploaded before, unchanged since). With `move`, a local store on the same
+        filesystem takes a file by renaming it (no byte copied), unless another name links to it. `on_progress`
+        is told the bytes of each piece sent, as they go. Returns the artifacts uploaded, by name.
 
         Raises:
             InvalidRequestError: a bad user or job id; `source` is no directory, or holds a file whose path
@@ -130,32 +138,35 @@ class ArtifactStore:
             raise InvalidRequestError(f"no directory to upload at {os.fspath(source)}: {exc.strerror}") from None
         uploaded = []
         try:
-            for name, fd in _regular_files(top):
+            for name, fd, parent, leaf in _regular_files(top):
                 with open(fd, "rb") as reader:
-                    uploaded.append(self._upload(reader, self._path(user, job_id, name), name, on_progress))
+                    if skip is not None and skip.get(name) == identity(os.fstat(fd)):
+                        continue
+                    path = self._path(user, job_id, name)
+                    moved = self._moved(fd, parent, leaf, path, name, on_progress) if move else None
+                    uploaded.append(moved or self._upload(reader, path, name, on_progress))
         except OSError as exc:  # from walking `source`: the store's failures are ArtifactStoreError by now
             raise InvalidRequestError(f"cannot read the directory to upload {os.fspath(source)}: {exc}") from None
         finally:
             os.close(top)
         return sorted(uploaded, key=lambda artifact: artifact.name)
 
-    def upload_file(self, user: str, job_id: str, path: str | os.PathLike[str], name: str) -> Artifact:
-        """Upload the regular file `path` (not a symbolic link) as the job's artifact `name`.
+    def upload_file(self, user: str, job_id: str, source: str | os.PathLike[str], name: str) -> Artifact:
+        """Upload the regular file `name` under the directory `source` as the job's artifact `name`, following
+        no symbolic link on the way (files.open_beneath).
 
         Raises:
-            InvalidRequestError: `path` is no regular file; a bad user or job id (not one name of letters,
-                digits, '.', '_' and '-'), or name (not a relative POSIX path, or with '.', '..' or empty
-                components, NUL, newlines or backslashes).
-            ArtifactStoreError: the store failed.
+            InvalidRequestError: no regular file `name` under `source`, or a link on the way; a bad user or
+                job id (not one name of letters, digits, '.', '_' and '-'), or name (not a relative POSIX
+                path, or with '.', '..' or empty components, NUL, newlines or backslashes).
+            ArtifactStoreError: the store failed, or the file changed while it was read.
         """
         remote = self._path(user, job_id, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd = open_beneath(source, name)
         except OSError as exc:
-            raise InvalidRequestError(f"no file to upload at {os.fspath(path)}: {exc.strerror}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise InvalidRequestError(f"not a regular file, not uploaded: {os.fspath(path)}")
+            why = "a symbolic link on the way" if exc.errno == errno.ELOOP else exc.strerror
+            raise InvalidRequestError(f"no regular file {name!r} to upload in {os.fspath(source)}: {why}") from None
         with open(fd, "rb") as reader:
             return self._upload(reader, remote, name, None)
 
@@ -209,38 +220,68 @@ class ArtifactStore:
     def _path(self, user: str, job_id: str, name: str) -> str:
         """The path of the job's artifact `name`, once all three are checked."""
         prefix = self._job(user, job_id)
-        parts = name.split("/") if isinstance(name, str) else [""]
-        if any(part in ("", ".", "..") or any(c in part for c in "\0\n\r\\") for part in parts):
-            raise InvalidRequestError(f"not an artifact's name: {name!r} (a relative path without empty, '.' or "
-                                      "'..' components, NUL, newlines or backslashes)")
-        return f"{prefix}/{name}"
+        return f"{prefix}/{check_name(name)}"
+
+    def _moved(self, fd: int, parent: int, leaf: str, path: str, name: str,
+               on_progress: Callable[[int], None] | None) -> Artifact | None:
+        """Rename the open file `fd` (`leaf` in the open directory `parent`) to the local store's `path`;
+        None, and nothing moved, if the store is not local, is on another filesystem, or another name links
+        to the file. Should the name no longer be that file (swapped meanwhile), what was moved is removed."""
+        status = os.fstat(fd)
+        if self._bucket is not None or status.st_nlink != 1:
+            return None
+        with self._failures(f"upload {name} to"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.replace(leaf, path, src_dir_fd=parent)
+            except OSError as exc:
+                if exc.errno == errno.EXDEV:
+                    return None
+                raise
+            there = os.lstat(path)
+            if (there.st_dev, there.st_ino) != (status.st_dev, status.st_ino):
+                os.unlink(path)
+                return None
+        if on_progress is not None:
+            on_progress(status.st_size)
+        return Artifact(name, status.st_size, identity(status))
 
     def _upload(self, reader: BinaryIO, path: str, name: str, on_progress: Callable[[int], None] | None) -> Artifact:
-        """Copy `reader` to the store's `path`, all or nothing."""
+        """Copy the open file `reader` to the store's `path`, all or nothing: nor is it put in place if the
+        file changed meanwhile (its identity, files.identity, differs after the copy)."""
+        before = identity(os.fstat(reader.fileno()))
+
+        def unchanged() -> None:
+            if identity(os.fstat(reader.fileno())) != before:
+                raise ArtifactStoreError(f"{name} changed while it was uploaded: not put in place (upload it "
+                                         "again once it is written)")
+
         with self._failures(f"upload {name} to"):
             if self._bucket is not None:
                 writer = self._fs.open(path, "wb", block_size=MULTIPART_THRESHOLD)
                 try:
-                    size = _copy(reader, writer, on_progress)
+                    size = _copy(reader, writer, before[3], on_progress)
+                    unchanged()
                     writer.close()
                 except BaseException:
                     with contextlib.suppress(Exception):
                         writer.discard()  # aborts a multipart upload begun: no object appears
                     writer.closed = True  # else fsspec would finish the upload when it collects the writer
                     raise
-                return Artifact(name, size)
+                return Artifact(name, size, before)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             os.makedirs(os.path.join(self._root, UPLOADING), exist_ok=True)
             fd, partial = tempfile.mkstemp(dir=os.path.join(self._root, UPLOADING))
             try:
-                with open(fd, "wb") as writer:
-                    size = _copy(reader, writer, on_progress)
+                with open(fd, "wb") as writer:  # in the kernel: a local store copies at the disk's speed
+                    size = copy_range(reader.fileno(), writer.fileno(), before[3], on_progress=on_progress)
+                unchanged()
                 os.replace(partial, path)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(partial)
                 raise
-            return Artifact(name, size)
+            return Artifact(name, size, before)
 
     @contextlib.contextmanager
     def _failures(self, action: str) -> Iterator[None]:
@@ -279,10 +320,11 @@ def _s3_code(exc: BaseException) -> str | None:
     return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
 
-def _copy(reader: BinaryIO, writer: BinaryIO, on_progress: Callable[[int], None] | None) -> int:
-    """Copy `reader` to `writer` by COPY_CHUNK, telling `on_progress`; returns the bytes copied."""
+def _copy(reader: BinaryIO, writer: BinaryIO, count: int, on_progress: Callable[[int], None] | None) -> int:
+    """Copy up to `count` bytes of `reader` to `writer` by COPY_CHUNK, telling `on_progress`; returns the bytes
+    copied (fewer at the end of `reader`)."""
     copied = 0
-    while chunk := reader.read(COPY_CHUNK):
+    while copied < count and (chunk := reader.read(min(COPY_CHUNK, count - copied))):
         writer.write(chunk)
         copied += len(chunk)
         if on_progress is not None:
@@ -290,11 +332,11 @@ def _copy(reader: BinaryIO, writer: BinaryIO, on_progress: Callable[[int], None]
     return copied
 
 
-def _regular_files(directory: int, prefix: str = "") -> Iterator[tuple[str, int]]:
-    """(name, open descriptor) of each regular file under the open `directory`, depth first. Links and other
-    entries are skipped: each entry is opened without following a link (O_NOFOLLOW, relative to its open
-    parent) and checked once open, so one swapped for a link meanwhile is skipped too. The caller closes
-    the files' descriptors."""
+def _regular_files(directory: int, prefix: str = "") -> Iterator[tuple[str, int, int, str]]:
+    """(name, open descriptor, its open parent directory, its name in it) of each regular file under the
+    open `directory`, depth first. Links and other entries are skipped: each entry is opened without
+    following a link (O_NOFOLLOW, relative to its open parent) and checked once open, so one swapped for a
+    link meanwhile is skipped too. The caller closes the files' descriptors; a parent's is closed after."""
     with os.scandir(directory) as listing:
         names = sorted(entry.name for entry in listing
                        if entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False))
@@ -307,7 +349,7 @@ def _regular_files(directory: int, prefix: str = "") -> Iterator[tuple[str, int]
             raise
         mode = os.fstat(fd).st_mode
         if stat.S_ISREG(mode):
-            yield prefix + name, fd
+            yield prefix + name, fd, directory, name
             continue
         try:
             if stat.S_ISDIR(mode):

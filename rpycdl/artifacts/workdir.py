@@ -1,32 +1,35 @@
-"""A job's working directory: packed on the client into a tar archive, named by its SHA-256, kept by the
-server in a cache by that name, and unpacked for each job alone.
+"""A job's working directory as the client packs it: a tar archive streamed to the server, each file read
+once; the server names it by its SHA-256, keeps it in a cache by that name and unpacks it for each job
+alone (rpycdl.artifacts.workdircache).
 
 The archive is deterministic (entries sorted, times, owners and extra mode bits left out), so the same
-content always has the same name and is sent once. `.rpycdlignore` at the directory's top leaves files
-out (gitignore syntax, through pathspec); `.git/` and `__pycache__/` always are. A client sends only
-directories, regular files and symlinks that stay inside; the server trusts nothing it receives: every
-member of an archive is checked before anything is written, and nothing is written outside the job's
-directory (no absolute names, no `..`, no link out or through a link, no devices, sizes bounded)."""
+content always has the same name, and a server keeps it once whoever sent it. `.rpycdlignore` at the
+directory's top leaves files out (gitignore syntax, through pathspec); `.git/` and `__pycache__/` always
+are. A client sends only directories, regular files and symlinks that stay inside; the server trusts
+nothing it receives: every member of an archive is checked before anything is written, and nothing is
+written outside the job's directory (no absolute names, no `..`, no link out or through a link, no
+devices, sizes bounded)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
 import posixpath
-import re
-import shutil
 import stat
 import tarfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pathspec
 
+from rpycdl.artifacts.files import Identity, identity
 from rpycdl.errors import InvalidRequestError, LimitError
-from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.units import format_size
 
 IGNORE_FILE = ".rpycdlignore"
@@ -37,8 +40,96 @@ ALWAYS_IGNORED = (".git/", "__pycache__/")
 MAX_MEMBERS = 100_000
 """Most entries a working directory may have."""
 
-DIGEST = re.compile(r"[0-9a-f]{64}")
 BAD_CHARACTERS = ("\n", "\r", "\0")
+
+PIECE = 1024**2
+"""Bytes read, hashed and sent at a time: one buffer, reused, small enough to stay in the CPU's caches."""
+
+_ZEROS = memoryview(bytes(tarfile.RECORDSIZE))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a working directory's archive: its name and tar header; for a regular file, its path
+    here, its size and its identity when it was scanned (files.Identity)."""
+
+    name: str
+    header: bytes
+    path: str = ""
+    size: int = 0
+    identity: Identity | None = None
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A working directory as it will be packed (scan()): its entries in order, the archive's size in
+    bytes, its files and their bytes, and when the scan began (time.time_ns()). Nothing of the files'
+    content is read until stream()."""
+
+    root: str
+    entries: tuple[Entry, ...]
+    size: int
+    files: int
+    content: int
+    scanned_ns: int
+
+    def key(self) -> str:
+        """What stays the same while the directory does: its names, headers (types, modes, sizes, link
+        targets) and files' identities, hashed."""
+        digest = hashlib.sha256()
+        for entry in self.entries:
+            digest.update(entry.header + repr(entry.identity).encode())
+        return digest.hexdigest()
+
+    def changed_since(self, moment_ns: int) -> list[str]:
+        """The files whose content or status changed at or after `moment_ns` (by their mtime and ctime)."""
+        return [entry.name for entry in self.entries if entry.identity is not None
+                and max(entry.identity[4], entry.identity[5]) >= moment_ns]
+
+    def digests(self, names: Collection[str]) -> dict[str, str | None]:
+        """The SHA-256 (hex) of the content of each file of `names`, read again; None for one that is no longer
+        as scanned."""
+        buffer, found = memoryview(bytearray(PIECE)), {}
+        for entry in self.entries:
+            if entry.name in names and entry.identity is not None:
+                own = hashlib.sha256()
+                intact = _read_file(entry, buffer, own.update)[1]
+                found[entry.name] = own.hexdigest() if intact else None
+        return found
+
+    def stream(self, sink: Callable[[memoryview], None], apart: Collection[str] = ()) -> dict[str, str]:
+        """Write the archive to `sink` piece by piece (a piece is valid only during the call), each file read
+        once; returns the SHA-256 (hex) of the content of each file named in `apart`. Whoever keeps the
+        archive hashes it (the server, as it arrives): nothing else is hashed here.
+
+        Raises:
+            InvalidRequestError: a file changed or went while it was read (named); the archive was written
+                whole all the same, the rest of such a file as zeros, so that a stream stays in step.
+        """
+        apart_digests, changed = {}, []
+        buffer = memoryview(bytearray(PIECE))
+
+        def put(piece: memoryview, also: Any = None) -> None:
+            if also is not None:
+                also.update(piece)
+            sink(piece)
+
+        for entry in self.entries:
+            sink(memoryview(entry.header))
+            if entry.identity is None:
+                continue
+            own = hashlib.sha256() if entry.name in apart else None
+            done, intact = _read_file(entry, buffer, functools.partial(put, also=own))
+            if not intact:
+                changed.append(entry.name)
+            _zeros(sink, entry.size - done + -entry.size % tarfile.BLOCKSIZE)
+            if own is not None:
+                apart_digests[entry.name] = own.hexdigest()
+        _zeros(sink, self.size - sum(len(e.header) + e.size + -e.size % tarfile.BLOCKSIZE for e in self.entries))
+        if changed:
+            raise InvalidRequestError(f"{changed[0]!r} in the working directory changed while it was packed"
+                                      f"{f' (and {len(changed) - 1} more)' if len(changed) > 1 else ''}: try again")
+        return apart_digests
 
 
 @dataclass(frozen=True)
@@ -51,44 +142,76 @@ class Packed:
     size: int
 
 
-def archive_limit(limit: int) -> int:
-    """The largest archive of a directory whose files hold `limit` bytes at most: each entry adds its
-    header, its padding and, for a long name, an extended header."""
-    return limit + MAX_MEMBERS * 4 * tarfile.BLOCKSIZE + 2 * tarfile.RECORDSIZE
-
-
-def pack(directory: str | os.PathLike[str], limit: int) -> Packed:
-    """Pack `directory` for a job, leaving out what its IGNORE_FILE names.
+def scan(directory: str | os.PathLike[str], limit: int) -> Scan:
+    """What packing `directory` for a job will send, leaving out what its IGNORE_FILE names: every entry
+    checked and its header made, no file read.
 
     Raises:
         InvalidRequestError: not a directory, or an entry that cannot be sent (named): a symlink out of
             it, a device, FIFO or socket, a name with a newline.
         LimitError: its files hold more than `limit` bytes, or it has more than MAX_MEMBERS entries.
     """
+    started = time.time_ns()
     root = Path(directory)
     if not root.is_dir():
         raise InvalidRequestError(f"the working directory {str(directory)!r} is not a directory")
     ignored = _ignore_spec(root)
+    entries: list[Entry] = []
+    files = content = 0
+    for path, name in _walk(root, ignored):
+        info, status = _member(path, name)
+        if len(entries) >= MAX_MEMBERS or content + info.size > limit:
+            what = f"more than {MAX_MEMBERS} entries" if len(entries) >= MAX_MEMBERS else \
+                f"more than {format_size(limit)} of files"
+            raise LimitError(f"the working directory {str(directory)!r} holds {what}, over the server's limit "
+                             f"(--max-working-dir {format_size(limit)}): leave files out with {IGNORE_FILE} "
+                             "(gitignore syntax)")
+        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")  # as tarfile writes it
+        if info.isreg():
+            files, content = files + 1, content + info.size
+            entries.append(Entry(name, header, str(path), info.size, identity(status)))
+        else:
+            entries.append(Entry(name, header))
+    size = sum(len(entry.header) + entry.size + -entry.size % tarfile.BLOCKSIZE for entry in entries)
+    size += 2 * tarfile.BLOCKSIZE  # the end of the archive, then padding to a whole record
+    return Scan(str(root), tuple(entries), size + -size % tarfile.RECORDSIZE, files, content, started)
+
+
+def pack(directory: str | os.PathLike[str], limit: int) -> Packed:
+    """Pack `directory` for a job into memory (scan(), then Scan.stream()); raises as they do."""
+    scanned = scan(directory, limit)
     buffer = io.BytesIO()
-    files = size = members = 0
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
-        for path, name in _walk(root, ignored):
-            members += 1
-            info = _member(root, path, name)
-            if members > MAX_MEMBERS or size + info.size > limit:
-                what = f"more than {MAX_MEMBERS} entries" if members > MAX_MEMBERS else \
-                    f"more than {format_size(limit)} of files"
-                raise LimitError(f"the working directory {str(directory)!r} holds {what}, over the server's limit "
-                                 f"(--max-working-dir {format_size(limit)}): leave files out with {IGNORE_FILE} "
-                                 "(gitignore syntax)")
-            if info.isreg():
-                files, size = files + 1, size + info.size
-                with open(path, "rb") as content:
-                    archive.addfile(info, content)
-            else:
-                archive.addfile(info)
+    scanned.stream(buffer.write)
     data = buffer.getvalue()
-    return Packed(hashlib.sha256(data).hexdigest(), data, files, size)
+    return Packed(hashlib.sha256(data).hexdigest(), data, scanned.files, scanned.content)
+
+
+def _read_file(entry: Entry, buffer: memoryview, put: Callable[[memoryview], None]) -> tuple[int, bool]:
+    """Hand the content of the file `entry` to `put` through `buffer`, up to its scanned size; returns the
+    bytes read, and whether the file is still the one scanned (not changed, gone, or now a link)."""
+    done = 0
+    try:
+        fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return 0, False
+    try:
+        if identity(os.fstat(fd)) != entry.identity:
+            return 0, False
+        while done < entry.size:
+            got = os.readv(fd, [buffer[:min(len(buffer), entry.size - done)]])
+            if not got:
+                break
+            put(buffer[:got])
+            done += got
+        return done, done == entry.size and identity(os.fstat(fd)) == entry.identity
+    finally:
+        os.close(fd)
+
+
+def _zeros(put: Callable[[memoryview], None], count: int) -> None:
+    while count > 0:
+        put(_ZEROS[:min(count, len(_ZEROS))])
+        count -= len(_ZEROS)
 
 
 def _ignore_spec(root: Path) -> pathspec.GitIgnoreSpec:
@@ -112,8 +235,9 @@ def _walk(root: Path, ignored: pathspec.GitIgnoreSpec, relative: str = "") -> It
             yield from _walk(root, ignored, name)
 
 
-def _member(root: Path, path: Path, name: str) -> tarfile.TarInfo:
-    """The archive's entry for `path`, owner, group and time left out; InvalidRequestError if it cannot go."""
+def _member(path: Path, name: str) -> tuple[tarfile.TarInfo, os.stat_result]:
+    """The archive's entry for `path` (owner, group and time left out) and its status; InvalidRequestError if
+    it cannot go."""
     if any(character in name for character in BAD_CHARACTERS):
         raise InvalidRequestError(f"{name!r} in the working directory has a newline or NUL in its name: rename it, "
                                   f"or add it to {IGNORE_FILE}")
@@ -126,163 +250,19 @@ def _member(root: Path, path: Path, name: str) -> tarfile.TarInfo:
         info.size = status.st_size
     elif stat.S_ISLNK(status.st_mode):
         info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
-        if _escapes(name, info.linkname):
+        if escapes(name, info.linkname):
             raise InvalidRequestError(f"{name!r} in the working directory is a symlink to {info.linkname!r}, outside "
                                       f"it: copy what it points to into the directory, or add it to {IGNORE_FILE}")
     else:
         raise InvalidRequestError(f"{name!r} in the working directory is not a file, a directory or a symlink (a "
                                   f"device, FIFO or socket): add it to {IGNORE_FILE}")
-    return info
+    return info, status
 
 
-def _escapes(name: str, target: str) -> bool:
+def escapes(name: str, target: str) -> bool:
     """Whether a symlink `name` -> `target` leads out of the directory (read without following links:
     every link is checked so)."""
     if not target or posixpath.isabs(target):
         return True
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
     return resolved == ".." or resolved.startswith("../")
-
-
-def unpack(data: bytes | memoryview, dest: str | os.PathLike[str], limit: int) -> None:
-    """Unpack an untrusted archive into the empty directory `dest`, after checking every member.
-
-    Raises:
-        InvalidRequestError: a member that could write outside `dest` or is not a plain file, directory or
-            symlink within it, named; a damaged archive; files over `limit` bytes, or over MAX_MEMBERS.
-    """
-    try:
-        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
-    except tarfile.TarError as exc:
-        raise InvalidRequestError(f"the working directory's archive is damaged: {exc}") from None
-    with archive:
-        _unpack(archive, Path(dest), limit)
-
-
-def _unpack(archive: tarfile.TarFile, dest: Path, limit: int) -> None:
-    if any(dest.iterdir()):
-        raise InvalidRequestError(f"{dest} is not empty: a working directory is unpacked into an empty one")
-    members = _checked(archive, limit)
-    for member in members:  # directories and files; a link only at the end, when nothing can go through it
-        target = dest / member.name
-        if member.isdir():
-            target.mkdir(mode=0o700, parents=True, exist_ok=True)
-        elif member.isreg():
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as out, archive.extractfile(member) as content:  # type: ignore[union-attr]
-                shutil.copyfileobj(content, out, 1024**2)
-            os.chmod(target, member.mode & 0o777)
-    for member in members:
-        if member.issym():
-            (dest / member.name).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.symlink(member.linkname, dest / member.name)
-    for member in reversed(members):  # the directories' modes last: writable meanwhile, and by their owner after
-        if member.isdir():
-            os.chmod(dest / member.name, member.mode & 0o777 | 0o700)
-
-
-def _checked(archive: tarfile.TarFile, limit: int) -> list[tarfile.TarInfo]:
-    """Every member, checked before anything is written (see unpack)."""
-    members: list[tarfile.TarInfo] = []
-    names: set[str] = set()
-    total = 0
-    try:
-        for member in archive:
-            name = member.name
-            if len(members) >= MAX_MEMBERS:
-                raise InvalidRequestError(f"the working directory has more than {MAX_MEMBERS} entries")
-            if any(character in name for character in BAD_CHARACTERS) or posixpath.isabs(name) or \
-                    name in ("", ".") or posixpath.normpath(name) != name or ".." in name.split("/"):
-                raise InvalidRequestError(f"the working directory's entry {name!r} is not a plain relative name")
-            if name in names:
-                raise InvalidRequestError(f"the working directory's entry {name!r} appears twice")
-            if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE) or \
-                    member.issparse() or member.issym() and _escapes(name, member.linkname):
-                raise InvalidRequestError(f"the working directory's entry {name!r} is not a file, a directory or "
-                                          "a symlink within it")
-            total += member.size if member.isreg() else 0
-            if total > limit:
-                raise InvalidRequestError(f"the working directory's files pass {limit} bytes at {name!r}")
-            names.add(name)
-            members.append(member)
-    except tarfile.TarError as exc:
-        raise InvalidRequestError(f"the working directory's archive is damaged: {exc}") from None
-    links = {member.name for member in members if member.issym()}
-    for member in members:
-        parts = member.name.split("/")
-        through = next(("/".join(parts[:n]) for n in range(1, len(parts)) if "/".join(parts[:n]) in links), None)
-        if through is not None:
-            raise InvalidRequestError(f"the working directory's entry {member.name!r} lies through the symlink "
-                                      f"{through!r}")
-    return members
-
-
-class WorkdirCache:
-    """Archives by digest in `root` (created shared, as the state directory is), at most `max_bytes` in all:
-    adding one evicts the least recently used others (a use touches its file)."""
-
-    def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
-        self.root = Path(root)
-        self.max_bytes = max_bytes
-        shared_dir(self.root)
-
-    def _path(self, digest: str) -> Path:
-        if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
-            raise InvalidRequestError(f"not a working directory's SHA-256: {digest!r}")
-        return self.root / digest
-
-    def has(self, digest: str) -> bool:
-        """Whether the archive `digest` is here (then marked used); False for anything not a digest."""
-        try:
-            path = self._path(digest)
-            os.utime(path)
-        except (InvalidRequestError, FileNotFoundError):
-            return False
-        except PermissionError:  # another user's file: it is there all the same
-            return path.exists()
-        return True
-
-    def put(self, digest: str, data: bytes | memoryview) -> None:
-        """Keep `data` as the archive `digest` (checked), then evict the least recently used beyond max_bytes.
-
-        Raises:
-            InvalidRequestError: `digest` is not a SHA-256, or not that of `data`.
-        """
-        path = self._path(digest)
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise InvalidRequestError("the working directory arrived damaged (its SHA-256 differs): send it again")
-        temporary = self.root / f".{digest}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as out:
-            out.write(data)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)  # concurrent puts of one digest write the same bytes
-        self._evict(keep=path)
-
-    def _evict(self, keep: Path) -> None:
-        entries = []
-        for entry in self.root.iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                if DIGEST.fullmatch(entry.name):
-                    status = entry.stat()
-                    entries.append((status.st_mtime, status.st_size, entry))
-        total = sum(size for _, size, _ in entries)
-        for _, size, entry in sorted(entries):
-            if total <= self.max_bytes:
-                break
-            if entry != keep:
-                entry.unlink(missing_ok=True)
-                total -= size
-
-    def unpack(self, digest: str, dest: str | os.PathLike[str], limit: int) -> None:
-        """unpack() the archive `digest` into `dest`; KeyError if it is not here (never was, or evicted)."""
-        if not self.has(digest):
-            raise KeyError(digest)
-        try:
-            archive = tarfile.open(self._path(digest), mode="r:")
-        except FileNotFoundError:  # evicted meanwhile
-            raise KeyError(digest) from None
-        except tarfile.TarError as exc:
-            raise InvalidRequestError(f"the working directory's archive is damaged: {exc}") from None
-        with archive:
-            _unpack(archive, Path(dest), limit)

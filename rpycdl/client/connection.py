@@ -3,10 +3,10 @@ call, remote errors re-raised; detached jobs (submit); status, jobs, cancel."""
 
 from __future__ import annotations
 
+import functools
 import getpass
 import json
 import os
-import pickle
 import sys
 from collections.abc import Callable
 from typing import IO, Any
@@ -15,6 +15,7 @@ import rpyc
 from rpyc.core import consts
 
 from rpycdl.artifacts import workdir
+from rpycdl.artifacts.manifest import Manifests
 from rpycdl.client.jobs import Job
 from rpycdl.defaults import MIN_MAX_PAYLOAD
 from rpycdl.errors import InvalidRequestError, LimitError
@@ -204,19 +205,35 @@ class RemoteRoot:
                                     queue_timeout, name, digest))
 
     def _working_dir(self, directory: str | os.PathLike[str] | None) -> str | None:
-        """Pack `directory` and make sure the server has it (sent raw beside RPyC, once per content);
-        its content hash, which the job's request names. None for none."""
+        """Make sure the server has `directory`, packed (rpycdl.artifacts.workdir): an unchanged directory
+        this client sent it before (rpycdl.artifacts.manifest) is only named, else it is streamed raw beside
+        RPyC, each file read once, and the server names it by the hash it computes as it arrives. Returns
+        that content hash, which the job's request names; None for none."""
         if directory is None:
             return None
         limits = json.loads(call(self._conn, "limits"))
         if "max_working_dir" not in limits:
             raise InvalidRequestError("this server predates working directories: upgrade it, or run without one")
-        packed = workdir.pack(directory, limits["max_working_dir"])
-        if not call(self._conn, "has_working_dir", packed.digest):
-            sock = bulk.bulk_socket(self._conn)
-            codec.decode_outcome(call(self._conn, "put_working_dir", packed.digest, len(packed.data),
-                                      lambda: self._send(sock, [pickle.PickleBuffer(packed.data)])))
-        return packed.digest
+        scanned = workdir.scan(directory, limits["max_working_dir"])
+        manifests, server = Manifests(), "{}:{}".format(*self._connection.address)
+        known = manifests.known(scanned, server)
+        if known is not None and call(self._conn, "has_working_dir", known):
+            return known
+        sock, sent = bulk.bulk_socket(self._conn), {}
+        racy = manifests.racy(scanned)
+
+        def send() -> None:  # the server's callback: the archive, raw; a file changed meanwhile is told after
+            with stream.closed_on_failure(self._conn):
+                try:
+                    sent["racy"] = scanned.stream(functools.partial(stream.send_view, sock), racy)
+                except InvalidRequestError as exc:
+                    sent["error"] = exc
+
+        digest = codec.decode_outcome(call(self._conn, "put_working_dir", None, scanned.size, send))
+        if "error" in sent:
+            raise sent["error"]
+        manifests.remember(scanned, server, digest, sent["racy"])
+        return digest
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,

@@ -129,8 +129,8 @@ class Job:
         Raises:
             InvalidRequestError: the job has no uploaded artifacts (see artifacts()).
         """
-        entry = self.artifacts()
-        if entry["state"] != "uploaded":
+        entry = self.artifacts()  # those listed are in the store, whatever the state of the others
+        if not entry["files"]:
             raise InvalidRequestError(f"job {self.id} has no uploaded artifacts (artifacts {entry['state']}"
                                       f"{': ' + entry['error'] if entry['error'] else ''})")
         written = []

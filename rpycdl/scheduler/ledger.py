@@ -307,12 +307,17 @@ class Ledger:
                     db.execute("SELECT service, reason, count FROM refusals")}
 
     def set_artifacts(self, job_id: str, state: str, files: Sequence[dict[str, Any]], error: str = "") -> None:
-        """Record where the job's outputs stand: ARTIFACT_STATES[...], the files uploaded, the store's error."""
+        """Record where the job's outputs stand: ARTIFACT_STATES[...], the store's error, and `files` uploaded
+        ({"name", "size"}), added to those listed before (one of the same name replaced): the store keeps
+        every file a job uploaded, while it ran (rpycdl.save_artifact) or after."""
         if state not in ARTIFACT_STATES:
             raise ValueError(f"not an artifacts state: {state!r}")
         with self._write() as db:
+            row = db.execute("SELECT files FROM artifacts WHERE job_id = ?", (job_id,)).fetchone()
+            listed = {entry["name"]: entry for entry in json.loads(row[0])} if row else {}
+            listed.update((entry["name"], dict(entry)) for entry in files)
             db.execute("INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?)",
-                       (job_id, state, json.dumps(list(files)), error, time.time()))
+                       (job_id, state, json.dumps([listed[name] for name in sorted(listed)]), error, time.time()))
 
     def artifacts(self, job_id: str) -> dict[str, Any] | None:
         """Where the job's outputs stand (state, files, error, updated), or None: it left none."""

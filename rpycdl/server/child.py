@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from rpycdl.defaults import WORKING_DIR_VARIABLE
+from rpycdl.defaults import STORE_SECRET_VARIABLES, WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
 from rpycdl.wire import bulk, codec
@@ -97,6 +97,8 @@ def run_job(body: bytes | None, buffers: Sequence[Any], *, go_r: int, out_w: int
             os._exit(0)
         size, out_of_band = GO.unpack_from(message)
         os.environ.update(json.loads(message[GO.size:GO.size + size]))
+        for name in STORE_SECRET_VARIABLES:  # the artifact store's: the job's saves go through this process's owner
+            os.environ.pop(name, None)
         working_dir = os.environ.get(WORKING_DIR_VARIABLE)
         if working_dir:  # before the payload is loaded: its functions may come from the directory's modules
             os.chdir(working_dir)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rpycdl.artifacts.store import ArtifactStore
-from rpycdl.artifacts.workdir import WorkdirCache
+from rpycdl.artifacts.workdircache import WorkdirCache
 from rpycdl.defaults import (
     IDLE_TIMEOUT,
     KEEP,

@@ -4,9 +4,11 @@ recorded). An upload that fails keeps the outputs on the server, the ledger sayi
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import shutil
+from collections.abc import Mapping
 
+from rpycdl.artifacts.files import Identity
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.scheduler.ledger import JobRecord
@@ -41,16 +43,19 @@ def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[st
     return env
 
 
-def finish(context: ServerContext, record: JobRecord) -> None:
-    """After the job's end: its working directory removed, its outputs uploaded (upload())."""
-    upload(context, record)
+def finish(context: ServerContext, record: JobRecord, saved: Mapping[str, Identity] | None = None) -> None:
+    """After the job's end: its outputs uploaded (upload()), but what it `saved` while it ran and has not
+    changed since; then its working directory removed."""
+    upload(context, record, saved)
     context.files.remove_working_dir(record.job_id)
 
 
-def upload(context: ServerContext, record: JobRecord) -> dict[str, object] | None:
-    """Upload what the job left in its output directory to the store under its user, record it in the
-    ledger, and remove the directory; if the store fails, keep the directory and record why. Returns the
-    ledger's artifacts entry (None: the job left nothing)."""
+def upload(context: ServerContext, record: JobRecord,
+           saved: Mapping[str, Identity] | None = None) -> dict[str, object] | None:
+    """Upload what the job left in its output directory to the store under its user (files `saved`
+    before and unchanged since are not sent again), record it in the ledger, and remove the directory; if
+    the store fails, keep the directory and record why. Returns the ledger's artifacts entry (None: the
+    job left nothing)."""
     job_id, ledger = record.job_id, context.ledger
     output = context.files.output_dir(job_id)
     if not output.is_dir() or not any(output.iterdir()):
@@ -58,11 +63,14 @@ def upload(context: ServerContext, record: JobRecord) -> dict[str, object] | Non
         return ledger.artifacts(job_id)
     ledger.set_artifacts(job_id, "uploading", [])
     try:
-        uploaded = context.store.upload(record.user, job_id, output)
+        uploaded = context.store.upload(record.user, job_id, output, skip=saved, move=True)
     except (ArtifactStoreError, InvalidRequestError, OSError) as exc:
-        ledger.set_artifacts(job_id, "failed", [], f"{exc}; the outputs stay on the server: rpycdl artifacts "
-                                                   f"{job_id} --retry")
+        there: list[dict[str, object]] = []  # those that went up before it failed
+        with contextlib.suppress(ArtifactStoreError, InvalidRequestError):
+            there = [artifact.listed() for artifact in context.store.list(record.user, job_id)]
+        ledger.set_artifacts(job_id, "failed", there, f"{exc}; the outputs stay on the server: rpycdl artifacts "
+                                                      f"{job_id} --retry")
     else:
-        ledger.set_artifacts(job_id, "uploaded", [dataclasses.asdict(artifact) for artifact in uploaded])
+        ledger.set_artifacts(job_id, "uploaded", [artifact.listed() for artifact in uploaded])
         shutil.rmtree(output, ignore_errors=True)
     return ledger.artifacts(job_id)

@@ -24,6 +24,7 @@ from rpycdl.defaults import (
     RESULT_DECODE_TIMEOUT,
     RESULT_MEMORY_FACTOR,
     RESULT_MEMORY_MIN,
+    SAVE_SOCKET_VARIABLE,
 )
 from rpycdl.errors import (
     ContainerError,
@@ -40,7 +41,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.locks import Need, Place
-from rpycdl.server import child, commands, jobdirs, runner
+from rpycdl.server import child, commands, jobdirs, runner, saves
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest
 from rpycdl.states import JobState
@@ -97,7 +98,8 @@ class JobFlow:
         self.grant: Grant | None = None
         self.result: runner.Result | None = None
         self._check: runner.LoadCheck | None = None
-        self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare)
+        self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare), its saves' socket (saves)
+        self._saver: saves.Saver | None = None
         self._waiting_since: float | None = None
 
     @staticmethod
@@ -246,9 +248,16 @@ class JobFlow:
         limits = self.context.limits
         max_result = (limits.max_result, "--max-result") if self.request.detached else (limits.max_payload,
                                                                                         "--max-payload")
+        saver = self._saver = saves.Saver(self.context, self.record, job.pid)  # after the last fork for the job
+        self._env[SAVE_SOCKET_VARIABLE] = saver.variable
+
+        def watched() -> None:
+            self.link.serve_client()
+            saver.take()
+
         return job.run(self._environment(), output.stdout, output.stderr,
                        on_start=lambda _: self.context.ledger.save(self.record), timeout=self.request.timeout,
-                       watch_fds=self.link.socket_fds(), on_watch=self.link.serve_client, stop=self._stopper(),
+                       watch_fds=[*self.link.socket_fds(), saver.fileno()], on_watch=watched, stop=self._stopper(),
                        on_buffers=send_result if receive is not None else None, max_result=max_result)
 
     def _run_container(self) -> runner.Result:
@@ -295,7 +304,8 @@ class JobFlow:
         else:
             self._judge(result.outcome)
         self.context.ledger.save(record)
-        jobdirs.finish(self.context, record)  # the GPUs are back, the end recorded: then the outputs go up
+        saved = self._saver.close() if self._saver is not None else {}  # an upload under way ends first
+        jobdirs.finish(self.context, record, saved)  # the GPUs are back, the end recorded: then the outputs go up
         self._on_end()
 
     def _judge(self, outcome: bytes) -> None:

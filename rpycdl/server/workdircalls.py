@@ -8,7 +8,7 @@ from typing import Any
 
 import rpyc
 
-from rpycdl.artifacts import workdir
+from rpycdl.artifacts import workdir, workdircache
 from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import refused
@@ -28,19 +28,22 @@ class WorkdirCalls:
         return isinstance(digest, str) and self.context.working_dirs.has(digest)
 
     def exposed_put_working_dir(self, digest: Any, size: Any, send: Callable[[], None]) -> bytes:
-        """Receive a working directory's archive (rpycdl.artifacts.workdir.pack) of `size` bytes, which
-        the client's `send()` writes raw on the connection (bulk.pull), and cache it under its content
-        hash `digest` (checked). Returns outcome bytes: None, or the error (over --max-working-dir,
-        damaged on the way)."""
+        """Receive a working directory's archive (rpycdl.artifacts.workdir) of `size` bytes, which the
+        client's `send()` writes raw on the connection (bulk.pull_pieces), and cache it under its content
+        hash, computed as it comes (checked against `digest` if one is given). Returns outcome bytes: the
+        digest, or the error (over --max-working-dir, damaged on the way, no room on the server)."""
         try:
-            most = workdir.archive_limit(self.context.limits.max_working_dir)
+            most = workdircache.archive_limit(self.context.limits.max_working_dir)
             if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
                 raise InvalidRequestError(f"a working directory's size must be a number of bytes, not {size!r}")
             if size > most:
                 raise LimitError(f"the working directory's archive is {size} bytes, over this server's limit of "
                                  f"{most} (--max-working-dir): leave files out with {workdir.IGNORE_FILE}")
-            [archive] = bulk.pull(self._conn, send, ((size, True),))  # bytes, read straight into
-            self.context.working_dirs.put(digest, archive)
-            return codec.encode_ok(None)
+            try:
+                received = self.context.working_dirs.receive(
+                    lambda sink: bulk.pull_pieces(self._conn, send, size, sink), size, digest)
+            except OSError as exc:  # the cache's disk
+                raise LimitError(f"this server could not keep the working directory: {exc.strerror or exc}") from None
+            return codec.encode_ok(received)
         except RpycdlError as exc:
             return codec.encode_error(refused(self.context, exc), tb="")

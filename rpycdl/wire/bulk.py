@@ -25,6 +25,9 @@ import rpyc
 from rpycdl.wire.codec import layout_bytes
 from rpycdl.wire.stream import CHUNK, closed_on_failure, receive_view, send_view
 
+PIECE = 1024**2
+"""Bytes received at a time by pull_pieces: one buffer, reused, small enough to stay in the CPU's caches."""
+
 MADV_POPULATE_WRITE = 23
 """madvise(2) advice (Linux 5.14): fault pages in writable, without writing to them."""
 
@@ -110,6 +113,30 @@ def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple
         buffers = receive_buffers(bulk_socket(conn), layout)
     reply.wait()
     return buffers
+
+
+def pull_pieces(conn: rpyc.Connection, send: Callable[[], None], size: int, sink: Callable[[memoryview], None],
+                piece: int = PIECE) -> None:
+    """Read `size` bytes from the peer as pull() does, handing them to `sink` piece by piece through one
+    buffer (a piece is valid only during the call): memory bounded whatever the size. Should `sink`
+    raise, the rest is read all the same (the stream stays in step), then its exception raised."""
+    reply = rpyc.async_(send)()
+    failure: Exception | None = None
+    buffer = memoryview(bytearray(min(size, piece)))
+    with closed_on_failure(conn):
+        sock, done = bulk_socket(conn), 0
+        while done < size:
+            view = buffer[:min(len(buffer), size - done)]
+            receive_view(sock, view)
+            done += len(view)
+            if failure is None:
+                try:
+                    sink(view)
+                except Exception as exc:  # noqa: BLE001 - raised once the stream is through
+                    failure = exc
+    reply.wait()
+    if failure is not None:
+        raise failure
 
 
 def push(conn: rpyc.Connection, receive: Callable[[Any], None], layout: Sequence[tuple[int, bool]], fd: int) -> int:

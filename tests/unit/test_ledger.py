@@ -534,6 +534,12 @@ def test_artifacts_are_recorded_apart_and_go_with_their_job(ledger):
     entry = ledger.artifacts(done.job_id)
     assert entry is not None and entry["state"] == "uploaded" and entry["error"] == ""
     assert entry["files"] == [{"name": "model.pt", "size": 3}]
+    ledger.set_artifacts(done.job_id, "uploading", [])  # a later upload keeps what is listed
+    ledger.set_artifacts(done.job_id, "failed", [{"name": "ckpt.pt", "size": 5}, {"name": "model.pt", "size": 4}],
+                         "the store is down")
+    entry = ledger.artifacts(done.job_id)
+    assert entry["state"] == "failed" and entry["error"] == "the store is down"
+    assert entry["files"] == [{"name": "ckpt.pt", "size": 5}, {"name": "model.pt", "size": 4}]  # replaced by name
     assert ledger.get(done.job_id) == done  # the finished row is as it was
     with pytest.raises(ValueError, match="artifacts state"):
         ledger.set_artifacts(done.job_id, "lost", [])

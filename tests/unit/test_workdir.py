@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rpycdl.artifacts import workdir
+from rpycdl.artifacts import workdir, workdircache
 from rpycdl.errors import InvalidRequestError, LimitError
 
 MiB = 1024**2
@@ -52,7 +52,7 @@ def test_round_trip_keeps_content_modes_and_inside_links(tmp_path):
     assert packed.files == 4 and packed.size == 2560 + len("#!/bin/sh\n") + 2
     dest = tmp_path / "dest"
     dest.mkdir()
-    workdir.unpack(packed.data, dest, 10 * MiB)
+    workdircache.unpack(packed.data, dest, 10 * MiB)
     assert tree(dest) == tree(source)
 
 
@@ -63,6 +63,40 @@ def test_the_same_content_has_the_same_digest(tmp_path):
     assert workdir.pack(copy, MiB).digest == first.digest == hashlib.sha256(first.data).hexdigest()
     (copy / "run.sh").write_text("#!/bin/sh \n")
     assert workdir.pack(copy, MiB).digest != first.digest
+
+
+def test_the_archive_is_what_tarfile_writes(tmp_path):
+    """The stream is made by hand (headers, then each file read once): byte for byte tarfile's archive, so
+    the same content keeps its digest whichever rpycdl packed it."""
+    source = project(tmp_path / "src")
+    (source / ("long " * 30)).write_bytes(os.urandom(workdir.PIECE + 1))  # a PAX header, more than one piece
+    expected = io.BytesIO()
+    with tarfile.open(fileobj=expected, mode="w", format=tarfile.PAX_FORMAT) as out:
+        for path in sorted(source.rglob("*"), key=lambda p: p.relative_to(source).parts):
+            info = out.gettarinfo(path, path.relative_to(source).as_posix())
+            info.mtime = info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mode &= 0o777
+            with open(path, "rb") if info.isreg() else io.BytesIO() as content:
+                out.addfile(info, content)
+    scanned = workdir.scan(source, 10 * MiB)
+    pieces: list[bytes] = []
+    apart = scanned.stream(lambda piece: pieces.append(bytes(piece)), apart={"run.sh"})
+    assert b"".join(pieces) == expected.getvalue() and scanned.size == len(expected.getvalue())
+    assert workdir.pack(source, 10 * MiB).digest == hashlib.sha256(expected.getvalue()).hexdigest()
+    assert apart == {"run.sh": hashlib.sha256(b"#!/bin/sh\n").hexdigest()}
+
+
+def test_a_file_changed_while_packed_is_named_and_the_stream_stays_whole(tmp_path):
+    source = project(tmp_path / "src")
+    scanned = workdir.scan(source, MiB)
+    (source / "run.sh").write_text("#!/bin/bash, longer now\n")
+    (source / "pkg" / "sub" / "data.bin").unlink()
+    sent = bytearray()
+    with pytest.raises(InvalidRequestError, match=r"'pkg/sub/data.bin' in the working directory changed while it "
+                                                  r"was packed \(and 1 more\)"):
+        scanned.stream(sent.extend)
+    assert len(sent) == scanned.size
 
 
 def test_rpycdlignore_works_as_gitignore(tmp_path):
@@ -80,7 +114,7 @@ def test_rpycdlignore_works_as_gitignore(tmp_path):
         workdir.pack(source / "pkg", 100)
     dest = tmp_path / "dest"
     dest.mkdir()
-    workdir.unpack(workdir.pack(source, 2 * MiB).data, dest, 2 * MiB)
+    workdircache.unpack(workdir.pack(source, 2 * MiB).data, dest, 2 * MiB)
     names = set(tree(dest))
     assert "data/keep.csv" in names and "data/big.csv" not in names and "model.ckpt" not in names
     assert not {name for name in names if name.startswith(".git") or "__pycache__" in name}
@@ -139,7 +173,7 @@ def test_hostile_archives_write_nothing(tmp_path, members, named):
     dest.mkdir()
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(InvalidRequestError, match=re.escape(named)):
-        workdir.unpack(archive(*members), dest, 1000)
+        workdircache.unpack(archive(*members), dest, 1000)
     assert sorted(tmp_path.rglob("*")) == before and not any(dest.iterdir())
 
 
@@ -149,14 +183,14 @@ def test_a_declared_size_bomb_is_refused_before_writing(tmp_path):
     header = tarfile.TarInfo("huge")
     header.size = 10**12  # declared, not sent: refused on the header
     with pytest.raises(InvalidRequestError, match="huge"):
-        workdir.unpack(header.tobuf(tarfile.PAX_FORMAT) + bytes(1024), dest, 10 * MiB)
+        workdircache.unpack(header.tobuf(tarfile.PAX_FORMAT) + bytes(1024), dest, 10 * MiB)
     assert not any(dest.iterdir())
     with pytest.raises(InvalidRequestError, match="damaged"):
-        workdir.unpack(b"not a tar at all" * 64, dest, MiB)
+        workdircache.unpack(b"not a tar at all" * 64, dest, MiB)
 
 
 def test_the_cache_checks_evicts_and_unpacks(tmp_path):
-    cache = workdir.WorkdirCache(tmp_path / "cache", max_bytes=3 * 10240)
+    cache = workdircache.WorkdirCache(tmp_path / "cache", max_bytes=3 * 10240)
     packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(2)]
     (tmp_path / "p1" / "extra").write_text("1")
     packs[1] = workdir.pack(tmp_path / "p1", MiB)
@@ -178,8 +212,33 @@ def test_the_cache_checks_evicts_and_unpacks(tmp_path):
         cache.unpack(packs[0].digest, tmp_path, MiB)
 
 
+def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
+    cache = workdircache.WorkdirCache(tmp_path / "cache", 10 * MiB)
+    packed = workdir.pack(project(tmp_path / "p"), MiB)
+
+    def fill(sink):
+        for start in range(0, len(packed.data), 1000):
+            sink(memoryview(packed.data)[start:start + 1000])
+
+    assert cache.receive(fill, len(packed.data)) == packed.digest and cache.has(packed.digest)  # named by what came
+    with pytest.raises(InvalidRequestError, match="damaged"):
+        cache.receive(fill, len(packed.data), digest="0" * 64)
+
+    def cut(sink):
+        sink(memoryview(b"half an archive"))
+        raise EOFError("the client went away")
+
+    with pytest.raises(EOFError):
+        cache.receive(cut, 1000)
+    stale = cache.root / ".1.dead.tmp"  # what a receiver killed meanwhile left
+    stale.write_bytes(b"x")
+    os.utime(stale, (1, 1))
+    cache.put(packed.digest, packed.data)
+    assert [path.name for path in cache.root.iterdir()] == [packed.digest]
+
+
 def _put(root: str, data: bytes) -> None:
-    workdir.WorkdirCache(root, 10 * MiB).put(hashlib.sha256(data).hexdigest(), data)
+    workdircache.WorkdirCache(root, 10 * MiB).put(hashlib.sha256(data).hexdigest(), data)
 
 
 def test_processes_putting_one_archive_at_once_leave_it_whole(tmp_path):
@@ -213,5 +272,5 @@ def test_random_trees_round_trip(files):
                 continue  # a name that is a prefix of another: one of them wins
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content)
-        workdir.unpack(workdir.pack(source, MiB).data, dest, MiB)
+        workdircache.unpack(workdir.pack(source, MiB).data, dest, MiB)
         assert tree(dest) == tree(source)
