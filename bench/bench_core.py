@@ -143,7 +143,7 @@ def hand_off(port: int, n: int) -> list[float]:
     return gaps
 
 
-def _makespan_client(port: int, jobs: list[int], out: multiprocessing.Queue, timeout: float | None) -> None:
+def _makespan_client(port: int, jobs: list[int], timeout: float | None, out: multiprocessing.Queue) -> None:
     with rpycdl.connect(host="127.0.0.1", port=port) as conn:
         for ngpus in jobs:
             conn.root.run_code(_sleep_job, JOB_SECONDS, ngpus=ngpus, timeout=timeout)
@@ -181,10 +181,17 @@ def makespan(port: int, total: int, clients: int, timeout: float | None = None) 
     ideal = sum(JOB_SECONDS * n for n in jobs) / 4
     arrival = [jobs[c + clients * k] for k in range(total // clients + 1) for c in range(clients)
                if c + clients * k < total]  # every client's k-th job before anyone's (k+1)-th
-    ctx = multiprocessing.get_context("fork")  # children keep __main__, so dill sends the job by value
+    elapsed = timed_clients(_makespan_client, [(port, jobs[i::clients], timeout) for i in range(clients)], total)
+    return elapsed, ideal, fcfs_schedule(arrival, JOB_SECONDS)
+
+
+def timed_clients(client: Callable[..., None], args: list[tuple[object, ...]], total: int) -> float:
+    """Seconds from starting a client process per `args` (each calls client(*args, out) and puts the number
+    of jobs it ran on `out`) until all `total` jobs are done. Forked: the children keep __main__, so dill
+    sends the jobs by value."""
+    ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_makespan_client, args=(port, jobs[i::clients], out, timeout))
-             for i in range(clients)]
+    procs = [ctx.Process(target=client, args=(*each, out)) for each in args]
     start = time.perf_counter()
     for proc in procs:
         proc.start()
@@ -192,8 +199,8 @@ def makespan(port: int, total: int, clients: int, timeout: float | None = None) 
     elapsed = time.perf_counter() - start
     for proc in procs:
         proc.join()
-    assert done == total
-    return elapsed, ideal, fcfs_schedule(arrival, JOB_SECONDS)
+    assert done == total, f"{done} of {total} jobs ran"
+    return elapsed
 
 
 def status_under_load(port: int, waiting: int) -> tuple[list[float], list[float]]:

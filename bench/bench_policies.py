@@ -23,11 +23,10 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_core import JOB_SECONDS, PATTERN, ray_makespan  # noqa: E402
+from bench_core import JOB_SECONDS, PATTERN, ray_makespan, timed_clients  # noqa: E402
 
 import rpycdl  # noqa: E402
 from rpycdl.scheduler import fairshare, policies  # noqa: E402
@@ -69,18 +68,7 @@ def measured(policy: str, workload: str) -> float:
     jobs = _jobs(workload)
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
         _, port = cluster.add_server("pytorch", f"fake:{GPUS}", "--policy", policy)
-        ctx = multiprocessing.get_context("fork")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_client, args=(port, i, jobs[i::CLIENTS], out)) for i in range(CLIENTS)]
-        start = time.perf_counter()
-        for proc in procs:
-            proc.start()
-        done = sum(out.get() for _ in procs)
-        elapsed = time.perf_counter() - start
-        for proc in procs:
-            proc.join()
-    assert done == TOTAL
-    return elapsed
+        return timed_clients(_client, [(port, i, jobs[i::CLIENTS]) for i in range(CLIENTS)], TOTAL)
 
 
 def simulated(policy: str, workload: str, gap: float) -> float:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import rpycdl
 
 
@@ -28,6 +30,14 @@ def rpycdl_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 3
     """Run `python -m rpycdl ARGS` (in cli_env() unless `env` is given) to its end; its output as text."""
     return subprocess.run([sys.executable, "-m", "rpycdl", *args], capture_output=True, text=True,
                           timeout=timeout, env=env or cli_env())
+
+
+def unavailable(reason: str, ci_needs: str) -> None:
+    """Skip a test whose tool (a Docker engine, a browser, kustomize) is not here, with `reason`; under CI
+    (the variable CI set, as .ci/run does), fail it instead, saying what CI must provide."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must {ci_needs}", pytrace=False)
+    pytest.skip(reason)
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:

@@ -28,7 +28,7 @@ from typing import Any
 import docker
 import docker.errors
 import pytest
-from helpers import running, wait_until
+from helpers import running, unavailable, wait_until
 
 import rpycdl
 from rpycdl import JobState, registry
@@ -44,11 +44,7 @@ SERVICE_IMAGES = ["rpycdl-pytorch:2.4", "rpycdl-pytorch:2.5", "rpycdl-tensorflow
 READY = 30.0
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; CI must run the container tests (see .ci/docker.sh)", pytrace=False)
-    pytest.skip(reason)
-
+CI_NEEDS = "run the container tests (see .ci/docker.sh)"
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
@@ -57,10 +53,10 @@ def engine() -> Iterator[Any]:
         client = docker.from_env()
         client.ping()
     except Exception as exc:  # noqa: BLE001 - any failure means no usable engine
-        _unavailable(f"no Docker engine ({exc})")
+        unavailable(f"no Docker engine ({exc})", CI_NEEDS)
     missing = [image for image in [BASE, *SERVICE_IMAGES] if not client.images.list(name=image)]
     if missing:
-        _unavailable(f"images missing: {', '.join(missing)} (run .ci/docker.sh)")
+        unavailable(f"images missing: {', '.join(missing)} (run .ci/docker.sh)", CI_NEEDS)
     yield client
     client.close()
 
@@ -591,7 +587,7 @@ def test_start_script_falls_back_starts_again_harmlessly_and_cleans_up(cleaned: 
                                                                        tmp_path: Path) -> None:
     real = shutil.which("docker")
     if real is None:
-        _unavailable("no docker command")
+        unavailable("no docker command", CI_NEEDS)
     wrapper = tmp_path / "bin" / "docker"
     wrapper.parent.mkdir()
     wrapper.write_text(REFUSING_DOCKER.replace("REAL", real).replace("ENGINE_REFUSAL", ENGINE_REFUSAL))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import gate_job, open_gate, wait_until
+from helpers import gate_job, open_gate, unavailable, wait_until
 
 from rpycdl import JobState
 from rpycdl.defaults import LOG_CHUNK, state_dir
@@ -40,11 +40,7 @@ HOSTILE = "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>
 """Text a user controls (a command's arguments, an exception's message, a log): shown as it is, never run."""
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; CI must run the browser tests (see .ci/run)", pytrace=False)
-    pytest.skip(reason)
-
+CI_NEEDS = "run the browser tests (see .ci/run)"
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
@@ -53,10 +49,10 @@ def browser() -> Iterator[Any]:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        _unavailable("selenium is not installed (pip install -e '.[test]')")
+        unavailable("selenium is not installed (pip install -e '.[test]')", CI_NEEDS)
     missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
     if missing:
-        _unavailable(f"no {' nor '.join(missing)} (apt-get install -y chromium chromium-driver)")
+        unavailable(f"no {' nor '.join(missing)} (apt-get install -y chromium chromium-driver)", CI_NEEDS)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",

