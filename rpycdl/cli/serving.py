@@ -71,8 +71,10 @@ def add_commands(command: Command) -> None:
 
     selftest = command("selftest", "check a machine with real GPUs end to end",
                        "On a machine with NVIDIA GPUs and PyTorch: check the NVML inventory against nvidia-smi, "
-                       "that a job sees only its GPU, that jobs queue for busy GPUs, shares of a GPU and the "
-                       "memory watchdog, and print a report (scripts/gpu_selftest.sh runs it).")
+                       "a server confined by CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, that a job sees only "
+                       "its GPU, that jobs queue for busy GPUs, shares of a GPU and the memory watchdog, where "
+                       "least-busy placement puts two compute-heavy shares, detached jobs and the monitor's NVML "
+                       "figures, and print a report (scripts/gpu_selftest.sh runs it).")
     selftest.add_argument("--report", default=None, help="also write the report to this file")
 
 
