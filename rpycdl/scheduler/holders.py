@@ -62,6 +62,7 @@ class Grant:
         sequence: the grant's place in grant order (for checking first come, first served).
         share_bytes: bytes of uuids[0] for a share; 0 for whole GPUs.
         ranges: the ranges of the GPU's lock file (MiB) that the share holds.
+        gpus: how many GPUs it is, fair share's measure: len(uuids), or the share's fraction of its GPU.
     """
 
     uuids: tuple[str, ...]
@@ -69,6 +70,7 @@ class Grant:
     sequence: int
     share_bytes: int = 0
     ranges: tuple[Range, ...] = ()
+    gpus: float = 0.0
 
 
 def job_left(record: dict[str, Any]) -> list[int]:

@@ -66,8 +66,8 @@ def claim(directory: Path, name: str) -> list[str]:
     by open_once's descriptor); returns the other names of `directory` that a live process marks."""
     shared_dir(directory)
     fcntl.lockf(open_once(str(directory / name)), fcntl.LOCK_SH | fcntl.LOCK_NB)
-    return [other for other in names(directory, "", "") if other != name and not other.startswith(".")
-            and "." not in other and others(open_once(str(directory / other)), 0, 0, [])]
+    return [other for other in names(directory, "", "")  # a name with a dot is no mark: a file beside one, a temp
+            if other != name and "." not in other and others(open_once(str(directory / other)), 0, 0, [])]
 
 
 def claim_pid_namespace(root: Path) -> None:

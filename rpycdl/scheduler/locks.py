@@ -326,10 +326,10 @@ class GPULockManager:
         ranges, locked = self._holders.lock(uuids, mine["share_mib"], sizes, taken, ticket)
         if not locked:  # cannot happen under the queue lock, but never double-book
             return None, decision.ahead
-        grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges)
-        each = mine["share_mib"] / sizes[uuids[0]] if mine["share_mib"] else 1.0
-        self._holders.write(grant, {**info, "seconds": need.seconds, "gpus": each, "backfilled": decision.backfilled},
-                            now)
+        gpus = mine["share_mib"] / sizes[uuids[0]] if mine["share_mib"] else len(uuids)
+        grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges, gpus)
+        self._holders.write(grant, {**info, "seconds": need.seconds, "gpus": gpus / len(uuids),
+                                    "backfilled": decision.backfilled}, now)
         entry = self.root / "queue" / f"{ticket:016d}.json"
         entry.unlink(missing_ok=True)
         entry.with_suffix(".fifo").unlink(missing_ok=True)
@@ -386,8 +386,9 @@ class GPULockManager:
         with self._locked():
             return self._waiters()
 
-    def snapshot(self) -> dict[str, Any]:
-        """Who holds which GPU and who waits, in order: {"held": {uuid: [record]}, "queue": [entry]}.
+    def snapshot(self, plan: bool = False) -> dict[str, Any]:
+        """Who holds which GPU and who waits, in the policy's order: {"held": {uuid: [record]}, "queue": [entry]};
+        with `plan`, under backfill, the first waiters' planned starts too (policyfiles.in_order).
 
         Each GPU's holders are in grant order; `share_bytes` is a holder's share (0: the whole GPU).
         A holder that died while its job's processes still run (or before its server has cleaned
@@ -406,6 +407,6 @@ class GPULockManager:
         for holders in held.values():
             holders.sort(key=lambda holder: holder["sequence"])
         return {"held": held, "queue": policyfiles.in_order(self.root, self.scheduling, self._waiters(prune=False),
-                                                             records)}
+                                                             records, plan)}
 
 

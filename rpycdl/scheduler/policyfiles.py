@@ -83,12 +83,14 @@ def usage(root: Path, records: Records, settings: FairShare, now: float) -> dict
     return fairshare.usage(fairshare.read_snapshot(root), running, settings, now)
 
 
-def in_order(root: Path, scheduling: Scheduling, queue: list[dict[str, Any]],
-             records: Records) -> list[dict[str, Any]]:
-    """The waiting requests in the order the policy grants them: with each one's `usage` (its account's,
-    weighted) under fair share; with its `planned_start` under backfill (None: unknown), the first one's
-    being the start its place reserves."""
+def in_order(root: Path, scheduling: Scheduling, queue: list[dict[str, Any]], records: Records,
+             plan: bool = False) -> list[dict[str, Any]]:
+    """The waiting requests (in ticket order) in the order the policy grants them: with each one's `usage` (its
+    account's, weighted) under fair share; with `plan`, under backfill, the `planned_start` of each of the
+    first PLAN_MAX (None: unknown), the first one's being the start its place reserves."""
     policy, now = scheduling.policy, time.time()
+    if policy != FAIR and not (plan and policy == BACKFILL):
+        return queue  # the tickets' order, nothing to add
     used = usage(root, records, scheduling.fair_share, now) if policy == FAIR else None
     wants = {waiter["ticket"]: want(waiter["ticket"], waiter, waiter) for waiter in queue}
     ordered = policies.order(list(wants.values()), policy, used)
@@ -96,9 +98,10 @@ def in_order(root: Path, scheduling: Scheduling, queue: list[dict[str, Any]],
     if used is not None:
         for each in ordered:
             by_ticket[each.ticket]["usage"] = used.get(each.account, 0.0)
-    if policy == BACKFILL and ordered:
+    else:  # a prefix of the queue is planned exactly: those behind never take what those ahead reserve
         sizes = {uuid: size for waiter in queue for uuid, size in waiter.get("sizes_mib", {}).items()}
-        starts = policies.plan(board(records, sizes, now), now, ordered, Rules(policy, scheduling.placement))
-        for each, start in zip(ordered, starts, strict=True):
+        first = ordered[:policies.PLAN_MAX]
+        starts = policies.plan(board(records, sizes, now), now, first, Rules(policy, scheduling.placement))
+        for each, start in zip(first, starts, strict=True):
             by_ticket[each.ticket]["planned_start"] = None if start == math.inf else start
     return [by_ticket[each.ticket] for each in ordered]

@@ -162,8 +162,7 @@ class JobFlow:
                                   queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
                                   on_wake=self._on_wake, on_position=self._on_position)
         record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
-        share = grant.share_bytes / self._gpu(grant.uuids[0]).memory_total
-        record.gpus = share if grant.share_bytes else len(grant.uuids)
+        record.gpus = grant.gpus
         self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),
                    share_bytes=grant.share_bytes)
         return grant

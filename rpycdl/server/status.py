@@ -8,9 +8,10 @@ from typing import Any
 from rpycdl.server.context import ServerContext
 
 
-def _snapshot(ctx: ServerContext) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Holders by GPU UUID, and the waiting requests that compete for this server's GPUs."""
-    snapshot = ctx.locks.snapshot()
+def _snapshot(ctx: ServerContext, plan: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Holders by GPU UUID, and the waiting requests that compete for this server's GPUs (with `plan`, their
+    planned starts under backfill)."""
+    snapshot = ctx.locks.snapshot(plan)
     mine = {gpu.uuid for gpu in ctx.gpus}
     return snapshot["held"], [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
 
@@ -18,7 +19,7 @@ def _snapshot(ctx: ServerContext) -> tuple[dict[str, Any], list[dict[str, Any]]]
 def gpu_status(ctx: ServerContext) -> dict[str, Any]:
     """This server, each GPU with its holders (one whole-GPU job, or the jobs sharing it, each with its
     `share_bytes`, 0 for the whole GPU) and memory use, and the waiting queue in order."""
-    held, queue = _snapshot(ctx)
+    held, queue = _snapshot(ctx, plan=True)
     used = ctx.inventory.memory_used()
     gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holders": held.get(gpu.uuid, [])}
             for gpu in ctx.gpus]
