@@ -63,6 +63,11 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
 }
 
 
+REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor")
+"""The kinds of kill a run must have made to count (ChaosResult.tested): the killer tries those it has not made
+yet in a run's second half."""
+
+
 @dataclass(frozen=True)
 class ChaosSettings:
     """One chaos run. `server_args` go to every `rpycdl serve` (another scheduling policy, say)."""
@@ -802,6 +807,7 @@ class Killer:
     def run(self, until: float) -> None:
         kinds = [kind for kind, _ in self.settings.kills]
         weights = [weight for _, weight in self.settings.kills]
+        halfway = (time.monotonic() + until) / 2
         next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
         while time.monotonic() < until:
             time.sleep(self.rng.uniform(*self.settings.kill_every))
@@ -810,6 +816,9 @@ class Killer:
                 self._note("server", self.servers.killed[-1].process.popen.pid)
                 next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
                 continue
+            untried = [kind for kind in REQUIRED_KILLS if kind in self._actions and not self.kills[kind]]
+            if untried and time.monotonic() >= halfway:  # a short run still tries every kind it must
+                self._actions[self.rng.choice(untried)]()
             self._actions[self.rng.choices(kinds, weights)[0]]()
 
     def _fresh(self) -> list[Report]:
@@ -1201,8 +1210,7 @@ class ChaosResult:
     def tested(self) -> list[str]:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
         missing = [f"only {self.jobs} jobs ran"] if self.jobs < 50 else []
-        missing += [f"no {kind} kill" for kind in ("conn_after_grant", "conn", "job", "children_kill", "server",
-                                                   "supervisor") if not self.kills[kind]]
+        missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not self.kills[kind]]
         if len(self.submitted) < 10:
             missing.append(f"only {len(self.submitted)} detached jobs were submitted")
         if not self.observer.get("shared_at_once"):
