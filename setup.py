@@ -7,6 +7,7 @@ CLIENT = [
     "dill>=0.3.8",
     "pathspec>=0.11",  # a working directory's .rpycdlignore (gitignore syntax)
     "tqdm>=4.60",  # download progress
+    "blake3>=0.4",  # the content hash that names working directories (rpycdl.artifacts.workdir)
     "tomli>=1.1; python_version < '3.11'",
 ]
 """`pip install rpycdl`: the client (rpycdl.connect and everything it imports)."""

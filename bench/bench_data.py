@@ -14,6 +14,10 @@ Each timed call starts after os.sync(), so that it does not pay for writing back
 wrote (a disk of the development machine writes about 800 MB/s: once a few GiB wait in the page cache,
 every writer is throttled to that); --back-to-back leaves the syncs out.
 
+Everything (the directories, the server's state with its cache and the jobs' copies, the local store)
+goes under the temporary directory: TMPDIR=/mnt/xfs measures on a filesystem with reflinks, where a
+cached working directory is cloned for a job instead of copied.
+
     python bench/bench_data.py [--size 1GiB] [--samples 5] [--back-to-back]
 """
 

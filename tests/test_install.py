@@ -45,7 +45,7 @@ def test_a_script_next_to_the_clone_imports_the_installed_rpycdl(tmp_path):
     assert Path(where).resolve() == REPO / "rpycdl" / "__init__.py" and connect == "connect", ran.stdout
 
 
-CLIENT_DEPENDENCIES = ("rpyc", "plumbum", "dill", "pathspec", "tqdm", "tomli")
+CLIENT_DEPENDENCIES = ("rpyc", "plumbum", "dill", "pathspec", "tqdm", "blake3", "tomli")
 """What `pip install rpycdl` brings: the client's dependencies and theirs (packages and their metadata)."""
 
 CLIENT = """
@@ -87,7 +87,7 @@ def test_a_client_only_install_runs_jobs_without_the_server_and_site_packages(tm
     requires = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(*m.requires('rpycdl'), "
                                "sep='\\n')"], capture_output=True, text=True, timeout=60).stdout.splitlines()
     plain = sorted(re.split(r"[<>=;\s]", r)[0] for r in requires if "extra ==" not in r)
-    assert plain == ["dill", "pathspec", "rpyc", "tomli", "tqdm"], requires  # tomli only before Python 3.11
+    assert plain == ["blake3", "dill", "pathspec", "rpyc", "tomli", "tqdm"], requires  # tomli only before Python 3.11
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     port = str(server("pytorch", "fake:1"))
     ran = subprocess.run([str(python), "-c", CLIENT, port], cwd=tmp_path, capture_output=True, text=True, timeout=60,

@@ -6,11 +6,11 @@ Real registry and servers on loopback; only the GPUs are simulated."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import io
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -19,12 +19,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
-from helpers import wait_until
+from helpers import unavailable, wait_until
 
 import rpycdl
 from rpycdl.artifacts import workdir, workdircache
 from rpycdl.client.connection import call
+from rpycdl.site.local import LocalCluster
 from rpycdl.wire import bulk, codec
 
 
@@ -102,7 +104,7 @@ def test_the_client_remembers_a_directory_but_never_a_changed_file(server, conne
     os.utime(lr, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert conn.root.run_code(train, 2, working_dir=project)["lr"] == 1.4
     for cached in (Path(lock_dir) / "state" / "workdirs").iterdir():
-        cached.unlink()  # the server let it go: the client remembers it, and sends it again
+        shutil.rmtree(cached)  # the server let it go: the client remembers it, and sends it again
     assert conn.root.run_code(train, 2, working_dir=project)["lr"] == 1.4
 
 
@@ -161,7 +163,7 @@ def test_too_large_or_hostile_working_directories_are_refused(server, connect, l
     def put(data: bytes, digest: str | None = None) -> Any:  # what a hostile client can send
         raw = conn.root._conn
         sock = bulk.bulk_socket(raw)
-        return codec.decode_outcome(call(raw, "put_working_dir", digest or hashlib.sha256(data).hexdigest(),
+        return codec.decode_outcome(call(raw, "put_working_dir", digest or blake3.blake3(data).hexdigest(),
                                          len(data), lambda: bulk.send_buffers(sock, [pickle.PickleBuffer(data)])))
 
     escape = io.BytesIO()
@@ -169,9 +171,10 @@ def test_too_large_or_hostile_working_directories_are_refused(server, connect, l
         member = tarfile.TarInfo("../../escaped.txt")
         member.size = 3
         archive.addfile(member, io.BytesIO(b"bad"))
-    put(escape.getvalue())  # cached as it came: checked, member by member, when a job unpacks it
-    with pytest.raises(rpycdl.InvalidRequestError, match="escaped.txt"):
-        run_in(hashlib.sha256(escape.getvalue()).hexdigest())
+    with pytest.raises(rpycdl.InvalidRequestError, match="escaped.txt"):  # checked member by member as it comes
+        put(escape.getvalue())
+    with pytest.raises(rpycdl.InvalidRequestError, match="not a working directory this server has"):
+        run_in(blake3.blake3(escape.getvalue()).hexdigest())
     with pytest.raises(rpycdl.InvalidRequestError, match="damaged"):
         put(b"some bytes", digest="1" * 64)
     with pytest.raises(rpycdl.LimitError, match="--max-working-dir"):
@@ -181,14 +184,66 @@ def test_too_large_or_hostile_working_directories_are_refused(server, connect, l
     assert conn.root.run_code(len, "still serving") == 13
 
 
-def test_an_archive_of_too_many_entries_is_refused_before_writing(tmp_path):
+def test_an_archive_of_too_many_entries_is_refused_and_leaves_nothing(tmp_path):
     """In-process, but slow (MAX_MEMBERS + 1 entries are made and read): here rather than in tests/unit."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as out:
         for number in range(workdir.MAX_MEMBERS + 1):
             out.addfile(tarfile.TarInfo(f"f{number}"), io.BytesIO(b""))
-    dest = tmp_path / "dest"
-    dest.mkdir()
+    cache = workdircache.WorkdirCache(tmp_path / "cache", 2**20)
     with pytest.raises(rpycdl.InvalidRequestError, match="entries"):
-        workdircache.unpack(buffer.getvalue(), dest, 2**20)
-    assert not any(dest.iterdir())
+        cache.receive(lambda sink: sink(buffer.getbuffer()), 2**20)
+    assert not any(cache.root.iterdir())
+
+
+@pytest.fixture
+def reflink_dir(tmp_path) -> Iterator[Path]:
+    """The top of a new XFS filesystem (a loop device over a sparse file in `tmp_path`): a state directory
+    there has reflinks, as on a server whose disks are XFS or btrfs."""
+    mkfs = shutil.which("mkfs.xfs")
+    if os.geteuid() != 0 or mkfs is None:
+        unavailable("a filesystem with reflinks needs root and mkfs.xfs (Debian's xfsprogs)",
+                    "run as root with xfsprogs installed")
+    image, top = tmp_path / "xfs.img", tmp_path / "xfs"
+    with open(image, "wb") as sparse:
+        sparse.truncate(1024**3)  # XFS's smallest is 300 MB
+    top.mkdir()
+    made = subprocess.run([mkfs, "-q", str(image)], capture_output=True, text=True, timeout=60)
+    if made.returncode == 0:
+        made = subprocess.run(["mount", "-o", "loop", str(image), str(top)], capture_output=True, text=True, timeout=60)
+    if made.returncode:
+        unavailable(f"could not make and mount an XFS image: {made.stderr.strip()}", "allow loop mounts")
+    try:
+        yield top
+    finally:
+        subprocess.run(["umount", "--lazy", str(top)], check=False, timeout=60)
+
+
+def test_a_working_directory_is_cloned_where_the_filesystem_has_reflinks(reflink_dir):
+    project = reflink_dir / "project"
+    project.mkdir()
+    (project / "weights.bin").write_bytes(os.urandom(8 * 1024**2))
+    with LocalCluster(str(reflink_dir / "locks")) as cluster:
+        process, port = cluster.add_server("pytorch", "fake:1")
+        assert "working directories cloned" in "\n".join(process.lines)
+        conn = rpycdl.connect(host="127.0.0.1", port=port)
+        for _ in range(2):  # sent, then named: each job's copy shares the cache's blocks
+            extents = conn.root.run_code(subprocess.check_output, ["filefrag", "-v", "weights.bin"],
+                                         working_dir=project).decode()
+            assert "shared" in extents.splitlines()[-2], extents
+        original = (project / "weights.bin").read_bytes()
+        changed = conn.root.run_code(_make_writer(), "weights.bin", working_dir=project)
+        assert changed == b"changed" + original[7:]  # written in place: the job's blocks, copied on write
+        assert conn.root.run_code(Path.read_bytes, Path("weights.bin"), working_dir=project) == original
+        conn.close()
+
+
+def _make_writer() -> Callable[[str], bytes]:
+    def write_and_read(name: str) -> bytes:
+        """In a job: write over the start of `name` in place, and return its content."""
+        with open(name, "r+b") as file:
+            file.write(b"changed")
+            file.seek(0)
+            return file.read()
+
+    return write_and_read

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import stat
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,9 @@ COPY_CHUNK = 8 * 1024**2
 """Bytes copied at a time, and so the steps in which copy_range reports its progress."""
 
 FALLOC_FL_KEEP_SIZE = 1
+SYNC_FILE_RANGE_WRITE = 2
+FICLONE = 0x40049409
+_NO_CLONE = (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.EPERM)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -74,17 +79,58 @@ def preallocate(fd: int, size: int) -> None:
         _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, ctypes.c_long(0), ctypes.c_long(size))
 
 
-def copy_range(source: int, target: int, count: int, offset: int = 0,
-               on_progress: Callable[[int], None] | None = None) -> int:
-    """Copy up to `count` bytes of the file `source` from `offset` to the file `target` at its position,
+def start_writeback(fd: int) -> None:
+    """Start writing the file `fd`'s dirty pages to its disk, without waiting (sync_file_range(2) with
+    SYNC_FILE_RANGE_WRITE): a clone of it then waits for less (reflinks need the bytes on disk)."""
+    _libc.sync_file_range(fd, ctypes.c_long(0), ctypes.c_long(0), SYNC_FILE_RANGE_WRITE)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write all of `data` to the file `fd` at its position."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def clone(source: int, target: int, size: int) -> None:
+    """Make the empty file `target` a copy of the `size` bytes of `source`: a clone sharing their blocks
+    until either is written (FICLONE: XFS, btrfs, bcachefs, ZFS's block cloning; nothing copied), else a
+    copy in the kernel (copy_range)."""
+    if not size:
+        return
+    try:
+        fcntl.ioctl(target, FICLONE, source)
+        return
+    except OSError as exc:
+        if exc.errno not in _NO_CLONE:
+            raise
+    if copy_range(source, target, size) != size:
+        raise OSError(errno.EIO, "the file was cut short while it was copied")
+
+
+def can_clone(directory: str | os.PathLike[str]) -> bool:
+    """Whether the filesystem of `directory` clones files (see clone), tried on two of its files."""
+    with tempfile.TemporaryFile(dir=directory) as source, tempfile.TemporaryFile(dir=directory) as target:
+        source.write(bytes(4096))
+        source.flush()
+        try:
+            fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
+        except OSError as exc:
+            if exc.errno not in _NO_CLONE:
+                raise
+            return False
+    return True
+
+
+def copy_range(source: int, target: int, count: int, on_progress: Callable[[int], None] | None = None) -> int:
+    """Copy up to `count` bytes of the file `source` from its start to the file `target` at its position,
     in the kernel (copy_file_range, else sendfile: no byte through this process's memory, and a reflink on
     filesystems that have them), by COPY_CHUNK, telling `on_progress`. Stops early at the end of
     `source`; returns the bytes copied."""
     preallocate(target, count)
     copied = 0
     calls: list[Callable[[int], int]] = [
-        lambda size: os.copy_file_range(source, target, size, offset + copied),
-        lambda size: os.sendfile(target, source, offset + copied, size),
+        lambda size: os.copy_file_range(source, target, size, copied),
+        lambda size: os.sendfile(target, source, copied, size),
     ]
     while copied < count:
         size = min(COPY_CHUNK, count - copied)

@@ -6,7 +6,7 @@ one that server computed of what it received, so no server can make a client nam
 A write to a file changes its mtime and ctime (a program can set the mtime back, not the ctime), so an
 identity unchanged says the content is unchanged, but for what the kernel's clock cannot tell apart: a
 file written again within the same tick of the clock that stamped it. Such a file ("racy", as git calls
-it: changed in the RACY_NS before the scan began) is remembered by the SHA-256 of its content as well,
+it: changed in the RACY_NS before the scan began) is remembered by the hash of its content as well,
 and read again to compare, until it is older than that. What is left: a change that keeps size, mtime
 and ctime, which takes writes through a shared mapping not yet synced, the system clock set back, or a
 filesystem whose timestamps are coarser than RACY_NS or lie (some network filesystems)."""
@@ -63,7 +63,7 @@ class Manifests:
         return scanned.changed_since(scanned.scanned_ns - self.racy_ns)
 
     def remember(self, scanned: Scan, server: str, digest: str, racy: dict[str, str]) -> None:
-        """Remember that `scanned` was sent to `server`, which named it `digest`; `racy`: the SHA-256 of the
+        """Remember that `scanned` was sent to `server`, which named it `digest`; `racy`: the content hash of the
         content of its racy files, as they were sent. Forgets the least recently used beyond MANIFESTS_KEPT."""
         path = self._path(scanned, server)
         if path is None:

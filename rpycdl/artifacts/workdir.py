@@ -1,5 +1,5 @@
 """A job's working directory as the client packs it: a tar archive streamed to the server, each file read
-once; the server names it by its SHA-256, keeps it in a cache by that name and unpacks it for each job
+once; the server names it by its content hash (BLAKE3), keeps it in a cache by that name and copies it for each job
 alone (rpycdl.artifacts.workdircache).
 
 The archive is deterministic (entries sorted, times, owners and extra mode bits left out), so the same
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import io
 import os
 import posixpath
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pathspec
 
 from rpycdl.artifacts.files import Identity, identity
@@ -46,6 +46,12 @@ PIECE = 1024**2
 """Bytes read, hashed and sent at a time: one buffer, reused, small enough to stay in the CPU's caches."""
 
 _ZEROS = memoryview(bytes(tarfile.RECORDSIZE))
+
+
+def content_hash() -> blake3.blake3:
+    """A new hash of the kind that names content here: BLAKE3, 256 bits, cryptographic (a name a cache may
+    trust: nobody can make other content of the same name), five times SHA-256's speed on one core."""
+    return blake3.blake3()
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class Scan:
     def key(self) -> str:
         """What stays the same while the directory does: its names, headers (types, modes, sizes, link
         targets) and files' identities, hashed."""
-        digest = hashlib.sha256()
+        digest = content_hash()
         for entry in self.entries:
             digest.update(entry.header + repr(entry.identity).encode())
         return digest.hexdigest()
@@ -87,19 +93,19 @@ class Scan:
                 and max(entry.identity[4], entry.identity[5]) >= moment_ns]
 
     def digests(self, names: Collection[str]) -> dict[str, str | None]:
-        """The SHA-256 (hex) of the content of each file of `names`, read again; None for one that is no longer
+        """The content hash (hex) of each file of `names`, read again; None for one that is no longer
         as scanned."""
         buffer, found = memoryview(bytearray(PIECE)), {}
         for entry in self.entries:
             if entry.name in names and entry.identity is not None:
-                own = hashlib.sha256()
+                own = content_hash()
                 intact = _read_file(entry, buffer, own.update)[1]
                 found[entry.name] = own.hexdigest() if intact else None
         return found
 
     def stream(self, sink: Callable[[memoryview], None], apart: Collection[str] = ()) -> dict[str, str]:
         """Write the archive to `sink` piece by piece (a piece is valid only during the call), each file read
-        once; returns the SHA-256 (hex) of the content of each file named in `apart`. Whoever keeps the
+        once; returns the content hash (hex) of each file named in `apart`. Whoever keeps the
         archive hashes it (the server, as it arrives): nothing else is hashed here.
 
         Raises:
@@ -118,7 +124,7 @@ class Scan:
             sink(memoryview(entry.header))
             if entry.identity is None:
                 continue
-            own = hashlib.sha256() if entry.name in apart else None
+            own = content_hash() if entry.name in apart else None
             done, intact = _read_file(entry, buffer, functools.partial(put, also=own))
             if not intact:
                 changed.append(entry.name)
@@ -134,7 +140,7 @@ class Scan:
 
 @dataclass(frozen=True)
 class Packed:
-    """A packed working directory: its archive, the archive's SHA-256, its files and their bytes."""
+    """A packed working directory: its archive, the archive's content hash, its files and their bytes."""
 
     digest: str
     data: bytes
@@ -183,7 +189,9 @@ def pack(directory: str | os.PathLike[str], limit: int) -> Packed:
     buffer = io.BytesIO()
     scanned.stream(buffer.write)
     data = buffer.getvalue()
-    return Packed(hashlib.sha256(data).hexdigest(), data, scanned.files, scanned.content)
+    digest = content_hash()
+    digest.update(data)
+    return Packed(digest.hexdigest(), data, scanned.files, scanned.content)
 
 
 def _read_file(entry: Entry, buffer: memoryview, put: Callable[[memoryview], None]) -> tuple[int, bool]:

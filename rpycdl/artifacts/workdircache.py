@@ -1,35 +1,40 @@
-"""The server's side of working directories: untrusted archives checked member by member and unpacked for
-each job alone, and the cache of archives by content (SHA-256), filled as they arrive.
+"""The server's cache of working directories by content (workdir.content_hash): each unpacked once as it arrives
+(rpycdl.artifacts.untar, which trusts nothing it receives), then cloned for each job alone.
 
-Nothing received is trusted: every member of an archive is checked before anything is written, and
-nothing is written outside the job's directory (no absolute names, no `..`, no link out or through a
-link, no devices, sizes bounded). A cached archive's files reach a job's directory copied in the kernel
-(rpycdl.artifacts.files.copy_range), straight from the archive."""
+An entry is a directory named by the digest of the archive it came from: `tree/` (the files, readable
+by all) and `members.json` (the checked members, with their own modes). A job's
+copy is made from them file by file with rpycdl.artifacts.files.clone: on a filesystem with reflinks
+(XFS, btrfs) it shares the cache's blocks until the job writes, and costs milliseconds whatever the size;
+elsewhere (ext4) it is a copy in the kernel. A copy holds its entry with a shared flock, which an
+eviction must take exclusively, so an entry is never removed under a copy."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
+import errno
+import fcntl
+import json
 import os
-import posixpath
 import re
 import secrets
 import shutil
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rpycdl.artifacts.files import copy_range, preallocate
-from rpycdl.artifacts.workdir import BAD_CHARACTERS, MAX_MEMBERS, escapes
+from rpycdl.artifacts.files import clone
+from rpycdl.artifacts.untar import Member, Unpacker
+from rpycdl.artifacts.workdir import MAX_MEMBERS, content_hash
 from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler.lockdir import shared_dir
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
 STALE = 3600.0
-"""Seconds after which an archive left half received (its receiver killed) is removed."""
+"""Seconds after which an entry left half received (its receiver killed) is removed."""
+
+MEMBERS = "members.json"
 
 Sink = Callable[[memoryview], None]
 
@@ -40,89 +45,10 @@ def archive_limit(limit: int) -> int:
     return limit + MAX_MEMBERS * 4 * tarfile.BLOCKSIZE + 2 * tarfile.RECORDSIZE
 
 
-def unpack(data: bytes | memoryview, dest: str | os.PathLike[str], limit: int) -> None:
-    """Unpack an untrusted archive into the empty directory `dest`, after checking every member.
-
-    Raises:
-        InvalidRequestError: a member that could write outside `dest` or is not a plain file, directory or
-            symlink within it, named; a damaged archive; files over `limit` bytes, or over MAX_MEMBERS.
-    """
-    try:
-        archive = tarfile.open(fileobj=io.BytesIO(data), mode="r:")
-    except tarfile.TarError as exc:
-        raise InvalidRequestError(f"the working directory's archive is damaged: {exc}") from None
-    with archive:
-        _unpack(archive, Path(dest), limit)
-
-
-def _unpack(archive: tarfile.TarFile, dest: Path, limit: int, source: int | None = None) -> None:
-    """unpack() `archive`: its files copied from it, or in the kernel from the archive file `source`."""
-    if any(dest.iterdir()):
-        raise InvalidRequestError(f"{dest} is not empty: a working directory is unpacked into an empty one")
-    members = _checked(archive, limit)
-    for member in members:  # directories and files; a link only at the end, when nothing can go through it
-        target = dest / member.name
-        if member.isdir():
-            target.mkdir(mode=0o700, parents=True, exist_ok=True)
-        elif member.isreg():
-            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                if source is None:
-                    with archive.extractfile(member) as content:  # type: ignore[union-attr]
-                        shutil.copyfileobj(content, out, 1024**2)
-                elif copy_range(source, fd, member.size, member.offset_data) != member.size:
-                    raise InvalidRequestError(f"the working directory's archive is damaged: {member.name!r} is cut "
-                                              "short")
-            os.chmod(target, member.mode & 0o777)
-    for member in members:
-        if member.issym():
-            (dest / member.name).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.symlink(member.linkname, dest / member.name)
-    for member in reversed(members):  # the directories' modes last: writable meanwhile, and by their owner after
-        if member.isdir():
-            os.chmod(dest / member.name, member.mode & 0o777 | 0o700)
-
-
-def _checked(archive: tarfile.TarFile, limit: int) -> list[tarfile.TarInfo]:
-    """Every member, checked before anything is written (see unpack)."""
-    members: list[tarfile.TarInfo] = []
-    names: set[str] = set()
-    total = 0
-    try:
-        for member in archive:
-            name = member.name
-            if len(members) >= MAX_MEMBERS:
-                raise InvalidRequestError(f"the working directory has more than {MAX_MEMBERS} entries")
-            if any(character in name for character in BAD_CHARACTERS) or posixpath.isabs(name) or \
-                    name in ("", ".") or posixpath.normpath(name) != name or ".." in name.split("/"):
-                raise InvalidRequestError(f"the working directory's entry {name!r} is not a plain relative name")
-            if name in names:
-                raise InvalidRequestError(f"the working directory's entry {name!r} appears twice")
-            if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE) or \
-                    member.issparse() or member.issym() and escapes(name, member.linkname):
-                raise InvalidRequestError(f"the working directory's entry {name!r} is not a file, a directory or "
-                                          "a symlink within it")
-            total += member.size if member.isreg() else 0
-            if total > limit:
-                raise InvalidRequestError(f"the working directory's files pass {limit} bytes at {name!r}")
-            names.add(name)
-            members.append(member)
-    except tarfile.TarError as exc:
-        raise InvalidRequestError(f"the working directory's archive is damaged: {exc}") from None
-    links = {member.name for member in members if member.issym()}
-    for member in members:
-        parts = member.name.split("/")
-        through = next(("/".join(parts[:n]) for n in range(1, len(parts)) if "/".join(parts[:n]) in links), None)
-        if through is not None:
-            raise InvalidRequestError(f"the working directory's entry {member.name!r} lies through the symlink "
-                                      f"{through!r}")
-    return members
-
-
 class WorkdirCache:
-    """Archives by digest in `root` (created shared, as the state directory is), at most `max_bytes` in all:
-    adding one evicts the least recently used others (a use touches its file)."""
+    """Working directories by digest in `root` (created shared, as the state directory is), at most
+    `max_bytes` of files in all: adding one evicts the least recently used others not being copied (a use
+    touches its members.json)."""
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
         self.root = Path(root)
@@ -131,84 +57,167 @@ class WorkdirCache:
 
     def _path(self, digest: str) -> Path:
         if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
-            raise InvalidRequestError(f"not a working directory's SHA-256: {digest!r}")
+            raise InvalidRequestError(f"not a working directory's content hash: {digest!r}")
         return self.root / digest
 
     def has(self, digest: str) -> bool:
-        """Whether the archive `digest` is here (then marked used); False for anything not a digest."""
+        """Whether the working directory `digest` is here (then marked used); False for anything not a
+        digest."""
         try:
-            path = self._path(digest)
-            os.utime(path)
-        except (InvalidRequestError, FileNotFoundError):
+            listed = self._path(digest) / MEMBERS
+            os.utime(listed)
+        except (InvalidRequestError, FileNotFoundError, NotADirectoryError):  # no entry, or an older rpycdl's
             return False
-        except PermissionError:  # another user's file: it is there all the same
-            return path.exists()
+        except PermissionError:  # another user's entry: it is there all the same
+            return listed.exists()
         return True
 
-    def put(self, digest: str, data: bytes | memoryview) -> None:
-        """Keep `data` as the archive `digest` (checked); see receive()."""
-        self.receive(lambda sink: sink(memoryview(data)), len(data), digest)
+    def put(self, digest: str, data: bytes | memoryview, limit: int) -> None:
+        """Keep the archive `data`, checked against `digest`; see receive()."""
+        self.receive(lambda sink: sink(memoryview(data)), limit, digest)
 
-    def receive(self, fill: Callable[[Sink], None], size: int, digest: str | None = None) -> str:
-        """Keep the archive of `size` bytes that `fill(sink)` hands to `sink` piece by piece, hashed and
-        written as it comes (one pass, bounded memory), then evict the least recently used beyond max_bytes.
-        Returns its digest.
+    def receive(self, fill: Callable[[Sink], None], limit: int, digest: str | None = None) -> str:
+        """Keep the archive that `fill(sink)` hands to `sink` piece by piece, hashed and unpacked as it
+        comes (one pass, bounded memory; at most `limit` bytes of files), then evict the least recently
+        used beyond max_bytes. Returns its digest.
 
         Raises:
-            InvalidRequestError: `digest` was given and is not a SHA-256, or not that of the archive.
+            InvalidRequestError: `digest` was given and is not a content hash, or not that of the archive; the
+                archive is refused (rpycdl.artifacts.untar: nothing of it is kept).
         """
         if digest is not None:
             self._path(digest)
-        hashed = hashlib.sha256()
+        hashed = content_hash()
         temporary = self.root / f".{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        (temporary / "tree").mkdir(mode=0o755, parents=True)
+        unpacker = Unpacker(temporary / "tree", limit)
         try:
-            with open(temporary, "wb", buffering=0) as out:
-                preallocate(out.fileno(), size)
+            def sink(piece: memoryview) -> None:
+                hashed.update(piece)
+                unpacker.feed(piece)
 
-                def sink(piece: memoryview) -> None:
-                    hashed.update(piece)
-                    out.write(piece)
-
-                fill(sink)
+            fill(sink)
+            members = unpacker.finish()
             if digest is not None and hashed.hexdigest() != digest:
-                raise InvalidRequestError("the working directory arrived damaged (its SHA-256 differs): send it again")
+                raise InvalidRequestError("the working directory arrived damaged (its content hash differs): send it "
+                                          "again")
             path = self._path(hashed.hexdigest())
-            os.chmod(temporary, 0o644)
-            os.replace(temporary, path)  # concurrent puts of one digest write the same bytes
+            (temporary / MEMBERS).write_text(json.dumps([vars(member) for member in members]))
+            try:
+                os.rename(temporary, path)
+            except OSError as exc:  # a concurrent receiver of the same digest was first: the same files
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
         finally:
-            temporary.unlink(missing_ok=True)
+            unpacker.close()
+            shutil.rmtree(temporary, ignore_errors=True)
         self._evict(keep=path)
         return path.name
+
+    @contextlib.contextmanager
+    def _held(self, digest: str) -> Iterator[tuple[Path, list[Member]]]:
+        """The entry `digest` and its members, held by a shared flock; KeyError if it is not here (never was,
+        or evicted)."""
+        path = self._path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise KeyError(digest) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:  # still the entry, not one an eviction renamed away while we waited
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                    raise KeyError(digest)
+                members = _members(path)
+                with contextlib.suppress(PermissionError):
+                    os.utime(path / MEMBERS)
+            except FileNotFoundError:
+                raise KeyError(digest) from None
+            yield path, members
+        finally:
+            os.close(fd)
+
+    def unpack(self, digest: str, dest: str | os.PathLike[str], limit: int) -> None:
+        """Copy the working directory `digest` into the empty directory `dest`, with its members' modes
+        (cloned where the filesystem can); KeyError if it is not here (never was, or evicted).
+
+        Raises:
+            InvalidRequestError: its files hold more than `limit` bytes (another server's cache limit).
+        """
+        dest = Path(dest)
+        if any(dest.iterdir()):
+            raise InvalidRequestError(f"{dest} is not empty: a working directory is unpacked into an empty one")
+        with self._held(digest) as (path, members):
+            if sum(member.size for member in members) > limit:
+                raise InvalidRequestError(f"the working directory's files pass this server's limit of {limit} "
+                                          "bytes (--max-working-dir)")
+            _copy_tree(path / "tree", members, dest)
 
     def _evict(self, keep: Path) -> None:
         entries = []
         for entry in self.root.iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                status = entry.stat()
-                if DIGEST.fullmatch(entry.name):
-                    entries.append((status.st_mtime, status.st_size, entry))
-                elif entry.name.endswith(".tmp") and status.st_mtime < time.time() - STALE:
-                    entry.unlink()  # its receiver was killed
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                if DIGEST.fullmatch(entry.name) and not entry.is_dir():
+                    entry.unlink()  # an archive an older rpycdl kept
+                elif DIGEST.fullmatch(entry.name):
+                    size = sum(member.size for member in _members(entry))
+                    entries.append(((entry / MEMBERS).stat().st_mtime, size, entry))
+                elif entry.name.endswith(".gone") or \
+                        entry.name.endswith(".tmp") and entry.stat().st_mtime < time.time() - STALE:
+                    shutil.rmtree(entry)  # its remover or its receiver was killed
         total = sum(size for _, size, _ in entries)
         for _, size, entry in sorted(entries):
             if total <= self.max_bytes:
                 break
-            if entry != keep:
-                entry.unlink(missing_ok=True)
+            if entry != keep and self._remove(entry):
                 total -= size
 
-    def unpack(self, digest: str, dest: str | os.PathLike[str], limit: int) -> None:
-        """unpack() the archive `digest` into `dest`; KeyError if it is not here (never was, or evicted)."""
-        if not self.has(digest):
-            raise KeyError(digest)
+    def _remove(self, entry: Path) -> bool:
+        """Remove `entry` unless a copy holds it; whether it went."""
         try:
-            file = open(self._path(digest), "rb")  # noqa: SIM115 - closed below, with the archive
-        except FileNotFoundError:  # evicted meanwhile
-            raise KeyError(digest) from None
-        with file:
+            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            gone = self.root / f".{secrets.token_hex(8)}.gone"
+            os.rename(entry, gone)
+        except OSError:  # being copied, or another user's
+            return False
+        finally:
+            os.close(fd)
+        shutil.rmtree(gone, ignore_errors=True)
+        return True
+
+
+def _members(entry: Path) -> list[Member]:
+    """The members an entry holds, as its receiver checked them."""
+    return [Member(**fields) for fields in json.loads((entry / MEMBERS).read_text())]
+
+
+def _copy_tree(source: Path, members: list[Member], dest: Path) -> None:
+    """Make `dest` hold `members` of the cache's tree `source`, each with its own mode: directories and
+    files first, symlinks at the end, directories' modes last (writable meanwhile, by their owner after)."""
+    for member in members:
+        target = dest / member.name
+        if member.kind == "dir":
+            target.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif member.kind == "file":
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            reader = os.open(source / member.name, os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                archive = tarfile.open(fileobj=file, mode="r:")
-            except tarfile.TarError as exc:
-                raise InvalidRequestError(f"the working directory's archive is damaged: {exc}") from None
-            with archive:
-                _unpack(archive, Path(dest), limit, file.fileno())
+                writer = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    clone(reader, writer, member.size)
+                    os.fchmod(writer, member.mode)
+                finally:
+                    os.close(writer)
+            finally:
+                os.close(reader)
+    for member in members:
+        if member.kind == "link":
+            (dest / member.name).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.symlink(member.link, dest / member.name)
+    for member in reversed(members):
+        if member.kind == "dir":
+            os.chmod(dest / member.name, member.mode | 0o700)

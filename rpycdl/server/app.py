@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rpycdl.artifacts.files import can_clone
 from rpycdl.defaults import REREGISTER_INTERVAL, SAMPLER_MODULE, lock_dir, state_dir
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.gpu.inventory import load_inventory
@@ -158,7 +159,8 @@ def serve(config: ServerConfig) -> None:
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
           f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); artifacts to {ctx.artifact_store}; "
-          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}", flush=True)
+          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}; jobs' working "
+          f"directories {'cloned' if can_clone(ctx.working_dirs.root) else 'copied (no reflinks here)'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())

@@ -29,8 +29,8 @@ class WorkdirCalls:
 
     def exposed_put_working_dir(self, digest: Any, size: Any, send: Callable[[], None]) -> bytes:
         """Receive a working directory's archive (rpycdl.artifacts.workdir) of `size` bytes, which the
-        client's `send()` writes raw on the connection (bulk.pull_pieces), and cache it under its content
-        hash, computed as it comes (checked against `digest` if one is given). Returns outcome bytes: the
+        client's `send()` writes raw on the connection (bulk.pull_pieces), and cache it unpacked under its
+        content hash, computed as it comes (checked against `digest` if one is given). Returns outcome bytes: the
         digest, or the error (over --max-working-dir, damaged on the way, no room on the server)."""
         try:
             most = workdircache.archive_limit(self.context.limits.max_working_dir)
@@ -41,7 +41,8 @@ class WorkdirCalls:
                                  f"{most} (--max-working-dir): leave files out with {workdir.IGNORE_FILE}")
             try:
                 received = self.context.working_dirs.receive(
-                    lambda sink: bulk.pull_pieces(self._conn, send, size, sink), size, digest)
+                    lambda sink: bulk.pull_pieces(self._conn, send, size, sink), self.context.limits.max_working_dir,
+                    digest)
             except OSError as exc:  # the cache's disk
                 raise LimitError(f"this server could not keep the working directory: {exc.strerror or exc}") from None
             return codec.encode_ok(received)

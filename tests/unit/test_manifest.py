@@ -4,11 +4,12 @@ file's mtime set back; a file changed within RACY_NS of the scan is compared by 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
+
+import blake3
 
 from rpycdl.artifacts import workdir
 from rpycdl.artifacts.manifest import Manifests
@@ -33,7 +34,7 @@ def sent(manifests: Manifests, source: Path) -> str:
     scanned = workdir.scan(source, MiB)
     archive = bytearray()
     racy = scanned.stream(archive.extend, manifests.racy(scanned))
-    digest = hashlib.sha256(archive).hexdigest()
+    digest = blake3.blake3(archive).hexdigest()
     manifests.remember(scanned, SERVER, digest, racy)
     return digest
 

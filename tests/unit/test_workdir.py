@@ -3,7 +3,6 @@ unpacking untrusted archives (nothing outside the directory, refused by name), t
 
 from __future__ import annotations
 
-import hashlib
 import io
 import multiprocessing
 import os
@@ -11,6 +10,7 @@ import re
 import tarfile
 from pathlib import Path
 
+import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,6 +35,18 @@ def tree(root: Path) -> dict[str, tuple[str, object, int]]:
     return found
 
 
+def unpack(data: bytes, dest: Path, limit: int, piece: int = MiB) -> None:
+    """Unpack `data` into `dest` as a server does: received into a cache beside it in pieces of `piece`
+    bytes, then copied from there."""
+    cache = workdircache.WorkdirCache(dest.parent / "cache", 100 * MiB)
+
+    def fill(sink):
+        for start in range(0, len(data), piece):
+            sink(memoryview(data)[start:start + piece])
+
+    cache.unpack(cache.receive(fill, limit), dest, limit)
+
+
 def project(root: Path) -> Path:
     (root / "pkg" / "sub").mkdir(parents=True)
     (root / "pkg" / "__init__.py").write_text("")
@@ -52,7 +64,7 @@ def test_round_trip_keeps_content_modes_and_inside_links(tmp_path):
     assert packed.files == 4 and packed.size == 2560 + len("#!/bin/sh\n") + 2
     dest = tmp_path / "dest"
     dest.mkdir()
-    workdircache.unpack(packed.data, dest, 10 * MiB)
+    unpack(packed.data, dest, 10 * MiB)
     assert tree(dest) == tree(source)
 
 
@@ -60,7 +72,7 @@ def test_the_same_content_has_the_same_digest(tmp_path):
     first = workdir.pack(project(tmp_path / "a"), MiB)
     copy = project(tmp_path / "b")
     os.utime(copy / "run.sh", (1, 1))
-    assert workdir.pack(copy, MiB).digest == first.digest == hashlib.sha256(first.data).hexdigest()
+    assert workdir.pack(copy, MiB).digest == first.digest == blake3.blake3(first.data).hexdigest()
     (copy / "run.sh").write_text("#!/bin/sh \n")
     assert workdir.pack(copy, MiB).digest != first.digest
 
@@ -83,8 +95,8 @@ def test_the_archive_is_what_tarfile_writes(tmp_path):
     pieces: list[bytes] = []
     apart = scanned.stream(lambda piece: pieces.append(bytes(piece)), apart={"run.sh"})
     assert b"".join(pieces) == expected.getvalue() and scanned.size == len(expected.getvalue())
-    assert workdir.pack(source, 10 * MiB).digest == hashlib.sha256(expected.getvalue()).hexdigest()
-    assert apart == {"run.sh": hashlib.sha256(b"#!/bin/sh\n").hexdigest()}
+    assert workdir.pack(source, 10 * MiB).digest == blake3.blake3(expected.getvalue()).hexdigest()
+    assert apart == {"run.sh": blake3.blake3(b"#!/bin/sh\n").hexdigest()}
 
 
 def test_a_file_changed_while_packed_is_named_and_the_stream_stays_whole(tmp_path):
@@ -114,7 +126,7 @@ def test_rpycdlignore_works_as_gitignore(tmp_path):
         workdir.pack(source / "pkg", 100)
     dest = tmp_path / "dest"
     dest.mkdir()
-    workdircache.unpack(workdir.pack(source, 2 * MiB).data, dest, 2 * MiB)
+    unpack(workdir.pack(source, 2 * MiB).data, dest, 2 * MiB)
     names = set(tree(dest))
     assert "data/keep.csv" in names and "data/big.csv" not in names and "model.ckpt" not in names
     assert not {name for name in names if name.startswith(".git") or "__pycache__" in name}
@@ -171,45 +183,88 @@ F, D, L = tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE
 def test_hostile_archives_write_nothing(tmp_path, members, named):
     dest = tmp_path / "dest"
     dest.mkdir()
+    workdircache.WorkdirCache(tmp_path / "cache", MiB)
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(InvalidRequestError, match=re.escape(named)):
-        workdircache.unpack(archive(*members), dest, 1000)
+        unpack(archive(*members), dest, 1000)
     assert sorted(tmp_path.rglob("*")) == before and not any(dest.iterdir())
 
 
-def test_a_declared_size_bomb_is_refused_before_writing(tmp_path):
+def _declared_bomb() -> bytes:
+    header = tarfile.TarInfo("huge")
+    header.size = 10**12  # declared, not sent: refused on its header, before anything is written
+    return header.tobuf(tarfile.PAX_FORMAT) + bytes(1024)
+
+
+@pytest.mark.parametrize("data, why", [
+    (_declared_bomb(), "huge"),
+    (b"not a tar at all" * 64, "damaged"),
+    (archive(("ok", F, b"x"))[:1024], "cut short"),
+    (archive(("a" * 200, F, b"x"))[:600] + bytes(4096), "damaged"),  # an extended header cut
+])
+def test_damaged_and_bomb_archives_are_refused(tmp_path, data, why):
     dest = tmp_path / "dest"
     dest.mkdir()
-    header = tarfile.TarInfo("huge")
-    header.size = 10**12  # declared, not sent: refused on the header
-    with pytest.raises(InvalidRequestError, match="huge"):
-        workdircache.unpack(header.tobuf(tarfile.PAX_FORMAT) + bytes(1024), dest, 10 * MiB)
-    assert not any(dest.iterdir())
-    with pytest.raises(InvalidRequestError, match="damaged"):
-        workdircache.unpack(b"not a tar at all" * 64, dest, MiB)
+    with pytest.raises(InvalidRequestError, match=why):
+        unpack(data, dest, 10 * MiB)
+    assert not any(dest.iterdir()) and [entry.name for entry in (tmp_path / "cache").iterdir()] == []
 
 
-def test_the_cache_checks_evicts_and_unpacks(tmp_path):
-    cache = workdircache.WorkdirCache(tmp_path / "cache", max_bytes=3 * 10240)
-    packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(2)]
+def test_the_cache_checks_evicts_and_copies(tmp_path):
+    cache = workdircache.WorkdirCache(tmp_path / "cache", max_bytes=8200)
+    packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(3)]
     (tmp_path / "p1" / "extra").write_text("1")
     packs[1] = workdir.pack(tmp_path / "p1", MiB)
+    (tmp_path / "p2" / "more").write_bytes(b"x" * 3000)
+    packs[2] = workdir.pack(tmp_path / "p2", MiB)
     assert not cache.has(packs[0].digest) and not cache.has("../../etc/passwd")
     with pytest.raises(InvalidRequestError, match="damaged"):
-        cache.put(packs[0].digest, packs[1].data)
-    with pytest.raises(InvalidRequestError, match="SHA-256"):
-        cache.put("../x", packs[0].data)
-    cache.put(packs[0].digest, packs[0].data)
-    cache.put(packs[1].digest, packs[1].data)
-    os.utime(cache.root / packs[0].digest, (1, 1))  # the least recently used
-    cache.put(hashlib.sha256(b"x" * 20000).hexdigest(), b"x" * 20000)
-    assert not cache.has(packs[0].digest) and cache.has(packs[1].digest)
+        cache.put(packs[0].digest, packs[1].data, MiB)
+    with pytest.raises(InvalidRequestError, match="content hash"):
+        cache.put("../x", packs[0].data, MiB)
+    cache.put(packs[0].digest, packs[0].data, MiB)
+    cache.put(packs[1].digest, packs[1].data, MiB)
+    os.utime(cache.root / packs[0].digest / "members.json", (1, 1))  # the least recently used
+    cache.put(packs[2].digest, packs[2].data, MiB)
+    assert not cache.has(packs[0].digest) and cache.has(packs[1].digest) and cache.has(packs[2].digest)
     dest = tmp_path / "dest"
     dest.mkdir()
     cache.unpack(packs[1].digest, dest, MiB)
-    assert (dest / "extra").read_text() == "1"
+    assert tree(dest) == tree(tmp_path / "p1")
+    (tmp_path / "empty").mkdir()
     with pytest.raises(KeyError):
-        cache.unpack(packs[0].digest, tmp_path, MiB)
+        cache.unpack(packs[0].digest, tmp_path / "empty", MiB)
+    with pytest.raises(InvalidRequestError, match="limit"):  # another server's smaller limit
+        cache.unpack(packs[2].digest, tmp_path / "empty", 3000)
+    assert not any((tmp_path / "empty").iterdir())
+
+
+def test_a_jobs_copy_is_its_own(tmp_path):
+    cache = workdircache.WorkdirCache(tmp_path / "cache", MiB)
+    packed = workdir.pack(project(tmp_path / "p"), MiB)
+    cache.put(packed.digest, packed.data, MiB)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    cache.unpack(packed.digest, first, MiB)
+    with open(first / "pkg" / "sub" / "data.bin", "r+b") as changed:  # written in place, not replaced
+        changed.write(b"changed")
+    (first / "run.sh").chmod(0o700)
+    cache.unpack(packed.digest, second, MiB)
+    assert tree(second) == tree(tmp_path / "p") != tree(first)
+
+
+def test_an_entry_being_copied_is_not_evicted(tmp_path):
+    cache = workdircache.WorkdirCache(tmp_path / "cache", max_bytes=3000)
+    packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(2)]
+    (tmp_path / "p1" / "extra").write_text("1")
+    packs[1] = workdir.pack(tmp_path / "p1", MiB)
+    cache.put(packs[0].digest, packs[0].data, MiB)
+    with cache._held(packs[0].digest):  # as a copy holds it, from this process or another
+        cache.put(packs[1].digest, packs[1].data, MiB)
+        assert cache.has(packs[0].digest)
+    cache.put(packs[1].digest, packs[1].data, MiB)
+    assert not cache.has(packs[0].digest) and cache.has(packs[1].digest)
 
 
 def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
@@ -220,29 +275,33 @@ def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
         for start in range(0, len(packed.data), 1000):
             sink(memoryview(packed.data)[start:start + 1000])
 
-    assert cache.receive(fill, len(packed.data)) == packed.digest and cache.has(packed.digest)  # named by what came
+    assert cache.receive(fill, MiB) == packed.digest and cache.has(packed.digest)  # named by what came
     with pytest.raises(InvalidRequestError, match="damaged"):
-        cache.receive(fill, len(packed.data), digest="0" * 64)
+        cache.receive(fill, MiB, digest="0" * 64)
 
     def cut(sink):
-        sink(memoryview(b"half an archive"))
+        sink(memoryview(packed.data)[:3000])
         raise EOFError("the client went away")
 
     with pytest.raises(EOFError):
-        cache.receive(cut, 1000)
+        cache.receive(cut, MiB)
     stale = cache.root / ".1.dead.tmp"  # what a receiver killed meanwhile left
-    stale.write_bytes(b"x")
+    (stale / "tree").mkdir(parents=True)
     os.utime(stale, (1, 1))
-    cache.put(packed.digest, packed.data)
+    (cache.root / ".dead.gone").mkdir()  # and a remover
+    cache.put(packed.digest, packed.data, MiB)
     assert [path.name for path in cache.root.iterdir()] == [packed.digest]
 
 
 def _put(root: str, data: bytes) -> None:
-    workdircache.WorkdirCache(root, 10 * MiB).put(hashlib.sha256(data).hexdigest(), data)
+    workdircache.WorkdirCache(root, 10 * MiB).put(blake3.blake3(data).hexdigest(), data, 10 * MiB)
 
 
-def test_processes_putting_one_archive_at_once_leave_it_whole(tmp_path):
-    data = os.urandom(4 * MiB)
+def test_processes_putting_one_directory_at_once_leave_it_whole(tmp_path):
+    (tmp_path / "src").mkdir()
+    content = os.urandom(4 * MiB)
+    (tmp_path / "src" / "big").write_bytes(content)
+    data = workdir.pack(tmp_path / "src", 10 * MiB).data
     context = multiprocessing.get_context("fork")
     processes = [context.Process(target=_put, args=(str(tmp_path / "cache"), data)) for _ in range(6)]
     for process in processes:
@@ -250,7 +309,11 @@ def test_processes_putting_one_archive_at_once_leave_it_whole(tmp_path):
     for process in processes:
         process.join(30)
         assert process.exitcode == 0
-    assert (tmp_path / "cache" / hashlib.sha256(data).hexdigest()).read_bytes() == data
+    (tmp_path / "dest").mkdir()
+    workdircache.WorkdirCache(tmp_path / "cache", 10 * MiB).unpack(blake3.blake3(data).hexdigest(),
+                                                                   tmp_path / "dest", 10 * MiB)
+    assert (tmp_path / "dest" / "big").read_bytes() == content
+    assert len(list((tmp_path / "cache").iterdir())) == 1
 
 
 names = st.text(alphabet="abcxyz_-.0", min_size=1, max_size=8).filter(lambda name: name not in (".", ".."))
@@ -258,8 +321,8 @@ names = st.text(alphabet="abcxyz_-.0", min_size=1, max_size=8).filter(lambda nam
 
 @settings(max_examples=40, deadline=None)
 @given(st.dictionaries(st.lists(names, min_size=1, max_size=3).map("/".join), st.binary(max_size=300),
-                       max_size=8))
-def test_random_trees_round_trip(files):
+                       max_size=8), st.integers(1, 1500))
+def test_random_trees_round_trip_in_any_pieces(files, piece):
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -272,5 +335,5 @@ def test_random_trees_round_trip(files):
                 continue  # a name that is a prefix of another: one of them wins
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content)
-        workdircache.unpack(workdir.pack(source, MiB).data, dest, MiB)
+        unpack(workdir.pack(source, MiB).data, dest, MiB, piece)
         assert tree(dest) == tree(source)
