@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -247,3 +248,52 @@ def _make_writer() -> Callable[[str], bytes]:
             return file.read()
 
     return write_and_read
+
+
+def _copy_while_others_evict(root: str, archives: list[bytes], contents: list[bytes], seed: int,
+                             report: str) -> None:
+    """In one of several processes: put and copy working directories at random in a cache too small for
+    two of them, writing to `report` how each copy ended: whole, or gone (evicted before it began)."""
+    import random
+
+    rng, cache, ends = random.Random(seed), workdircache.WorkdirCache(root, 5 * 2**20), []
+    for step in range(30):
+        chosen = rng.randrange(len(archives))
+        digest = cache.receive(lambda sink, data=archives[chosen]: sink(memoryview(data)), 2**24)
+        dest = Path(root).parent / f"job-{seed}-{step}"
+        dest.mkdir()
+        try:
+            cache.unpack(digest, dest, 2**24)
+        except KeyError:
+            ends.append("gone")
+            continue
+        files = sorted(dest.iterdir())
+        ends.append("whole" if files == [dest / "weights.bin"] and files[0].read_bytes() == contents[chosen]
+                    else f"broken: {files}")
+        shutil.rmtree(dest)
+    Path(report).write_text("\n".join(ends))
+
+
+def test_copies_are_whole_while_processes_fill_and_evict_the_cache(tmp_path):
+    """Six processes put and copy three 4 MiB directories at random into a cache that holds one: every
+    copy is whole, or refused as gone; none is ever cut by an eviction (the shared flock)."""
+    archives, contents = [], []
+    for number in range(3):
+        source = tmp_path / f"src{number}"
+        source.mkdir()
+        contents.append(os.urandom(4 * 2**20))
+        (source / "weights.bin").write_bytes(contents[-1])
+        archives.append(workdir.pack(source, 2**24).data)
+    context = multiprocessing.get_context("fork")
+    reports = [tmp_path / f"report{n}" for n in range(6)]
+    processes = [context.Process(target=_copy_while_others_evict,
+                                 args=(str(tmp_path / "cache"), archives, contents, n, str(reports[n])))
+                 for n in range(6)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+        assert process.exitcode == 0
+    ends = [end for report in reports for end in report.read_text().splitlines()]
+    assert len(ends) == 180 and set(ends) <= {"whole", "gone"} and ends.count("whole") > 90, ends
+    assert not [entry.name for entry in (tmp_path / "cache").iterdir() if entry.name.startswith(".")]

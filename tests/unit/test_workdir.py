@@ -289,6 +289,9 @@ def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
     (stale / "tree").mkdir(parents=True)
     os.utime(stale, (1, 1))
     (cache.root / ".dead.gone").mkdir()  # and a remover
+    older = cache.root / ("a" * 64)  # an archive an older rpycdl kept: not an entry
+    older.write_bytes(packed.data)
+    assert not cache.has(older.name)
     cache.put(packed.digest, packed.data, MiB)
     assert [path.name for path in cache.root.iterdir()] == [packed.digest]
 
