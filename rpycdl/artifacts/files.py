@@ -95,15 +95,7 @@ def clone(source: int, target: int, size: int) -> None:
     """Make the empty file `target` a copy of the `size` bytes of `source`: a clone sharing their blocks
     until either is written (FICLONE: XFS, btrfs, bcachefs, ZFS's block cloning; nothing copied), else a
     copy in the kernel (copy_range)."""
-    if not size:
-        return
-    try:
-        fcntl.ioctl(target, FICLONE, source)
-        return
-    except OSError as exc:
-        if exc.errno not in _NO_CLONE:
-            raise
-    if copy_range(source, target, size) != size:
+    if size and not _cloned(source, target) and copy_range(source, target, size) != size:
         raise OSError(errno.EIO, "the file was cut short while it was copied")
 
 
@@ -112,12 +104,17 @@ def can_clone(directory: str | os.PathLike[str]) -> bool:
     with tempfile.TemporaryFile(dir=directory) as source, tempfile.TemporaryFile(dir=directory) as target:
         source.write(bytes(4096))
         source.flush()
-        try:
-            fcntl.ioctl(target.fileno(), FICLONE, source.fileno())
-        except OSError as exc:
-            if exc.errno not in _NO_CLONE:
-                raise
-            return False
+        return _cloned(source.fileno(), target.fileno())
+
+
+def _cloned(source: int, target: int) -> bool:
+    """Clone `source` into `target` (FICLONE); False where the filesystem cannot."""
+    try:
+        fcntl.ioctl(target, FICLONE, source)
+    except OSError as exc:
+        if exc.errno not in _NO_CLONE:
+            raise
+        return False
     return True
 
 

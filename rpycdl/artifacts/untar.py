@@ -43,14 +43,12 @@ def _damaged(why: str) -> InvalidRequestError:
 
 
 class Unpacker:
-    """Unpacks the archive fed to it piece by piece (feed) into the empty directory `dest`, at most `limit`
+    """Unpacks the archive fed to it piece by piece (feed) into the new, empty directory `dest`, at most `limit`
     bytes of files and MAX_MEMBERS entries; finish() checks its end and makes its symlinks. Files and
     directories are made readable by all (0644 or 0755, 0700 while written): the members' own modes are
     for copies (rpycdl.artifacts.workdircache)."""
 
     def __init__(self, dest: Path, limit: int) -> None:
-        if any(dest.iterdir()):
-            raise InvalidRequestError(f"{dest} is not empty: a working directory is unpacked into an empty one")
         self.dest, self.limit = dest, limit
         self.members: list[Member] = []
         self._names: set[str] = set()
@@ -132,15 +130,14 @@ class Unpacker:
             size = int(pax.get("size", info.size))
         except ValueError:
             raise _damaged(f"{name!r} has no size") from None
-        kind = _KINDS.get(info.type)
+        kind, link = _KINDS.get(info.type), pax.get("linkpath", info.linkname)
         if kind is None or any(key.startswith("GNU.sparse") for key in pax) or \
-                kind == "link" and escapes(name, pax.get("linkpath", info.linkname)):
+                kind == "link" and escapes(name, link):
             raise InvalidRequestError(f"the working directory's entry {name!r} is not a file, a directory or a "
                                       "symlink within it")
         if kind == "dir":
             name = name.rstrip("/")
-        self._add(Member(name, kind, info.mode & 0o777, size if kind == "file" else 0,
-                         pax.get("linkpath", info.linkname) if kind == "link" else ""))
+        self._add(Member(name, kind, info.mode & 0o777, size if kind == "file" else 0, link if kind == "link" else ""))
         if kind != "file" and size:
             raise _damaged(f"{name!r} is not a file but carries bytes")
 

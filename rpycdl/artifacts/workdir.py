@@ -48,10 +48,11 @@ PIECE = 1024**2
 _ZEROS = memoryview(bytes(tarfile.RECORDSIZE))
 
 
-def content_hash() -> blake3.blake3:
-    """A new hash of the kind that names content here: BLAKE3, 256 bits, cryptographic (a name a cache may
-    trust: nobody can make other content of the same name), five times SHA-256's speed on one core."""
-    return blake3.blake3()
+def content_hash(data: bytes = b"") -> blake3.blake3:
+    """A new hash of the kind that names content here, of `data` so far: BLAKE3, 256 bits, cryptographic (a
+    name a cache may trust: nobody can make other content of the same name), five times SHA-256's speed on
+    one core."""
+    return blake3.blake3(data)
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,7 @@ def pack(directory: str | os.PathLike[str], limit: int) -> Packed:
     buffer = io.BytesIO()
     scanned.stream(buffer.write)
     data = buffer.getvalue()
-    digest = content_hash()
-    digest.update(data)
-    return Packed(digest.hexdigest(), data, scanned.files, scanned.content)
+    return Packed(content_hash(data).hexdigest(), data, scanned.files, scanned.content)
 
 
 def _read_file(entry: Entry, buffer: memoryview, put: Callable[[memoryview], None]) -> tuple[int, bool]:
