@@ -295,5 +295,6 @@ def test_copies_are_whole_while_processes_fill_and_evict_the_cache(tmp_path):
         process.join(120)
         assert process.exitcode == 0
     ends = [end for report in reports for end in report.read_text().splitlines()]
-    assert len(ends) == 180 and set(ends) <= {"whole", "gone"} and ends.count("whole") > 90, ends
+    assert len(ends) == 180 and set(ends) <= {"whole", "gone"}, ends
+    assert ends.count("whole") >= 30 and ends.count("gone") >= 30, ends  # both, many times (about half each)
     assert not [entry.name for entry in (tmp_path / "cache").iterdir() if entry.name.startswith(".")]

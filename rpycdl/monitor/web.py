@@ -35,9 +35,14 @@ KEEP_ALIVE = 5
 """Seconds an idle HTTP connection is kept open."""
 
 MAX_HEADERS = 16 * 1024
-"""Bytes of a request's headers: more gets 431; more than that still while they arrive (h11 buffers at most
-this much of an incomplete request, and asyncio reads 256 KiB at a time) gets 400 and the connection
-closed. So a connection costs at most a read's worth of memory, whatever it sends."""
+"""Bytes of a request's headers: more gets 431."""
+
+MAX_BUFFERED = 64 * 1024
+"""Bytes of a request that h11 keeps while its headers are not yet whole: more gets 400 and the
+connection closed. Headers between MAX_HEADERS and this get 431 however TCP cuts them up (with one
+limit for both, a request that came in one read got 431 and the same request in two reads got 400);
+larger ones get 431 or 400 as they arrive. A connection costs at most this and one asyncio read
+(256 KiB), whatever it sends."""
 
 
 class DeadlineProtocol(H11Protocol):
@@ -115,6 +120,6 @@ def serve(app: ASGIApp, sock: socket.socket, tls: ssl.SSLContext | None = None) 
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     config = uvicorn.Config(app, http=DeadlineProtocol, log_level="warning", timeout_keep_alive=KEEP_ALIVE,
-                            h11_max_incomplete_event_size=MAX_HEADERS, access_log=False,
+                            h11_max_incomplete_event_size=MAX_BUFFERED, access_log=False,
                             ssl_context_factory=None if tls is None else lambda config, default: tls)
     uvicorn.Server(config).run(sockets=[sock])
