@@ -6,15 +6,19 @@ Real registry and servers on loopback; only the GPUs are simulated."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import io
 import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,8 +68,10 @@ def imported() -> Iterator[Callable[[Path], Any]]:
 
 
 def _job_dirs(lock_dir: str) -> list[str]:
+    """The jobs' directories, and the marks of those made before their jobs' rows (.unrecorded/<id>)."""
     jobs = Path(lock_dir) / "state" / "jobs"
-    return sorted(entry.name for entry in jobs.iterdir()) if jobs.exists() else []
+    marks = [f".unrecorded/{mark.name}" for mark in (jobs / ".unrecorded").glob("*")]
+    return sorted(entry.name for entry in jobs.glob("[!.]*")) + marks if jobs.exists() else []
 
 
 def test_a_job_runs_in_its_working_directory_sent_once(server, connect, lock_dir, tmp_path, imported):
@@ -138,6 +144,48 @@ def test_a_detached_job_and_the_command_line(server, connect, lock_dir, tmp_path
     assert logs.stdout == "lr is 1.5\n"
     wait_until(lambda: all(not (Path(lock_dir) / "state" / "jobs" / name / "work").exists()
                            for name in _job_dirs(lock_dir)), 10, "the working directories to go")
+
+
+def _opened_by(path: Path) -> list[int]:
+    """The processes, but this one, with `path` open."""
+    found = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError):
+            if int(fd_dir.parent.name) != os.getpid() and any(os.readlink(fd) == str(path) for fd in fd_dir.iterdir()):
+                found.append(int(fd_dir.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_connection_killed_before_its_job_is_recorded_leaves_no_files(server, connect, lock_dir, tmp_path, detached):
+    """A connection process killed -9 while it copies a job's working directory out of the cache (held
+    there by an eviction's lock), before the job has a row in the ledger that the sweep could end: the
+    job's directory goes all the same, within a sweep, and the server serves on."""
+    port = server("pytorch", "fake:1")
+    conn = connect(port)
+    project = _project(tmp_path)
+    listed = conn.root.run_code(os.listdir, ".", working_dir=project)  # now in the cache
+    entry = Path(lock_dir) / "state" / "workdirs" / workdir.pack(project, 10**6).digest
+    evicting = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(evicting, fcntl.LOCK_EX)
+    blocked = connect(port)
+    send = blocked.root.submit if detached else blocked.root.run_code
+
+    def killed_meanwhile() -> None:
+        with contextlib.suppress(Exception):  # its connection dies: whatever error that makes
+            send(os.listdir, ".", working_dir=project)
+
+    call = threading.Thread(target=killed_meanwhile, daemon=True)
+    try:
+        call.start()
+        copier = wait_until(lambda: _opened_by(entry), 10, "the connection process to wait for the entry")
+        wait_until(lambda: _job_dirs(lock_dir), 10, "the job's directory")
+        os.kill(copier[0], signal.SIGKILL)
+    finally:
+        os.close(evicting)
+    call.join(10)
+    wait_until(lambda: _job_dirs(lock_dir) == [], 5, "the unrecorded job's directory to go")
+    assert conn.root.run_code(os.listdir, ".", working_dir=project) == listed
 
 
 def test_too_large_or_hostile_working_directories_are_refused(server, connect, lock_dir, tmp_path):

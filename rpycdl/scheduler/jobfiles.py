@@ -1,4 +1,4 @@
-"""A detached job's files in the state directory, beside the ledger, readable by every server of the host:
+"""A job's files in the state directory, beside the ledger, readable by every server of the host:
 
     jobs/<id>/spec.json   what its supervisor needs: the accepting server's settings and the request
     jobs/<id>/payload     the callable and its argument (wire.codec), until the job ends
@@ -6,6 +6,7 @@
     jobs/<id>/result      its outcome (wire.codec: the value, or the exception it raised), written once
     jobs/<id>/work        its working directory, if it brought one (an attached job's too), until it ends
     jobs/<id>/output      what it left for the artifact store, until uploaded (kept when the upload fails)
+    jobs/.unrecorded/<id> the process making a job's files before its row is in the ledger
 
 A result appears whole or not at all (written aside, then renamed), before the ledger says the job
 ended; a log only grows. Writing either can fail (a full disk): the job then fails, saying why, and a
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.errors import LimitError
+from rpycdl.scheduler import procs
 from rpycdl.scheduler.lockdir import SHARED_FILE_MODE, shared_dir
 from rpycdl.units import format_size
 
@@ -36,6 +38,9 @@ TAIL_CHUNK = 64 * 1024
 
 LOG_HEADROOM = 256 * 1024
 """Bytes a log cuts from its end when the disk is full: room for the ledger's end of the job."""
+
+UNRECORDED = ".unrecorded"
+"""Markers of jobs whose files are made before their ledger row, each naming the process making them."""
 
 
 class JobFiles:
@@ -57,6 +62,30 @@ class JobFiles:
         _write(self.path(job_id, "spec.json"), json.dumps(spec).encode())
         if payload is not None:
             _write(self.path(job_id, "payload"), payload)
+
+    def begin(self, job_id: str) -> None:
+        """Mark the job's files as this process's to make, before its row is in the ledger (recorded());
+        if this process dies first, no row will ever name them, and the sweep removes them (unrecorded())."""
+        marker, (pid, start) = self.root / UNRECORDED / self.path(job_id).name, procs.myself()
+        try:
+            _write(marker, f"{pid} {start}".encode())
+        except FileNotFoundError:  # the first job of this state directory: made now, not before (a ledger
+            shared_dir(marker.parent)  # missing from a state directory holding it would be a lost history)
+            _write(marker, f"{pid} {start}".encode())
+
+    def recorded(self, job_id: str) -> None:
+        """The job's row is in the ledger: the sweep of dead owners' rows answers for its files now."""
+        (self.root / UNRECORDED / self.path(job_id).name).unlink(missing_ok=True)
+
+    def unrecorded(self) -> dict[str, procs.Pid]:
+        """The jobs marked by begin() and not yet recorded(), with the process making each one's files."""
+        found: dict[str, procs.Pid] = {}
+        markers = self.root / UNRECORDED
+        for marker in markers.iterdir() if markers.is_dir() else ():
+            with contextlib.suppress(OSError, ValueError):  # one being written is named .<id>...tmp
+                pid, start = marker.read_text().split()
+                found[self.path(marker.name).name] = (int(pid), int(start))
+        return found
 
     def spec(self, job_id: str) -> dict[str, Any]:
         return json.loads(self.path(job_id, "spec.json").read_text())
@@ -129,8 +158,9 @@ class JobFiles:
         return 0
 
     def remove(self, job_id: str) -> None:
-        """Remove everything of the job (its directory)."""
+        """Remove everything of the job (its directory, and its mark if it was never recorded)."""
         shutil.rmtree(self.path(job_id), ignore_errors=True)
+        self.recorded(job_id)
 
     def working_dir(self, job_id: str) -> Path:
         """Where the job's working directory is unpacked for it (rpycdl.artifacts.workdir)."""
@@ -141,11 +171,12 @@ class JobFiles:
         return self.path(job_id, OUTPUT_DIR)
 
     def remove_working_dir(self, job_id: str) -> None:
-        """Remove the job's working directory, and its directory if nothing else is left in it (an
-        attached job's, its outputs uploaded)."""
+        """Remove the job's working directory, its output directory if empty, and its directory if nothing
+        else is left in it (an attached job's, its outputs uploaded or none)."""
         shutil.rmtree(self.working_dir(job_id), ignore_errors=True)
-        with contextlib.suppress(OSError):  # not empty, or gone
-            self.path(job_id).rmdir()
+        for directory in (self.output_dir(job_id), self.path(job_id)):
+            with contextlib.suppress(OSError):  # not empty, or gone
+                directory.rmdir()
 
     def listed(self) -> list[str]:
         """The ids of the jobs that have a directory."""

@@ -39,6 +39,21 @@ def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
     return ended
 
 
+def remove_unrecorded(ledger: Ledger, files: JobFiles) -> list[str]:
+    """Remove the files of jobs whose maker died before their row was in the ledger (JobFiles.begin): no
+    row, so end_orphaned would never see them. Returns their ids."""
+    removed = []
+    for job_id, (pid, start) in files.unrecorded().items():
+        if procs.alive(pid, start):
+            continue
+        if ledger.get(job_id) is None:  # read after the maker's death: it can write none now
+            removed.append(job_id)
+            files.remove(job_id)
+        else:  # end_orphaned's to end, if it has not ended
+            files.recorded(job_id)
+    return removed
+
+
 def prune(ledger: Ledger, files: JobFiles, keep: float) -> list[str]:
     """Remove the jobs that ended more than `keep` seconds ago, their files with them; returns their ids."""
     removed = ledger.prune(time.time() - keep)

@@ -267,7 +267,8 @@ class DLServer(ForkingServer):
 
     def _sweep_once(self) -> None:
         """Kill what this server adopted; then, unless some of it will not die, clear the orphaned
-        grants of its dead connection processes; clear those of dead servers; end dead jobs' records."""
+        grants of its dead connection processes; clear those of dead servers; end dead jobs' records; remove
+        the files of jobs whose maker died before recording them."""
         ctx = self.context
         clean = procs.kill_until_gone(self._adopted, KILL_WAIT)  # each is reaped by _handle_sigchld
         if not clean:
@@ -282,6 +283,8 @@ class DLServer(ForkingServer):
         for record in sweep.end_orphaned(ctx.ledger, ctx.files):
             log.warning("job %s ended: %s", record.job_id, record.error)
             ctx.locks.wake_all()
+        for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files):
+            log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)
 
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that

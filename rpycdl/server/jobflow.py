@@ -93,6 +93,7 @@ class JobFlow:
         submitted), the flow of a detached job that its supervisor takes over."""
         self.context, self.request, self.link, self._on_end = context, request, link, on_end
         self.record = record or self.new_record(context, request)
+        self._unrecorded = record is None  # its files are made before its row (JobFiles.begin)
         self._place = place
         self.job: runner.JobProcess | None = None
         self.grant: Grant | None = None
@@ -117,6 +118,8 @@ class JobFlow:
         RpycdlError for a job that did not finish (timeout, cancel, crash, over its share)."""
         record = self.record
         try:
+            if self._unrecorded:
+                self.context.files.begin(record.job_id)
             self._env = jobdirs.prepare(self.context, record.job_id, self.request)  # before the GPUs: never waited for
             if self.request.body is not None:
                 self.job = self._job_process()
@@ -303,6 +306,8 @@ class JobFlow:
         else:
             self._judge(result.outcome)
         self.context.ledger.save(record)
+        if self._unrecorded:
+            self.context.files.recorded(record.job_id)
         saved = self._saver.close() if self._saver is not None else {}  # an upload under way ends first
         jobdirs.finish(self.context, record, saved)  # the GPUs are back, the end recorded: then the outputs go up
         self._on_end()

@@ -72,8 +72,9 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
         if existing is not None and not existing.state.finished and existing.name == checked.name:
             raise _duplicate(checked.name, existing)
     check_queue_limits(context, checked, record.job_id)
-    context.files.create(record.job_id, _spec(context, checked, container), checked.body)
+    context.files.begin(record.job_id)
     try:
+        context.files.create(record.job_id, _spec(context, checked, container), checked.body)
         jobdirs.prepare(context, record.job_id, checked)  # now: the cache may let its working directory go later
         place = context.locks.enqueue(need_of(context, record), queue_info(context, record, checked))
         try:
@@ -83,6 +84,7 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
         record.owner_pid, record.owner_start = procs.identify(pid)
         try:
             context.ledger.save(record)  # InvalidRequestError if a submission of the same name won the race
+            context.files.recorded(record.job_id)
             child.write_all(go, GO)
         finally:
             os.close(go)  # without GO, the supervisor leaves at once

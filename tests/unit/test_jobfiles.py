@@ -1,10 +1,11 @@
-"""A detached job's files (rpycdl.scheduler.jobfiles) on a real directory: results whole or not at all,
-logs with their cap and marker, the last lines of a log."""
+"""A job's files (rpycdl.scheduler.jobfiles) on a real directory: results whole or not at all, logs with
+their cap and marker, the last lines of a log, files whose maker died before recording them."""
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,9 @@ from hypothesis import strategies as st
 
 from rpycdl import defaults
 from rpycdl.gpu import sampler
-from rpycdl.scheduler.jobfiles import TAIL_CHUNK, JobFiles, LogWriter
+from rpycdl.scheduler import procs, sweep
+from rpycdl.scheduler.jobfiles import TAIL_CHUNK, UNRECORDED, JobFiles, LogWriter
+from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.server import supervisor
 
 
@@ -30,6 +33,31 @@ def test_a_jobs_files_come_and_go_together(tmp_path):
     assert files.listed() == []
     with pytest.raises(ValueError, match="bad job id"):
         files.path("../etc")
+
+
+def test_the_sweep_removes_only_what_a_dead_maker_left_unrecorded(tmp_path):
+    """Three jobs marked before their rows: one whose maker lives, one whose maker died with no row (its
+    files go), one whose maker died after its row was saved (its files are end_orphaned's: they stay)."""
+    ledger, files = Ledger(tmp_path), JobFiles(tmp_path)
+    assert files.unrecorded() == {}
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for job_id in ("alive1", "dead2", "saved3"):
+        files.begin(job_id)
+        files.output_dir(job_id).mkdir(parents=True)
+    for job_id in ("dead2", "saved3"):  # as if the dead process had marked them
+        marker = files.root / UNRECORDED / job_id
+        marker.write_text(f"{dead.pid} {procs.myself()[1]}")
+    ledger.save(JobRecord("saved3", "server", "client", 1))
+    assert sorted(files.unrecorded()) == ["alive1", "dead2", "saved3"]
+    assert sweep.remove_unrecorded(ledger, files) == ["dead2"]
+    assert sorted(files.listed()) == ["alive1", "saved3"] and list(files.unrecorded()) == ["alive1"]
+    files.recorded("alive1")
+    assert files.unrecorded() == {} and sweep.remove_unrecorded(ledger, files) == []
+    files.begin("gone4")
+    files.remove("gone4")  # a refused submission takes its mark with it
+    assert files.unrecorded() == {}
+    ledger.close()
 
 
 def test_a_log_keeps_its_limit_and_says_where_it_stopped(tmp_path):
