@@ -6,7 +6,8 @@ by all) and `members.json` (the checked members, with their own modes). A job's
 copy is made from them file by file with rpycdl.artifacts.files.clone: on a filesystem with reflinks
 (XFS, btrfs) it shares the cache's blocks until the job writes, and costs milliseconds whatever the size;
 elsewhere (ext4) it is a copy in the kernel. A copy holds its entry with a shared flock, which an
-eviction must take exclusively, so an entry is never removed under a copy."""
+eviction must take exclusively, so an entry is never removed under a copy; a receiver holds its
+temporary entry exclusively, so that the next eviction removes what a killed receiver left."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import re
 import secrets
 import shutil
 import tarfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,9 +30,6 @@ from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler.lockdir import shared_dir
 
 DIGEST = re.compile(r"[0-9a-f]{64}")
-
-STALE = 3600.0
-"""Seconds after which an entry left half received (its receiver killed) is removed."""
 
 MEMBERS = "members.json"
 
@@ -88,8 +85,8 @@ class WorkdirCache:
         if digest is not None:
             self._path(digest)
         hashed = content_hash()
-        temporary = self.root / f".{os.getpid()}.{secrets.token_hex(8)}.tmp"
-        (temporary / "tree").mkdir(mode=0o755, parents=True)
+        temporary, held = self._new_entry()
+        (temporary / "tree").mkdir(mode=0o755)
         unpacker = Unpacker(temporary / "tree", limit)
         try:
             def sink(piece: memoryview) -> None:
@@ -111,8 +108,25 @@ class WorkdirCache:
         finally:
             unpacker.close()
             shutil.rmtree(temporary, ignore_errors=True)
+            os.close(held)
         self._evict(keep=path)
         return path.name
+
+    def _new_entry(self) -> tuple[Path, int]:
+        """A new temporary entry and a descriptor holding it exclusively while it is filled: an eviction
+        removes a temporary entry that nobody holds (its receiver died) at once."""
+        while True:  # again if an eviction took it for a dead receiver's in the moment before it was held
+            temporary = self.root / f".{secrets.token_hex(8)}.tmp"
+            temporary.mkdir(mode=0o755)
+            try:
+                held = os.open(temporary, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue
+            fcntl.flock(held, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(temporary).st_ino == os.fstat(held).st_ino:
+                    return temporary, held
+            os.close(held)
 
     @contextlib.contextmanager
     def _held(self, digest: str) -> Iterator[tuple[Path, list[Member]]]:
@@ -162,9 +176,10 @@ class WorkdirCache:
                 elif DIGEST.fullmatch(entry.name):
                     size = sum(member.size for member in _members(entry))
                     entries.append(((entry / MEMBERS).stat().st_mtime, size, entry))
-                elif entry.name.endswith(".gone") or \
-                        entry.name.endswith(".tmp") and entry.stat().st_mtime < time.time() - STALE:
-                    shutil.rmtree(entry)  # its remover or its receiver was killed
+                elif entry.name.endswith(".gone"):
+                    shutil.rmtree(entry)  # its remover was killed
+                elif entry.name.endswith(".tmp"):
+                    self._remove(entry)  # unless its receiver lives (and holds it)
         total = sum(size for _, size, _ in entries)
         for _, size, entry in sorted(entries):
             if total <= self.max_bytes:
@@ -173,7 +188,7 @@ class WorkdirCache:
                 total -= size
 
     def _remove(self, entry: Path) -> bool:
-        """Remove `entry` unless a copy holds it; whether it went."""
+        """Remove `entry` unless a copy or its receiver holds it; whether it went."""
         try:
             fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:

@@ -7,7 +7,9 @@ import io
 import multiprocessing
 import os
 import re
+import signal
 import tarfile
+import time
 from pathlib import Path
 
 import blake3
@@ -285,15 +287,43 @@ def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
 
     with pytest.raises(EOFError):
         cache.receive(cut, MiB)
-    stale = cache.root / ".1.dead.tmp"  # what a receiver killed meanwhile left
-    (stale / "tree").mkdir(parents=True)
-    os.utime(stale, (1, 1))
+    (cache.root / ".dead.tmp" / "tree").mkdir(parents=True)  # what a receiver killed meanwhile left
     (cache.root / ".dead.gone").mkdir()  # and a remover
     older = cache.root / ("a" * 64)  # an archive an older rpycdl kept: not an entry
     older.write_bytes(packed.data)
     assert not cache.has(older.name)
     cache.put(packed.digest, packed.data, MiB)
     assert [path.name for path in cache.root.iterdir()] == [packed.digest]
+
+
+def _receive_until_killed(root: str, data: bytes) -> None:
+    """In a process of its own: receive the first half of `data`, then wait to be killed."""
+    def fill(sink):
+        sink(memoryview(data)[:len(data) // 2])
+        time.sleep(60)
+
+    workdircache.WorkdirCache(root, 10 * MiB).receive(fill, 10 * MiB)
+
+
+def test_a_receivers_half_entry_stays_while_it_lives_and_goes_once_it_is_killed(tmp_path):
+    cache = workdircache.WorkdirCache(tmp_path / "cache", 10 * MiB)
+    (project(tmp_path / "p1") / "extra").write_text("1")
+    packs = [workdir.pack(project(tmp_path / "p0"), MiB), workdir.pack(tmp_path / "p1", MiB)]
+    receiver = multiprocessing.get_context("fork").Process(target=_receive_until_killed,
+                                                           args=(str(cache.root), packs[0].data))
+    receiver.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (half := [entry for entry in cache.root.iterdir() if (entry / "tree").is_dir()]):
+            assert time.monotonic() < deadline, "the receiver made no entry"
+            time.sleep(0.01)
+        cache.put(packs[1].digest, packs[1].data, MiB)  # an eviction runs: a live receiver's entry stays
+        assert all(entry.is_dir() for entry in half)
+    finally:
+        os.kill(receiver.pid, signal.SIGKILL)
+        receiver.join()
+    cache.put(packs[0].digest, packs[0].data, MiB)  # the next eviction: at once, not after an hour
+    assert sorted(path.name for path in cache.root.iterdir()) == sorted(pack.digest for pack in packs)
 
 
 def _put(root: str, data: bytes) -> None:
