@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import random
+import re
 import select
 import signal
 import sqlite3
@@ -81,6 +82,7 @@ class ChaosSettings:
     users: int = 1  # clients connect as one of this many users (fair share orders them)
     queue_timeout: float = 3.0
     detached: float = 0.3  # the share of requests submitted as detached jobs
+    working_dir: float = 0.3  # the share of requests that bring a working directory (one of WORKING_DIRS)
     hold: tuple[float, float] = (0.02, 0.25)  # seconds a job runs
     children: tuple[int, int] = (1, 2)  # children a job starts
     kill_every: tuple[float, float] = (0.02, 0.08)  # seconds between the killer's actions
@@ -261,8 +263,9 @@ def take_inbox(inbox: str) -> list[Report]:
 def make_job() -> Callable[[dict[str, Any]], str]:
     """The job every client sends (built in a function so that dill sends its code, not a reference).
 
-    It writes its report to args["reports"] (linked into each of args["inboxes"] first), starts
-    args["children"] by exec, sleeps args["hold"] seconds and returns its job id."""
+    It writes its report to args["reports"] (linked into each of args["inboxes"] first), and what it found
+    of its working directory if it has one, starts args["children"] by exec, sleeps args["hold"] seconds and
+    returns its job id."""
 
     def job(args: dict[str, Any]) -> str:
         import json
@@ -287,6 +290,9 @@ def make_job() -> Callable[[dict[str, Any]], str]:
         for inbox in args["inboxes"]:
             os.link(tmp, os.path.join(inbox, f"{job_id}.json"))
         os.replace(tmp, os.path.join(args["reports"], f"{job_id}.json"))
+        if "RPYCDL_WORKING_DIR" in os.environ:  # its copy of the project, whole: what it holds goes to the test
+            with open(os.path.join(args["reports"], f"{job_id}.workdir"), "w") as mark:
+                mark.write(f"{os.path.getsize('data.bin')} {__import__('train').PROJECT}")
         for argv in args["children"]:
             subprocess.Popen([sys.executable if arg == "{python}" else arg for arg in argv], stdin=subprocess.DEVNULL)
         time.sleep(args["hold"])
@@ -311,6 +317,8 @@ def client_main(run_dir: str, seed: int) -> None:
                 conn.root.identify(f"user{rng.randrange(config['users'])}")
             try:
                 request = {"queue_timeout": config["queue_timeout"], **rng.choice(config["requests"])}
+                if rng.random() < config["working_dir"]:
+                    request["working_dir"] = rng.choice(config["working_dirs"])
                 if rng.random() < config["detached"]:
                     submitted = conn.root.submit(job, _job_args(config, rng), **request)
                     Path(run_dir, "submitted", submitted.id).touch()  # its id came back: it must end recorded
@@ -328,6 +336,21 @@ def client_main(run_dir: str, seed: int) -> None:
             if conn is not None and conn.closed:
                 conn = None
             log.write(f"{outcome}\n")
+
+
+WORKING_DIRS = 3
+"""Working directories the clients choose from: each is sent once per server's cache, then named."""
+
+
+def make_working_dirs(root: Path) -> list[str]:
+    """The working directories a run's clients send: a module and 1 MiB of data each."""
+    made = []
+    for number in range(WORKING_DIRS):
+        made.append(str(root / f"project{number}"))
+        Path(made[-1]).mkdir(parents=True)
+        Path(made[-1], "train.py").write_text(f"PROJECT = {number}\n")
+        Path(made[-1], "data.bin").write_bytes(os.urandom(2**20))
+    return made
 
 
 def _job_args(config: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -975,7 +998,34 @@ def live_records(lock_dir: Path) -> list[str]:
     return [describe_row(row) for row in ledger_rows(lock_dir, LIVE)]
 
 
-LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files")
+LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files", "job_files")
+
+
+def job_files_leftovers(lock_dir: Path) -> list[str]:
+    """What the state directory keeps of jobs that ended, or never were recorded: a job directory
+    without a row, a working or output directory of an ended job (chaos jobs leave no outputs), a
+    mark of files made before a row (jobs/.unrecorded) whose maker is dead."""
+    jobs = lock_dir / "state" / "jobs"
+    rows = {row["job_id"]: row for row in ledger_rows(lock_dir)}  # read before the files they judge
+    found = []
+    for entry in sorted(jobs.iterdir()) if jobs.is_dir() else ():
+        row = rows.get(entry.name)
+        if entry.name.isalnum() and row is None:
+            maker = jobs / ".unrecorded" / entry.name
+            with contextlib.suppress(OSError, ValueError):
+                pid, start = map(int, maker.read_text().split())
+                if alive(read_stat(pid), start):
+                    continue  # being made; its row comes
+            found.append(f"{entry.name}/ without a row: {sorted(os.listdir(entry))}")
+        elif row is not None and row["state"] not in ("PENDING", "RUNNING"):
+            found += [f"{entry.name}/{name} of a job {row['state']}" for name in ("work", "output")
+                      if (entry / name).exists()]
+    for mark in sorted((jobs / ".unrecorded").glob("[!.]*")):
+        with contextlib.suppress(OSError, ValueError):
+            pid, start = map(int, mark.read_text().split())
+            if not alive(read_stat(pid), start):
+                found.append(f".unrecorded/{mark.name} of dead process {pid}")
+    return found
 
 
 def lock_dir_records(directory: Path) -> dict[str, dict[str, Any]]:
@@ -1012,10 +1062,10 @@ def lock_holders(lock_dir: Path) -> dict[int, list[str]]:
 def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: float) -> Leftovers:
     """What jobs that ended or lost their owner still hold: a held/ record or a GPU lock whose job has no
     live process, a queue entry whose waiter is gone, a row PENDING or RUNNING whose owner (connection
-    process or supervisor) is dead, a process of a job whose row has ended. Each is read after what it
-    is judged by (a row before the processes it ended, processes before the records they free, an
-    owner's death before its row, held/ both before and after the locks), so a job that ends during the
-    look is not taken for one that had."""
+    process or supervisor) is dead, a process of a job whose row has ended, files (job_files_leftovers).
+    Each is read after what it is judged by (a row before the processes it ended, processes before the
+    records they free, an owner's death before its row, held/ both before and after the locks, rows
+    before files), so a job that ends during the look is not taken for one that had."""
     found = Leftovers(time.time() - since)
     rows = {row["job_id"]: row for row in ledger_rows(lock_dir)}
     unfinished = {job for job, row in rows.items() if row["state"] in ("PENDING", "RUNNING")}
@@ -1041,6 +1091,7 @@ def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: 
     found.queue_files = [f"{name} (job {entry.get('job_id')})" for name, entry in lock_dir_records(queue).items()
                          if not fifo_read(queue / name.replace(".json", ".fifo"))]
     found.records = [describe_row(row) for row in ledger_rows(lock_dir, LIVE) if row["job_id"] in orphaned]
+    found.job_files = job_files_leftovers(lock_dir)
     return found
 
 
@@ -1066,6 +1117,7 @@ class Leftovers:
     records: list[str] = field(default_factory=list)
     held_files: list[str] = field(default_factory=list)
     queue_files: list[str] = field(default_factory=list)
+    job_files: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, kind) for kind in LEFTOVER_KINDS)
@@ -1075,7 +1127,7 @@ class Leftovers:
             ("GPU holders (gpu_status)", self.holders), ("queue (gpu_status)", self.queue),
             ("locked GPU lock files", self.locked), ("job processes", self.processes),
             ("job records pending/running", self.records), ("held/ records", self.held_files),
-            ("queue/ entries", self.queue_files)) if items]
+            ("queue/ entries", self.queue_files), ("job files", self.job_files)) if items]
         return f"{self.after:.3f} s after: " + ("; ".join(parts) or "nothing left")
 
 
@@ -1104,6 +1156,7 @@ class EndCheck:
         found.records = live_records(self.lock_dir)
         found.held_files = lock_dir_entries(self.lock_dir / "held")
         found.queue_files = lock_dir_entries(self.lock_dir / "queue")
+        found.job_files = job_files_leftovers(self.lock_dir)
         return found
 
     def _status(self, port: int) -> dict[str, Any] | None:
@@ -1165,6 +1218,7 @@ class ChaosResult:
     submitted: set[str]  # ids of detached jobs whose submit returned
     twice: list[str]  # jobs that ran more than once
     job_files: Path  # the state directory's jobs/
+    working_dirs: dict[str, str]  # what jobs that brought a working directory found in it (make_job)
 
     def problems(self) -> list[str]:
         """Broken promises, each with its figures."""
@@ -1187,6 +1241,11 @@ class ChaosResult:
         for ending in (self.after_kill, self.ending):
             if ending.late is not None:
                 found.append(f"promise 3: {GRACE:g} s on, still {ending.describe()}: {ending.late.describe()}")
+        broken = {job: seen for job, seen in self.working_dirs.items()
+                  if not re.fullmatch(rf"{2**20} [0-{WORKING_DIRS - 1}]", seen)}
+        if broken:
+            found.append(f"{len(broken)} job(s) found their working directory broken (data.bin's size, the "
+                         f"project): {sorted(broken.items())[:10]}")
         return found + self.lost()
 
     def lost(self) -> list[str]:
@@ -1213,6 +1272,8 @@ class ChaosResult:
         missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not self.kills[kind]]
         if len(self.submitted) < 10:
             missing.append(f"only {len(self.submitted)} detached jobs were submitted")
+        if len(self.working_dirs) < 10:
+            missing.append(f"only {len(self.working_dirs)} jobs ran in a working directory")
         if not self.observer.get("shared_at_once"):
             missing.append("the observer never saw two shares on one GPU at once")
         median = self.observer.get("period_ms", {}).get("p50", 0.0) / 1000
@@ -1288,7 +1349,8 @@ class ChaosResult:
             f"(client outcomes: {dict(self.outcomes.most_common())})",
             f"kills: {dict(sorted(self.kills.items()))}; server restarts: {restarts}",
             f"detached jobs: {len(self.submitted)} submitted, ended "
-            f"{dict(Counter(self.records[job]['state'] for job in self.submitted if job in self.records))}",
+            f"{dict(Counter(self.records[job]['state'] for job in self.submitted if job in self.records))}; "
+            f"{len(self.working_dirs)} jobs ran in a working directory",
             f"observer: {self.observer.get('loops', 0)} looks, period mean {period.get('mean', 0):.2f} ms, "
             f"p50 {period.get('p50', 0):.2f} ms, p99 {period.get('p99', 0):.2f} ms, max {period.get('max', 0):.1f} ms; "
             f"jobs seen {self.observer.get('jobs', 0)}, most job processes at once "
@@ -1320,7 +1382,8 @@ class Chaos:
             "reports": str(run_dir / "reports"), "inboxes": [str(run_dir / "inbox-observer"),
                                                              str(run_dir / "inbox-killer")],
             "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "detached": settings.detached,
-            "hold": settings.hold, "users": settings.users,
+            "hold": settings.hold, "users": settings.users, "working_dir": settings.working_dir,
+            "working_dirs": make_working_dirs(run_dir / "working-dirs"),
             "children": settings.children, "requests": settings.requests}))
         self.servers = Servers(cluster, run_dir / "ports.json", settings)
         self.clients = Clients(run_dir, self.rng.randrange(1 << 30))
@@ -1375,7 +1438,8 @@ class Chaos:
                            after_kill, ending, {row["job_id"]: row for row in ledger_rows(self.lock_dir)},
                            self.status.late(observed.get("ended", {})), len(self.status.samples),
                            set(os.listdir(self.run_dir / "submitted")), sorted(p.stem for p in reports.glob("*.twice")),
-                           self.lock_dir / "state" / "jobs")
+                           self.lock_dir / "state" / "jobs",
+                           {path.stem: path.read_text() for path in reports.glob("*.workdir")})
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:

@@ -61,7 +61,8 @@ def _identity(process: subprocess.Popen[Any]) -> list[int]:
 def test_the_end_check_finds_what_dead_jobs_left_and_only_that(tmp_path):
     """dead_jobs_leftovers, against a lock directory and a ledger with one live job and one leftover of
     each kind: a held/ record of a job with no process, a lock held with no record, a queue entry whose
-    waiter is gone, a RUNNING row whose owner died, a process of a job whose row has ended."""
+    waiter is gone, a RUNNING row whose owner died, a process of a job whose row has ended, the working
+    directory of an ended job, a job directory with no row, the mark of files made by a dead process."""
     token = "chaos-test-token"
     for sub in ("gpus", "held", "queue", "reports"):
         (tmp_path / sub).mkdir()
@@ -92,8 +93,14 @@ def test_the_end_check_finds_what_dead_jobs_left_and_only_that(tmp_path):
                                 ("ended", JobState.SUCCEEDED, gone)):
             ledger.save(JobRecord(job, "server", "client", 1, state=state, owner_pid=who[0], owner_start=who[1]))
         ledger.close()
+        jobs = tmp_path / "state" / "jobs"
+        for kept in ("alive/work", "ended/result", "ended/work", "stray/spec.json", ".unrecorded/stray"):
+            (jobs / kept).parent.mkdir(parents=True, exist_ok=True)
+            (jobs / kept).write_text(f"{gone[0]} {gone[1]}")
 
         found = dead_jobs_leftovers(tmp_path, tmp_path / "reports", token.encode(), time.time())
+        assert found.job_files == ["ended/work of a job SUCCEEDED", "stray/ without a row: ['spec.json']",
+                                   f".unrecorded/stray of dead process {gone[0]}"]
         assert found.held_files == ["GPU-000000000001.2.json (job gone)"]
         assert found.locked == [f"GPU 2 locked by pid {stray.pid} (python) for no held/ record"]
         assert found.queue_files == ["0000000000000001.json (job waited)"]
