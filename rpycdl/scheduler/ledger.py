@@ -366,8 +366,9 @@ def _one(db: sqlite3.Connection, where: str, *params: Any) -> JobRecord | None:
 
 
 def _holds(entry: Path) -> bool:
-    """Whether an entry of a state directory holds anything: a file, or a directory not empty."""
-    return entry.is_symlink() or not entry.is_dir() or any(entry.iterdir())
+    """Whether an entry of a state directory holds anything: a file, or a directory holding one (jobs/
+    keeps jobs/.unrecorded, empty, once all its jobs are gone)."""
+    return entry.is_symlink() or not entry.is_dir() or any(_holds(inner) for inner in entry.iterdir())
 
 
 _LEDGERS: weakref.WeakSet[Ledger] = weakref.WeakSet()

@@ -213,7 +213,7 @@ def test_a_missing_ledger_is_never_started_over_a_history(tmp_path):
     assert str(state / Ledger.FILE) in str(refused.value)
     assert not (state / Ledger.FILE).exists()
     empty = tmp_path / "empty"
-    (empty / "jobs").mkdir(parents=True)  # directories with nothing in them are no history
+    (empty / "jobs" / ".unrecorded").mkdir(parents=True)  # directories with nothing in them are no history
     assert Ledger(empty).count() == 0
 
 
