@@ -30,11 +30,19 @@ its size or its times (ctime cannot be set from user space), so an identity unch
 unchanged, but within one tick of the kernel's clock, or through a shared mapping not yet synced."""
 
 
+BAD_CHARACTERS = "\n\r\0"
+"""Characters no name of a job's file may hold (they would break a line of a listing or a C string)."""
+
+
+def plain_relative(name: str, bad: str = BAD_CHARACTERS) -> bool:
+    """Whether `name` is a relative POSIX path without empty, '.' or '..' components, nor any of `bad`."""
+    return all(part not in ("", ".", "..") and not any(c in part for c in bad) for part in name.split("/"))
+
+
 def check_name(name: Any) -> str:
     """`name` if it can name an artifact: a relative POSIX path without empty, '.' or '..' components, NUL,
     newlines or backslashes; else InvalidRequestError naming it."""
-    parts = name.split("/") if isinstance(name, str) else [""]
-    if any(part in ("", ".", "..") or any(c in part for c in "\0\n\r\\") for part in parts):
+    if not isinstance(name, str) or not plain_relative(name, BAD_CHARACTERS + "\\"):
         raise InvalidRequestError(f"not an artifact's name: {name!r} (a relative path without empty, '.' or '..' "
                                   "components, NUL, newlines or backslashes)")
     return name

@@ -10,13 +10,12 @@ refused."""
 from __future__ import annotations
 
 import os
-import posixpath
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rpycdl.artifacts.files import preallocate, start_writeback, write_all
-from rpycdl.artifacts.workdir import BAD_CHARACTERS, MAX_MEMBERS, escapes
+from rpycdl.artifacts.files import plain_relative, preallocate, start_writeback, write_all
+from rpycdl.artifacts.workdir import MAX_MEMBERS, escapes
 from rpycdl.errors import InvalidRequestError
 
 PAX_MAX = 64 * 1024
@@ -145,8 +144,7 @@ class Unpacker:
         name = member.name
         if len(self.members) >= MAX_MEMBERS:
             raise InvalidRequestError(f"the working directory has more than {MAX_MEMBERS} entries")
-        if any(character in name for character in BAD_CHARACTERS) or posixpath.isabs(name) or \
-                name in ("", ".") or posixpath.normpath(name) != name or ".." in name.split("/"):
+        if not plain_relative(name):
             raise InvalidRequestError(f"the working directory's entry {name!r} is not a plain relative name")
         if name in self._names:
             raise InvalidRequestError(f"the working directory's entry {name!r} appears twice")

@@ -28,7 +28,7 @@ from typing import Any
 import blake3
 import pathspec
 
-from rpycdl.artifacts.files import Identity, identity
+from rpycdl.artifacts.files import BAD_CHARACTERS, Identity, identity
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.units import format_size
 
@@ -39,8 +39,6 @@ ALWAYS_IGNORED = (".git/", "__pycache__/")
 
 MAX_MEMBERS = 100_000
 """Most entries a working directory may have."""
-
-BAD_CHARACTERS = ("\n", "\r", "\0")
 
 PIECE = 1024**2
 """Bytes read, hashed and sent at a time: one buffer, reused, small enough to stay in the CPU's caches."""

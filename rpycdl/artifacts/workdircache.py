@@ -119,7 +119,7 @@ class WorkdirCache:
             temporary = self.root / f".{secrets.token_hex(8)}.tmp"
             temporary.mkdir(mode=0o755)
             try:
-                held = os.open(temporary, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                held = _open_dir(temporary)
             except FileNotFoundError:
                 continue
             fcntl.flock(held, fcntl.LOCK_EX)
@@ -134,7 +134,7 @@ class WorkdirCache:
         or evicted)."""
         path = self._path(digest)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fd = _open_dir(path)
         except FileNotFoundError:
             raise KeyError(digest) from None
         try:
@@ -190,7 +190,7 @@ class WorkdirCache:
     def _remove(self, entry: Path) -> bool:
         """Remove `entry` unless a copy or its receiver holds it; whether it went."""
         try:
-            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fd = _open_dir(entry)
         except OSError:
             return False
         try:
@@ -203,6 +203,11 @@ class WorkdirCache:
             os.close(fd)
         shutil.rmtree(gone, ignore_errors=True)
         return True
+
+
+def _open_dir(path: Path) -> int:
+    """A descriptor of the directory `path` (not a link to one), to flock it by."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
 
 
 def _members(entry: Path) -> list[Member]:
