@@ -16,14 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def test_a_script_next_to_the_clone_imports_the_installed_rpycdl(tmp_path):
-    """~/work/rpycdl is the clone, ~/work/myscript.py does `import rpycdl`: the clone's root, a directory named
-    rpycdl on sys.path (the script's own directory), must not shadow the editable install as an empty
-    namespace package ("module 'rpycdl' has no attribute 'connect'")."""
+@pytest.fixture(scope="module")
+def beside_clone(tmp_path_factory) -> tuple[Path, Path]:
+    """~/work/rpycdl is the clone, installed the quick start's way (scripts/common.sh's install_editable, in
+    a venv of its own); scripts go in ~/work. Returns that directory and the venv's python."""
+    tmp_path = tmp_path_factory.mktemp("beside-clone")
     work = tmp_path / "work"
     work.mkdir()
     (work / "rpycdl").symlink_to(REPO, target_is_directory=True)
-    (work / "myscript.py").write_text("import rpycdl\nprint(rpycdl.__file__, rpycdl.connect.__name__)\n")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -38,11 +38,52 @@ def test_a_script_next_to_the_clone_imports_the_installed_rpycdl(tmp_path):
     if install.returncode and "satisfies the requirement setuptools" in install.stderr:
         pytest.skip(f"no package index to build the install from: {install.stderr.strip().splitlines()[-1]}")
     assert install.returncode == 0, install.stderr
-    ran = subprocess.run([str(python), "myscript.py"], cwd=work, capture_output=True, text=True, timeout=60,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    return work, python
+
+
+def run_beside(beside_clone: tuple[Path, Path], script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `script` as ~/work/myscript.py with the editable install's python."""
+    work, python = beside_clone
+    (work / "myscript.py").write_text(script)
+    return subprocess.run([str(python), "myscript.py", *args], cwd=work, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+
+
+def test_a_script_next_to_the_clone_imports_the_installed_rpycdl(beside_clone):
+    """A directory named rpycdl on sys.path (the clone's root, beside the script) must not shadow the editable
+    install as an empty namespace package ("module 'rpycdl' has no attribute 'connect'")."""
+    ran = run_beside(beside_clone, "import rpycdl\nprint(rpycdl.__file__, rpycdl.connect.__name__)\n")
     assert ran.returncode == 0, ran.stderr
     where, connect = ran.stdout.split()
     assert Path(where).resolve() == REPO / "rpycdl" / "__init__.py" and connect == "connect", ran.stdout
+
+
+CHECKPOINTING = """
+import sys
+import rpycdl
+
+def train(steps):
+    out = rpycdl.output_dir()
+    with open(f"{out}/ckpt.txt", "w") as ckpt:
+        ckpt.write(f"{steps} steps")
+    return rpycdl.save_artifact(f"{out}/ckpt.txt"), steps
+
+with rpycdl.connect(host="127.0.0.1", port=int(sys.argv[1])) as conn:
+    print(*conn.root.run_code(train, 3))
+    job = conn.root.submit(train, 4)
+    print(*job.result(timeout=60))
+    job.download(sys.argv[2])
+"""
+
+
+def test_a_function_using_the_scripts_top_level_import_of_an_editable_rpycdl_runs(beside_clone, server, tmp_path):
+    """The README's checkpoint example's shape, from a script beside the clone: `train` uses the module `rpycdl`
+    of the script's globals. dill copies a module whose file is outside the interpreter's prefix (an editable
+    install's) by value, ctypes and all, and failed; rpycdl.wire.codec names every imported module."""
+    ran = run_beside(beside_clone, CHECKPOINTING, str(server("pytorch", "fake:1")), str(tmp_path / "got"))
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["ckpt.txt 3", "ckpt.txt 4"], ran.stdout
+    assert (tmp_path / "got" / "ckpt.txt").read_text() == "4 steps"
 
 
 CLIENT_DEPENDENCIES = ("rpyc", "plumbum", "dill", "pathspec", "tqdm", "blake3", "tomli")

@@ -16,13 +16,16 @@ and read-only flag of each, in order) is all a receiver needs to allocate them.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import io
 import pickle
 import pickletools
 import sys
 import traceback
+import types
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 import dill
 
@@ -42,14 +45,29 @@ Layout = tuple[tuple[int, bool], ...]
 
 
 class _Pickler(dill.Pickler):
-    """dill's pickler, offering large bytes, bytearrays and NumPy arrays to the buffer callback.
+    """dill's pickler, naming every imported module instead of copying it, and (out of band) offering
+    large bytes, bytearrays and NumPy arrays to the buffer callback.
+
+    dill copies a module's namespace when its file lies outside the interpreter's prefix, as an editable
+    install's does (`pip install -e`): a function using a top-level `import rpycdl` then dragged rpycdl's
+    whole namespace, ctypes included, into its pickle and failed. A module imported by name is named, as
+    an installed one is, whatever its file: the server imports its own copy (the only way it ever worked,
+    since dill imports the module before restoring a copied namespace into it).
 
     Protocol 5 alone pickles bytes and bytearrays in band, and dill pickles every NumPy array
     through its `__reduce__` (a copy of its data as bytes); an array's `__reduce_ex__(5)` gives a
     PickleBuffer of its memory instead (a copy only if it is not contiguous)."""
 
+    def __init__(self, file: IO[bytes], out_of_band: bool, **options: Any) -> None:
+        super().__init__(file, recurse=True, **options)
+        self._out_of_band = out_of_band
+
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
+        if kind is types.ModuleType and obj.__name__ != "__main__" and sys.modules.get(obj.__name__) is obj:
+            return importlib.import_module, (obj.__name__,)
+        if not self._out_of_band:
+            return NotImplemented
         if kind in (bytes, bytearray) and len(obj) >= OUT_OF_BAND_MIN:
             return kind, (pickle.PickleBuffer(obj),)  # bytes(buffer) is the buffer itself when it is bytes
         numpy = sys.modules.get("numpy")  # never imported here: an array means NumPy is loaded
@@ -64,8 +82,10 @@ def dumps(obj: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.Pickl
     Returns:
         The pickle, and the buffers it refers to, to be passed in order to loads().
     """
+    file = io.BytesIO()
     if not out_of_band:
-        return dill.dumps(obj, recurse=True), []
+        _Pickler(file, False).dump(obj)
+        return file.getvalue(), []
     buffers: list[pickle.PickleBuffer] = []
 
     def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
@@ -79,8 +99,7 @@ def dumps(obj: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.Pickl
             return False
         return True
 
-    file = io.BytesIO()
-    _Pickler(file, protocol=5, buffer_callback=keep_in_band, recurse=True).dump(obj)
+    _Pickler(file, True, protocol=5, buffer_callback=keep_in_band).dump(obj)
     return file.getvalue(), buffers
 
 
@@ -128,8 +147,51 @@ def encode_call(fn: Any, args: Any, out_of_band: bool = True) -> tuple[bytes, li
         raise InvalidRequestError(f"fn must be a callable or dill bytes of one, not {type(fn).__name__}")
     if fn_is_dill:
         check_pickle(bytes(fn), "fn")  # refuse unreadable dill bytes here, not after waiting for GPUs
-    body, buffers = dumps((bytes(fn) if fn_is_dill else fn, args, fn_is_dill), out_of_band)
+    try:
+        body, buffers = dumps((bytes(fn) if fn_is_dill else fn, args, fn_is_dill), out_of_band)
+    except MemoryError:
+        raise
+    except Exception as exc:  # one line naming what could not be pickled, not dill's frames
+        raise InvalidRequestError(_unsendable(fn, args, exc)) from None
     return MAGIC + bytes(PYTHON) + body, buffers
+
+
+def _unsendable(fn: Any, args: Any, exc: Exception) -> str:
+    """Why a call cannot be pickled: the first of fn's globals, closure variables and defaults, or the
+    argument, that cannot be pickled alone, and what to do instead."""
+    code = getattr(fn, "__code__", None)
+    parts: list[tuple[str, Any]] = []
+    if isinstance(code, types.CodeType):
+        names = _global_names(code)
+        parts += [(f"{fn.__name__}'s global {name!r}", fn.__globals__[name]) for name in names
+                  if name in fn.__globals__]
+        for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+            with contextlib.suppress(ValueError):  # a variable not assigned yet
+                parts.append((f"{fn.__name__}'s variable {name!r}", cell.cell_contents))
+        parts += [(f"{fn.__name__}'s default argument", value) for value in fn.__defaults__ or ()]
+    else:
+        parts.append(("the callable", fn))
+    for what, value in [*parts, ("the argument", args)]:
+        try:
+            dumps(value)
+        except Exception as part_exc:
+            fix = ("pass plain data (numbers, strings, lists, dicts, arrays)" if what == "the argument" else
+                   "create or import it inside the function, or pass what the function needs as its argument")
+            return f"{what} ({type(value).__name__}) cannot be sent: {_first_line(part_exc)}; {fix}"
+    return f"the call cannot be sent: {_first_line(exc)}"
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    """The names `code` and the functions defined in it look up, in order, each once."""
+    names = dict.fromkeys(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(dict.fromkeys(_global_names(const)))
+    return list(names)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def encode_payload(fn: Any, args: Any) -> bytes:

@@ -69,3 +69,40 @@ def test_plain_data_a_server_answers_with_decodes_like_any_value():
              "raw": b"\x00\xff", "ok": True}]
     assert codec.decode_outcome(codec.encode_data(rows)) == rows
     assert codec.succeeded(codec.encode_data(rows))
+
+
+def test_an_imported_module_travels_by_name_wherever_its_file_lies(tmp_path, monkeypatch):
+    """dill copies the namespace of a module whose file lies outside the interpreter's prefix (an editable
+    install's); a namespace holding what cannot be pickled then made the call fail. Named, it is the
+    receiver's own module."""
+    (tmp_path / "editable_thing.py").write_text("import ctypes\nPROTOTYPE = ctypes.CFUNCTYPE(ctypes.c_int)\n"
+                                                "def answer():\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import editable_thing
+
+    payload = codec.encode_payload(lambda args: editable_thing.answer() + args, 0)
+    assert b"PROTOTYPE" not in payload
+    fn, args = codec.load_call(codec.check_payload(payload))
+    assert fn(args) == 42 and fn.__closure__[0].cell_contents is editable_thing
+
+
+def _sqlite_user():
+    import sqlite3
+
+    db = sqlite3.connect(":memory:")
+
+    def query(args):
+        return db.execute(args).fetchone()
+
+    return query
+
+
+@pytest.mark.parametrize(("fn", "args", "refusal"), [
+    (_sqlite_user(), "SELECT 1", r"^query's variable 'db' \(Connection\) cannot be sent: cannot pickle "
+                                 r"'sqlite3.Connection' object; create or import it inside the function"),
+    (lambda args: args, (n for n in range(2)), r"^the argument \(generator\) cannot be sent: .*; pass plain data"),
+])
+def test_a_call_that_cannot_be_pickled_is_refused_in_one_line_naming_the_culprit(fn, args, refusal):
+    with pytest.raises(InvalidRequestError, match=refusal) as refused:
+        codec.encode_call(fn, args)
+    assert "\n" not in str(refused.value) and refused.value.__cause__ is None
