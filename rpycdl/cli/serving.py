@@ -8,10 +8,7 @@ import errno
 import logging
 import os
 import socket
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 from rpycdl import registry
 from rpycdl.cli.common import EXIT_FAILED, EXIT_USAGE, Command, os_error
@@ -41,13 +38,11 @@ from rpycdl.defaults import (
     lock_dir,
     state_dir,
 )
-from rpycdl.errors import InvalidRequestError, NoInventoryError, RpycdlError, require_extra
+from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.scheduler.fairshare import FairShare, read_settings
 from rpycdl.scheduler.planning import PACK, PLACEMENTS
 from rpycdl.scheduler.policies import FAIR, FCFS, POLICIES, Scheduling
 from rpycdl.units import format_duration, format_size, parse_duration, parse_size
-
-REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def add_commands(command: Command) -> None:
@@ -60,14 +55,17 @@ def add_commands(command: Command) -> None:
     reg.add_argument("--port", type=int, default=REGISTRY_PORT, help="UDP port (default: %(default)s)")
 
     _add_serve(command)
-    demo = command("demo", "start a local registry and server and run the example client",
-                   "Start a registry and a PyTorch server on loopback (the real GPUs through NVML if there are "
-                   "any, else a simulated fake:2 inventory), run an example client against them with its output "
-                   "shown, then stop everything. Ctrl-C stops it all.")
+    demo = command("demo", "start a local registry and server and run an example client",
+                   "Start a registry, a PyTorch server and its monitor on loopback (the real GPUs through NVML if "
+                   "there are any, else a simulated fake:2 inventory), run an example client against them with its "
+                   "output shown, stop everything, and say what to try next. With --keep, run no client (unless "
+                   "--client) and keep them running until Ctrl-C, for your own scripts and notebooks.")
     demo.add_argument("--gpus", default=None, metavar="SPEC",
                       help="inventory (default: NVML if it works, else a simulated fake:2)")
-    demo.add_argument("--client", default=str(REPO / "clients" / "three_jobs.py"),
-                      help="client script to run (default: %(default)s)")
+    demo.add_argument("--client", default=None, metavar="SCRIPT",
+                      help="client script to run (default: clients/three_jobs.py, none with --keep)")
+    demo.add_argument("--keep", action="store_true",
+                      help="keep the registry and the server running until Ctrl-C, and print how to reach them")
 
     selftest = command("selftest", "check a machine with real GPUs end to end",
                        "On a machine with NVIDIA GPUs and PyTorch: check the NVML inventory against nvidia-smi, "
@@ -277,31 +275,9 @@ def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
 
 def _demo(args: argparse.Namespace) -> int:
     require_extra("server", "fasteners", "pynvml", "prometheus_client", "starlette", "uvicorn")
-    from rpycdl.gpu.inventory import load_inventory
-    from rpycdl.site.local import LocalCluster
+    from rpycdl.site import demo
 
-    gpus = args.gpus
-    if gpus is None:
-        try:
-            inventory = load_inventory("nvml")
-            print(f"rpycdl demo: NVML found {len(inventory.gpus())} real GPU(s)")
-            gpus = "nvml"
-        except NoInventoryError as exc:
-            print(f"rpycdl demo: no real GPU here ({str(exc).split(' (')[0]}); using a SIMULATED inventory, fake:2")
-            gpus = "fake:2"
-    if not Path(args.client).is_file():
-        raise RpycdlError(f"no client script at {args.client}: run the demo from a checkout, or pass --client")
-    with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as locks, LocalCluster(locks) as cluster:
-        print(f"rpycdl demo: registry on udp {cluster.registry_address}")
-        _, port = cluster.add_server("pytorch", gpus)
-        print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}")
-        print(f"rpycdl demo: monitor on {cluster.add_monitor(gpus)[1]} (/metrics, /healthz); running {args.client}\n",
-              flush=True)
-        env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
-        # In a session of its own, so that Ctrl-C reaches the demo, which stops it without its traceback.
-        code = subprocess.call([sys.executable, args.client], env=env, start_new_session=True)
-        print(f"\nrpycdl demo: client exited with {code}; stopping the server and the registry")
-    return code
+    return demo.run(args.gpus, args.client, args.keep)
 
 
 def _selftest(args: argparse.Namespace) -> int:

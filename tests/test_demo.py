@@ -1,0 +1,71 @@
+"""`rpycdl demo`, as scripts/quickstart.sh ends: what it prints as next steps runs, as printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+"""The test's environment, its interpreter's bin first, as `source .venv/bin/activate` makes it (outside a venv
+the demo prints no such step)."""
+
+pytestmark = pytest.mark.slow
+
+
+def _demo(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "rpycdl", "demo", *args], cwd=REPO, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _bash(commands: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run commands as a user types them, one after another, in one shell in the checkout."""
+    return subprocess.run(["bash", "-c", "set -e\n" + "\n".join(commands)], cwd=REPO, env=ENV, text=True,
+                          capture_output=True, timeout=180)
+
+
+def test_the_demos_next_steps_run_as_printed():
+    demo = _demo()
+    out, _ = demo.communicate(timeout=180)
+    assert demo.returncode == 0, out
+    assert re.search(r"^\[job3\] waiting", out, re.M) and "job3 returned" in out, out  # the example ran
+    steps = out[out.index("\nNext steps:\n"):].splitlines()[2:]
+    commands = [line.partition("#")[0].strip() for line in steps if line.startswith("  ")]
+    assert commands[-2:] == ["rpycdl demo --client clients/first_job.py", "rpycdl demo --keep"], steps
+    assert all(command.startswith("source ") for command in commands[:-2]), steps  # the PATH, in a venv
+    first = _bash(commands[:-1])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert re.search(r"^hello attached, from .+, on GPU 0$", first.stdout, re.M), first.stdout
+    assert re.search(r"^detached, job \w+: SUCCEEDED; it printed: hello detached", first.stdout, re.M), first.stdout
+    assert "rpycdl demo: client exited with 0" in first.stdout
+
+
+def test_a_kept_demo_serves_what_it_prints_until_ctrl_c():
+    demo = _demo("--keep")
+    lines: list[str] = []
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("or in a notebook"):
+                break
+        told = lines[lines.index("rpycdl demo: running until Ctrl-C. From another terminal:") + 1:-1]
+        ran = _bash([line.strip() for line in told])
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert "and returned: {'gpus': '0'" in ran.stdout, ran.stdout
+        address = re.search(r"registry_address='([\d.:]+)'", lines[-1]).group(1)
+        snippet = ("import rpycdl\n"
+                   f"print(rpycdl.connect('pytorch', registry_address={address!r}).root.run_code(abs, -3))")
+        assert subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60,
+                              env=ENV).stdout == "3\n"
+    finally:
+        demo.send_signal(signal.SIGINT)
+        rest, _ = demo.communicate(timeout=60)
+    assert demo.returncode == 0, "\n".join(lines) + rest
+    assert "rpycdl demo: stopping the server and the registry" in rest
