@@ -63,3 +63,24 @@ def test_run_codes_signature_is_the_readmes():
     parameters = inspect.signature(RemoteRoot.run_code).parameters
     code = {name: repr(parameter.default) for name, parameter in parameters.items() if name not in ("self", "fn")}
     assert readme == code, f"README: {readme}; code: {code}"
+
+
+def _setup_lists() -> dict[str, list[str]]:
+    """setup.py's CLIENT, SERVER and SITE requirements, by name (read, not run: it calls setup())."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "setup.py").read_text())
+    lists = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List):
+            names = [re.split(r"[<>=;\[\s]", ast.literal_eval(item))[0] for item in node.value.elts]
+            lists[node.targets[0].id] = [name for name in names if name != "tomli"]  # tomli: before Python 3.11 only
+    return lists
+
+
+@pytest.mark.parametrize(("extra", "install"), [("CLIENT", "is the client alone ("),
+                                                ("SERVER", "'.[server]'` (adds "), ("SITE", "'.[site]'` (")])
+def test_the_install_lines_name_what_setup_py_installs(extra, install):
+    said = README.replace("\n", " ")
+    listed = said[said.index(install) + len(install):].split(")")[0]
+    assert sorted(name.strip() for name in listed.split(",")) == sorted(_setup_lists()[extra])
