@@ -102,6 +102,10 @@ requests."""
 STORE_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 """The store's credentials as a server may find them in its environment: taken out of every job's."""
 
+SECRET_VARIABLE_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_APPLICATION_CREDENTIALS", "RPYCDL_SECRET", "RPYCDL_TLS_KEY")
+"""Variables of a server's environment that a job never gets, by prefix: cloud credentials and where the server's
+own secrets are (rpycdl.server.forkserver starts clean of them, and so does every job)."""
+
 RECENT_JOBS = 24 * 3600.0
 """Seconds after its end that a job still shows in `rpycdl jobs` without --all."""
 
@@ -117,6 +121,9 @@ LOG_CHUNK = 1024**2
 
 SUPERVISOR_MODULE = "rpycdl.server.supervisor"
 """What detached jobs' supervisors run (`python -m`): how servers and the site tell them from other processes."""
+
+FORKSERVER_MODULE = "rpycdl.server.forkserver"
+"""What a server's job forkserver runs (`python -m`)."""
 
 LEDGER_BUSY_TIMEOUT = 30.0
 """Seconds a ledger write waits for another process's write to end (they take milliseconds)."""

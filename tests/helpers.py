@@ -208,13 +208,20 @@ class Team:
 def connection_processes(server_pid: int) -> list[int]:
     """The live children of a server process serving clients (its connection processes, and jobs
     they left), not the spares waiting for a client (nor those just forked, still named as the
-    server)."""
-    return [pid for pid in children(server_pid) if comm(pid) not in ("rpycdl-spare", "rpycdl-server")]
+    server), nor its forkserver."""
+    return [pid for pid in children(server_pid) if comm(pid) not in ("rpycdl-spare", "rpycdl-server",
+                                                                     "rpycdl-forksrv")]
 
 
 def spare_processes(server_pid: int) -> list[int]:
     """The server's connection processes forked ahead, waiting for a client."""
     return [pid for pid in children(server_pid) if comm(pid) == "rpycdl-spare"]
+
+
+def forkserver(server_pid: int) -> int:
+    """The server's job forkserver (rpycdl.server.forkserver), the parent of every job process of its connections."""
+    return wait_until(lambda: next((pid for pid in children(server_pid) if comm(pid) == "rpycdl-forksrv"), None),
+                      what="the server's forkserver")
 
 
 def children(pid: int) -> list[int]:

@@ -11,12 +11,6 @@ import rpycdl
 from rpycdl.registry import discover
 
 
-def _pid(_):
-    import os
-
-    return os.getppid()  # the job's parent: the connection process of the server that ran it
-
-
 def test_connect_by_service_name_finds_the_server(cluster, server):
     port = server("pytorch", "fake:2")
     for name in ("pytorch", "PYTORCH"):

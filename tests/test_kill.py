@@ -25,7 +25,7 @@ GRACE = 1.0  # promise 3: free again within a second
 def _make_job() -> Callable[[dict[str, Any]], Any]:
     """The job every test runs (defined in a function so dill sends its code, not a reference).
 
-    It starts `sleep 60`, writes its own pid, its parent's (the connection process), the
+    It starts `sleep 60`, writes its own pid, its parent's (the server's forkserver), the
     child's and its job id to args["dir"]/info.json, then ends as args["how"] says."""
 
     def job(args: dict[str, Any]) -> Any:
@@ -99,6 +99,11 @@ def read_info(directory: Path, timeout: float = 20) -> dict[str, Any]:
     path = directory / "info.json"
     assert wait_until(path.exists, timeout), "the job never started"
     return json.loads(path.read_text())
+
+
+def connection_of(conn: rpycdl.Connection, job_id: str) -> int:
+    """The connection process that owns an attached job (its ledger row's owner)."""
+    return conn.root.job(job_id).info["owner_pid"]
 
 
 class Background:
@@ -215,12 +220,12 @@ def test_client_disconnect(server, connect, popen, tmp_path):
     port = server("pytorch", "fake:4")
     client = popen(str(port), str(tmp_path), "2")
     info = read_info(tmp_path)
+    serving = connection_of(connect(port), info["job_id"])
     assert client.poll() is None
     client.kill()
     ended = time.time()
     client.wait(5)
-    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
-                                         "connection": info["ppid"]}, ended)
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "connection": serving}, ended)
     assert job_state(connect(port), info["job_id"]) == "CANCELLED"  # the client going away cancels
 
 
@@ -228,12 +233,12 @@ def test_ctrl_c_in_the_client(server, connect, popen, tmp_path):
     port = server("pytorch", "fake:4")
     client = popen(str(port), str(tmp_path), "2")
     info = read_info(tmp_path)
+    serving = connection_of(connect(port), info["job_id"])
     client.send_signal(signal.SIGINT)
     ended = time.time()
     output, _ = client.communicate(timeout=10)
     assert "KeyboardInterrupt" in output
-    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
-                                         "connection": info["ppid"]}, ended)
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "connection": serving}, ended)
     assert job_state(connect(port), info["job_id"]) == "CANCELLED"
 
 
@@ -255,15 +260,39 @@ def test_kill_9_of_the_connection_process(cluster, server, connect, tmp_path):
     server_pid = cluster.processes[-1].popen.pid
     running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "sleep"}, ngpus=2)
     info = read_info(tmp_path)
-    assert info["ppid"] != server_pid, "the job's parent should be a connection process, not the server"
-    os.kill(info["ppid"], signal.SIGKILL)
+    serving = connection_of(connect(port), info["job_id"])
+    assert serving not in (server_pid, info["ppid"]), "the job's owner should be a connection process"
+    os.kill(serving, signal.SIGKILL)
     ended = time.time()
     assert isinstance(running.join(), Exception)  # the client's connection died with it
-    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"],
-                                         "connection": info["ppid"]}, ended)
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "connection": serving}, ended)
     other = connect(port)
     assert wait_until(lambda: job_state(other, info["job_id"]) == "FAILED", 2)
     assert other.root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=-1)["uuids"]
+
+
+def test_kill_9_of_the_forkserver(cluster, server, connect, tmp_path):
+    """The job forkserver is every attached job's parent: its jobs die with it, their GPUs come back once
+    nothing of them runs, and the server starts another, which the next job runs from."""
+    port = server("pytorch", "fake:4")
+    server_pid = cluster.processes[-1].popen.pid
+    running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "sleep"}, ngpus=2)
+    info = read_info(tmp_path)
+    assert read_comm(info["ppid"]) == "rpycdl-forksrv"
+    os.kill(info["ppid"], signal.SIGKILL)
+    ended = time.time()
+    crash = running.join()
+    assert isinstance(crash, rpycdl.JobCrashedError), repr(crash)
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "forkserver": info["ppid"]},
+                         ended)
+    again = connect(port).root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=-1)
+    assert again["ppid"] != info["ppid"] and read_comm(again["ppid"]) == "rpycdl-forksrv"
+    assert again["ppid"] in [int(pid) for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text()
+                             .split()]
+
+
+def read_comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
 # -- waiting requests -----------------------------------------------------------------------------

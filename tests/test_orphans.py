@@ -109,8 +109,11 @@ def read_info(directory: Path) -> dict[str, Any]:
 
 
 def hold(conn: rpycdl.Connection, directory: Path, mode: str, end: str = "sleep") -> tuple[Background, dict]:
+    """The first job, once it runs; its info also names its connection process ("conn": its row's owner)."""
     job = Background(conn, HOLDER, {"dir": str(directory), "mode": mode, "program": PROGRAM, "end": end}, ngpus=1)
-    return job, read_info(directory)
+    info = read_info(directory)
+    return job, {**info, "conn": Ledger(Path(conn.root.gpu_status()["server"]["state_dir"])).get(info["job_id"])
+                 .owner_pid}
 
 
 def queued(conn: rpycdl.Connection, directory: Path) -> Background:
@@ -143,7 +146,7 @@ def test_gpu_is_granted_again_only_once_the_dead_holders_programs_are_gone(
     _, info = hold(connect(port), tmp_path, mode)
     program_reaper.append(info["program"])
     waiting = queued(connect(port), tmp_path)
-    os.kill(info["ppid"], signal.SIGKILL)  # its connection process: the kernel drops its locks at once
+    os.kill(info["conn"], signal.SIGKILL)  # its connection process: the kernel drops its locks at once
     killed = time.time()
     result = waiting.result()
     assert result["running"] == [], f"the GPU was granted again while the dead job's {mode} program still ran"
@@ -154,7 +157,7 @@ def test_gpu_is_granted_again_only_once_the_dead_holders_programs_are_gone(
 def test_what_a_finished_job_started_is_gone_before_its_gpu_is_granted_again(server, connect, tmp_path, mode,
                                                                               program_reaper):
     # The job returns; a program it started that left its process group, or its session, must not
-    # run on: the connection process adopted it (a child subreaper) and kills it before releasing.
+    # run on: the forkserver adopted it (a child subreaper) and kills it before it tells the job's end.
     port = server("pytorch", "fake:1")
     blocker = Background(connect(port), HOLDER, {"dir": str(tmp_path), "mode": mode, "program": PROGRAM,
                                                  "end": "return"}, ngpus=1)
@@ -177,7 +180,7 @@ def test_a_wakeup_right_after_the_holder_died_does_not_grant_its_gpu_early(clust
         _, info = hold(connect(port), directory, "plain")
         program_reaper.append(info["program"])
         waiting = queued(connect(port), directory)
-        os.kill(info["ppid"], signal.SIGKILL)
+        os.kill(info["conn"], signal.SIGKILL)
         while not waiting.done:  # wake it as often as we can
             for name in lockdir.names(queue, "", ".fifo"):
                 lockdir.poke(queue / name)
@@ -210,7 +213,7 @@ def test_after_a_server_restart_a_dead_holder_of_the_old_server_is_cleaned_up(cl
     os.kill(server_pid(cluster, old_port), signal.SIGKILL)
     _, new_port = cluster.add_server("pytorch", "fake:1")
     waiting = queued(connect(new_port), tmp_path)
-    os.kill(info["ppid"], signal.SIGKILL)
+    os.kill(info["conn"], signal.SIGKILL)
     killed = time.time()
     result = waiting.result()
     assert result["running"] == [], "the GPU was granted again while the dead job's program still ran"
@@ -226,7 +229,7 @@ def test_no_record_stays_pending_or_running_after_its_server_and_connections_die
     program_reaper.append(info["program"])
     waiter = queued(connect(old_port), tmp_path)
     serving = connection_processes(server_pid(cluster, old_port))
-    assert info["ppid"] in serving and len(serving) == 2, serving  # the holder's and the waiter's
+    assert info["conn"] in serving and len(serving) == 2, serving  # the holder's and the waiter's
     os.kill(server_pid(cluster, old_port), signal.SIGKILL)
     assert records(cluster.lock_dir) == {info["job_id"]: "RUNNING", waiter.job_id: "PENDING"}
     for pid in serving:

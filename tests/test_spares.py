@@ -1,5 +1,6 @@
-"""Connection processes forked ahead of their clients (spares), each with a job process forked
-already, which the connection's first job runs in. Real registry, server and clients on loopback."""
+"""Connection processes forked ahead of their clients (spares), each with a job process started
+already by the server's forkserver, which the connection's first job runs in. Real registry, server and
+clients on loopback."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from helpers import (
     children,
     comm,
     connection_processes,
+    forkserver,
     gate_job,
     idle,
     open_gate,
@@ -34,14 +36,15 @@ from rpycdl.wire import codec
 
 
 def _ready_jobs(pid: int) -> set[int]:
-    """The job processes the server's spares hold ready, once every spare has one that runs its own
-    code (named rpycdl-job: right after the fork it still has its spare's name)."""
+    """The job processes the server's spares hold ready (children of its forkserver), once every spare
+    has one that runs its own code (named rpycdl-job: right after the fork it still has the forkserver's
+    name), and no other job runs."""
     def jobs() -> set[int] | None:
-        spares = spare_processes(pid)
-        held = [children(spare) for spare in spares]
-        if len(spares) != SPARE_CONNECTIONS or any([comm(job) for job in jobs] != ["rpycdl-job"] for jobs in held):
+        held = children(forkserver(pid))
+        if len(spare_processes(pid)) != SPARE_CONNECTIONS or len(held) != SPARE_CONNECTIONS or any(
+                comm(job) != "rpycdl-job" for job in held):
             return None
-        return {job for jobs in held for job in jobs}
+        return set(held)
 
     return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares, each with its job process")
 
@@ -75,7 +78,7 @@ def test_a_server_keeps_spares_each_with_a_job_process_named_for_ps(server, clus
     jobs = _ready_jobs(pid)  # fails unless every spare holds one process named rpycdl-job
     assert {comm(spare) for spare in spare_processes(pid)} == {"rpycdl-spare"}
     assert len(jobs) == SPARE_CONNECTIONS
-    assert comm(pid) == "rpycdl-server"
+    assert comm(pid) == "rpycdl-server" and comm(forkserver(pid)) == "rpycdl-forksrv"
     assert connection_processes(pid) == []
 
 
@@ -93,17 +96,15 @@ def test_the_first_job_of_a_connection_runs_in_a_job_process_forked_before_it_co
     assert len(_ready_jobs(pid) - ready) == 1, "the spare that took the client was replaced"
 
 
-def test_a_payload_with_out_of_band_buffers_gets_a_job_process_forked_with_it(server, cluster, connect):
+def test_a_payload_with_out_of_band_buffers_runs_in_the_spare_too(server, cluster, connect):
     port = server()
     pid = server_pid(cluster, port)
     ready = _ready_jobs(pid)
     conn = connect(port)
     blob = os.urandom(codec.OUT_OF_BAND_MIN + 1)
-    job, size = conn.root.run_code(_job_pid, blob)
+    job, size = conn.root.run_code(_job_pid, blob)  # the buffers go down its go pipe (runner)
     assert size == len(blob)
-    assert job not in ready
-    wait_until(lambda: all(not os.path.exists(f"/proc/{spare_job}") or spare_job in _ready_jobs(pid)
-                           for spare_job in ready), what="the unused spare job process to be gone")
+    assert job in ready
 
 
 def test_a_spare_job_process_that_died_is_replaced_by_a_fork(server, cluster, connect):
@@ -151,10 +152,14 @@ def test_a_stopped_server_leaves_no_spare_behind_not_even_a_zombie(server, clust
     pid = server_pid(cluster, port)
     jobs = _ready_jobs(pid)
     spares = spare_processes(pid)
+    forking = forkserver(pid)
     os.kill(pid, signal.SIGTERM)
     server_process(cluster, port).popen.wait(10)
-    left = {p: comm(p) for p in spares + sorted(jobs) if os.path.exists(f"/proc/{p}")}
+    left = {p: comm(p) for p in spares if os.path.exists(f"/proc/{p}")}
     assert not left, f"left to init by the stopped server: {left}"
+    # The forkserver kills the spares' jobs as their spares go, and leaves once nobody can ask it for more.
+    wait_until(lambda: not [p for p in [forking, *jobs] if os.path.exists(f"/proc/{p}")], timeout=2.0,
+               what="the forkserver and the spares' job processes to be gone")
 
 
 def test_a_server_stopped_as_it_starts_stops(lock_dir):
@@ -237,14 +242,15 @@ def test_a_server_that_cannot_fork_refuses_clearly_and_recovers(server, cluster,
         wait_until(lambda: idle(taken[0]), what="every GPU free, nobody waiting")  # released just after the reply
 
 
-def test_a_connection_that_cannot_fork_its_job_refuses_the_call_clearly_and_goes_on(server, cluster, connect):
+def test_a_connection_whose_job_cannot_be_forked_refuses_the_call_clearly_and_goes_on(server, cluster, connect):
     port = server()
     pid = server_pid(cluster, port)
     _ready_jobs(pid)
     conn = connect(port)
     assert conn.root.run_code(lambda x: x, "in the spare job") == "in the spare job"
     (serving,) = wait_until(lambda: connection_processes(pid), what="the connection process")
-    with _forks_fail(serving) as lift:  # a later job is forked as its request comes
+    wait_until(lambda: idle(conn), what="the first job's end")
+    with _forks_fail(forkserver(pid)) as lift:  # a later job is forked as its request comes
         descriptors = len(os.listdir(f"/proc/{serving}/fd"))
         error, _ = quick_error(lambda: conn.root.run_code(lambda x: x, "refused", ngpus=2))
         assert isinstance(error, rpycdl.LimitError) and "could not start a process for the job" in str(error), \

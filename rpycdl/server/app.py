@@ -28,6 +28,7 @@ from rpycdl.security.auth import is_loopback
 from rpycdl.server import child
 from rpycdl.server.context import Limits, ServerContext
 from rpycdl.server.forking import DLServer
+from rpycdl.server.forkserver import ForkServer
 
 FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "pytorch": ("torch",),
@@ -129,6 +130,7 @@ def build_server(config: ServerConfig) -> DLServer:
                             artifact_endpoint=config.artifact_endpoint, scheduling=config.scheduling)
     lockdir.claim_pid_namespace(Path(directory))
     context.locks.claim_scheduling()
+    context.launcher = ForkServer(context.server_id)  # before any fork: connection processes ask it for jobs
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)

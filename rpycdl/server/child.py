@@ -1,29 +1,37 @@
 """The job process's own side, from its fork to its exit: it leads its own session, dies with its
-parent, takes its environment (its GPUs; its working directory, entered) from the go pipe before it
-unpickles anything, installs the memory caps of a share, runs the payload, and writes its outcome to
-the result pipe: a header (how many out-of-band buffers, then the size and read-only flag of each),
-the buffers (lent to the pipe by reference, bulk.lend_to_pipe), then the outcome bytes until the end."""
+parent, takes what to run from the go pipe (its environment, the account it runs as, its payload and
+the payload's out-of-band buffers) before it unpickles anything, becomes its owner's account
+(rpycdl.security.accounts), enters its working directory, installs the memory caps of a share, runs the
+payload, and writes its outcome to the result pipe: a header (how many out-of-band buffers, then the
+size and read-only flag of each), the buffers (lent to the pipe by reference, bulk.lend_to_pipe), then
+the outcome bytes until the end. A load check (run_check) only unpickles the payload, as its owner."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import resource
 import signal
 import struct
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rpycdl.defaults import STORE_SECRET_VARIABLES, WORKING_DIR_VARIABLE
+from rpycdl.defaults import WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
+from rpycdl.security import accounts
+from rpycdl.security.accounts import Account
 from rpycdl.wire import bulk, codec
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
-GO = struct.Struct("<I?")  # go pipe header: length of the environment's JSON, out-of-band results
+PR_SET_DUMPABLE = 4
+GO = struct.Struct("<IQ?")  # go pipe header: length of its JSON, length of the payload, out-of-band results
 COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
 ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
 
@@ -73,17 +81,109 @@ def cannot_load(exc: BaseException) -> InvalidRequestError:
     return InvalidRequestError(f"the callable cannot be loaded on this server: {type(exc).__name__}: {exc}")
 
 
-def run_job(body: bytes | None, buffers: Sequence[Any], *, go_r: int, out_w: int, err_w: int, res_w: int,
-            parent: int) -> None:
-    """Body of the job process: waits for its environment (and, in a spare, its payload `body`)
-    on `go_r`, then runs the payload, its output on `out_w` and `err_w`, its outcome on `res_w`.
-    Never returns."""
+@dataclass
+class Go:
+    """What a job process is told to run, down its go pipe, before it unpickles anything.
+
+    Attributes:
+        env: variables to set (its GPUs, its directories, its ids).
+        account: the account it runs as (a root server's); None: the one it was forked as.
+        body: the payload (wire.codec.check_payload's body).
+        layout: the payload's out-of-band buffers, which follow it on the pipe.
+        out_of_band: whether its result's large buffers may go out of band.
+    """
+
+    env: dict[str, str]
+    account: Account | None
+    body: bytes
+    layout: codec.Layout = ()
+    out_of_band: bool = False
+
+    def header(self) -> bytes:
+        """The message up to the buffers: GO, the JSON of the rest, the body."""
+        text = json.dumps({"env": self.env, "account": None if self.account is None else self.account.to_dict(),
+                           "layout": self.layout}).encode()
+        return GO.pack(len(text), len(self.body), self.out_of_band) + text + self.body
+
+
+def read_go(fd: int) -> tuple[Go, list[Any]] | None:
+    """Read a Go and its buffers (each into fresh memory) from the blocking pipe `fd`; None if it closed
+    first (a spare whose request never came)."""
+    header = _read_exactly(fd, GO.size)
+    if header is None:
+        return None
+    size, body_size, out_of_band = GO.unpack(header)
+    told = json.loads(_read_exactly(fd, size) or b"null")
+    body = _read_exactly(fd, body_size) if body_size else b""
+    if told is None or body is None:
+        return None
+    layout = codec.check_layout(tuple(tuple(entry) for entry in told["layout"]))
+    buffers = []
+    for length, readonly in layout:
+        buffer, cells = bulk.allocate(length, readonly)
+        with memoryview(cells) as raw, raw.cast("B") as view:
+            done = 0
+            while done < length:
+                read = os.readv(fd, [view[done:]])
+                if not read:
+                    return None
+                done += read
+        del cells
+        buffers.append(buffer)
+    account = None if told["account"] is None else Account.from_dict(told["account"])
+    return Go(told["env"], account, body, layout, out_of_band), buffers
+
+
+def _read_exactly(fd: int, count: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < count:
+        chunk = os.read(fd, count - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _become(go: Go, parent: int) -> None:
+    """Become the job's owner (if the server is root), dying with `parent` still, with its variables."""
+    if go.account is not None:
+        accounts.switch_to(go.account)
+        prctl(PR_SET_DUMPABLE, 1)  # the kernel clears it when the ids change: its owner may debug it
+        die_with_parent(parent)  # likewise cleared
+    os.environ.update(go.env)
+    working_dir = os.environ.get(WORKING_DIR_VARIABLE)
+    if working_dir:  # before the payload is loaded: its functions may come from the directory's modules
+        os.chdir(working_dir)
+        sys.path.insert(0, working_dir)
+    elif go.account is not None:
+        os.chdir(go.account.home if os.access(go.account.home, os.X_OK) else "/")
+
+
+def keep_only(fds: Sequence[int]) -> None:
+    """Close every descriptor of this process but 0, 1, 2 and `fds`: a job holds nothing of its parent's."""
+    previous = -1
+    for fd in [*sorted({0, 1, 2, *fds}), resource.getrlimit(resource.RLIMIT_NOFILE)[0]]:
+        if fd > previous + 1:  # os.closerange(n, n) would close everything from n on
+            os.closerange(previous + 1, fd)
+        previous = fd
+
+
+def _start(parent: int, name: str, fds: Sequence[int]) -> None:
+    """What a job process or a load check does first: nothing of its parent's kept but `fds`, a session of
+    its own, death with its parent."""
+    keep_only(fds)
+    os.setsid()  # its own session and process group: procs finds what it starts by them
+    die_with_parent(parent)
+    name_process(name)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, parent: int) -> None:
+    """Body of the job process: waits for its Go on `go_r`, then runs the payload, its output on `out_w`
+    and `err_w`, its outcome on `res_w`. Never returns."""
     try:
-        os.setsid()  # its own session and process group: procs finds what it starts by them
-        die_with_parent(parent)
-        name_process("rpycdl-job")
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        _start(parent, "rpycdl-job", (go_r, out_w, err_w, res_w))
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(out_w, 1)
@@ -91,28 +191,21 @@ def run_job(body: bytes | None, buffers: Sequence[Any], *, go_r: int, out_w: int
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        with os.fdopen(go_r, "rb") as go:
-            message = go.read()
-        if not message:  # closed before its GPUs came: nothing to run
+        told = read_go(go_r)
+        os.close(go_r)
+        if told is None:  # closed before its GPUs came: nothing to run
             os._exit(0)
-        size, out_of_band = GO.unpack_from(message)
-        os.environ.update(json.loads(message[GO.size:GO.size + size]))
-        for name in STORE_SECRET_VARIABLES:  # the artifact store's: the job's saves go through this process's owner
-            os.environ.pop(name, None)
-        working_dir = os.environ.get(WORKING_DIR_VARIABLE)
-        if working_dir:  # before the payload is loaded: its functions may come from the directory's modules
-            os.chdir(working_dir)
-            sys.path.insert(0, working_dir)
-        body = body or message[GO.size + size:]
+        go, buffers = told
+        _become(go, parent)
         caps.install_caps()
         try:
-            fn, args = codec.load_call(body, buffers)
+            fn, args = codec.load_call(go.body, buffers)
         except BaseException as exc:  # noqa: BLE001 - told as what it is: a request this server cannot run
             fn, args = None, None
             outcome, result = codec.encode_error(cannot_load(exc), "".join(traceback.format_exception(exc))), []
         if fn is not None:
             try:
-                outcome, result = codec.encode_value(fn(args), out_of_band)
+                outcome, result = codec.encode_value(fn(args), go.out_of_band)
             except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
                 outcome, result = codec.encode_error(exc, "".join(traceback.format_exception(exc))), []
         sys.stdout.flush()
@@ -124,8 +217,34 @@ def run_job(body: bytes | None, buffers: Sequence[Any], *, go_r: int, out_w: int
                 bulk.lend_to_pipe(res_w, view)
         write_all(res_w, outcome)
         os.close(res_w)  # end of file tells the parent the outcome is complete
-    except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+    except BaseException:  # noqa: BLE001 - nothing may escape a forked child: said on its stderr
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+            sys.stderr.flush()
         os._exit(2)
+    os._exit(0)
+
+
+def run_check(*, go_r: int, res_w: int, parent: int) -> None:
+    """Body of a load check: unpickles the payload of its Go as the job's owner would, with no GPU, and
+    writes why it cannot be loaded (nothing if it can) to `res_w`. Never returns."""
+    message = b""
+    try:
+        _start(parent, "rpycdl-check", (go_r, res_w))
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        told = read_go(go_r)
+        if told is None:
+            os._exit(0)
+        go, buffers = told
+        _become(go, parent)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        codec.load_call(go.body, buffers)
+    except BaseException as exc:  # noqa: BLE001 - what failed is the answer
+        message = str(cannot_load(exc)).encode(errors="replace")
+    with contextlib.suppress(OSError):
+        os.write(res_w, message[:4096])
     os._exit(0)
 
 

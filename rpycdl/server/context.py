@@ -29,6 +29,8 @@ from rpycdl.scheduler.ledger import Ledger
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
+from rpycdl.security.accounts import Accounts
+from rpycdl.server import orphans, runner
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class ServerContext:
     artifact_store: str = ""  # a URL (rpycdl.artifacts.store); "": the state directory's artifacts/
     artifact_endpoint: str | None = None  # an S3 endpoint (MinIO); None: $AWS_ENDPOINT_URL, else AWS
     scheduling: Scheduling = field(default_factory=Scheduling)  # the host's policy and placement
+    accounts: Accounts = field(default_factory=Accounts)  # whose account runs each job (security.accounts)
+    launcher: runner.Launcher = orphans.HERE  # what starts job processes: the server's forkserver, else this one
     locks: GPULockManager = field(init=False)
     ledger: Ledger = field(init=False)
     files: JobFiles = field(init=False)
@@ -92,4 +96,5 @@ class ServerContext:
                 "simulated": self.inventory.simulated, "framework_version": self.framework_version,
                 "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict(),
                 "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id,
-                "artifact_store": self.artifact_store, "scheduling": self.scheduling.to_dict()}
+                "artifact_store": self.artifact_store, "scheduling": self.scheduling.to_dict(),
+                "isolation": self.accounts.mode}

@@ -33,6 +33,7 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
 from rpycdl.server import child, container_watcher, runner, supervisor
 from rpycdl.server.context import ServerContext
+from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
 from rpycdl.wire import stream
 
@@ -101,6 +102,8 @@ class DLServer(ForkingServer):
     def close(self) -> None:
         self._stop.set()
         _poke(self._wake_w)
+        if isinstance(self.context.launcher, ForkServer):  # it leaves once its jobs have
+            self.context.launcher.close()
         for spare in self._spares:
             doomed = [spare, *procs.children(spare)]  # its spare job, ours (a subreaper's) once the spare is gone
             for pid in doomed:
@@ -137,6 +140,7 @@ class DLServer(ForkingServer):
         with self._forking:
             self._connections = {pid for pid in self._connections if _running(pid)}
             self._spares = {pid for pid in self._spares if _running(pid)}
+        self._keep_forkserver()
         limit = self.context.limits.max_connections
         room = limit - len(self._connections)
         try:
@@ -170,6 +174,16 @@ class DLServer(ForkingServer):
             auth.refuse(sock, f"{reason}; try again later or another server")
             self.context.ledger.count_refusal(self.context.name, "connections")
 
+    def _keep_forkserver(self) -> None:
+        """Start the job forkserver again if it died (its jobs died with it; the sweep frees their GPUs
+        once nothing of them runs); connection processes reach the new one at its address."""
+        launcher = self.context.launcher
+        if isinstance(launcher, ForkServer) and not launcher.alive():
+            self.logger.error("the job forkserver (pid %d) died; starting another", launcher.process.pid)
+            with self._forking:  # the sweeper must not take the new one, not yet exec'd, for a leftover
+                launcher.close()
+                launcher.start()
+
     def _fork_spare(self) -> int:
         """Fork a connection process that waits for a client with a spare job process forked
         already, tells the parent when it has one, serves it, and exits."""
@@ -193,7 +207,7 @@ class DLServer(ForkingServer):
             child.die_with_parent(parent)  # a spare must not outlive the server: it holds the port
             child.name_process("rpycdl-spare")
             with contextlib.suppress(LimitError):  # none to spare: the first job forks as its request comes
-                self._spare_job = runner.JobProcess(close_fds=[self.listener.fileno()])
+                self._spare_job = runner.JobProcess(self.context.launcher)
             procs.myself()  # read now, while no client waits
             self.context.ledger.get("0")  # the ledger's connection too
             sock = self._take_client()
@@ -289,10 +303,12 @@ class DLServer(ForkingServer):
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that
         are neither spares nor connection processes (what dead connection processes left), and
-        their descendants; but not a job container's watcher, which removes its container, nor a
-        detached job's supervisor (with its job), nor its load sampler."""
+        their descendants; but not its job forkserver (with its jobs), nor a job container's watcher, which
+        removes its container, nor a detached job's supervisor (with its job), nor its load sampler."""
+        launcher = self.context.launcher
         with self._forking:
-            mine = self._spares | self._connections
+            mine = self._spares | self._connections | ({launcher.process.pid} if isinstance(launcher, ForkServer)
+                                                       else set())
             found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
         found = [pid for pid in found if not any(procs.runs_module(pid, module) for module in
                                                  (container_watcher.__name__, supervisor.MODULE, SAMPLER_MODULE))]

@@ -145,15 +145,17 @@ class JobFlow:
     # -- waiting ------------------------------------------------------------------------
 
     def _job_process(self) -> runner.JobProcess:
-        """The connection's spare job process, given the payload; else (the spare is used or gone, or
-        out-of-band buffers must come by fork) one forked now with it."""
+        """The connection's spare job process, else one started now, given the payload and its buffers."""
         body, buffers = self.request.body, self.request.buffers
-        spare = self.link.take_spare()
-        if spare is not None:
-            if not buffers and spare.give(body):  # type: ignore[arg-type]
-                return spare
-            spare.close()
-        return runner.JobProcess(body, buffers)
+        assert body is not None
+        job = self.link.take_spare()
+        if job is None or not job.give(body, buffers):
+            if job is not None:
+                job.close()
+            job = runner.JobProcess(self.context.launcher)
+            job.give(body, buffers)
+        job.name_job(self.record.job_id)
+        return job
 
     def _acquire(self) -> Grant:
         ctx, record = self.context, self.record
@@ -185,7 +187,8 @@ class JobFlow:
         body, waited = self.request.body, time.monotonic() - (self._waiting_since or time.monotonic())
         if body is not None and self._check is None and waited >= LOAD_CHECK_AFTER:
             with contextlib.suppress(LimitError):  # no process to spare: the job itself will tell
-                self._check = runner.LoadCheck(body, self.request.buffers)
+                go = child.Go(self._env, self.request.account, body, codec.layout(self.request.buffers))
+                self._check = runner.LoadCheck(self.context.launcher, go, self.request.buffers)
                 self._wake_fds.append(self._check.fd)
         check = self._check
         if check is not None and check.fd in self._wake_fds and select.select([check.fd], [], [], 0)[0]:
@@ -257,7 +260,7 @@ class JobFlow:
             self.link.serve_client()
             saver.take()
 
-        return job.run(self._environment(), output.stdout, output.stderr,
+        return job.run(self._environment(), output.stdout, output.stderr, account=self.request.account,
                        on_start=lambda _: self.context.ledger.save(self.record), timeout=self.request.timeout,
                        watch_fds=[*self.link.socket_fds(), saver.fileno()], on_watch=watched, stop=self._stopper(),
                        on_buffers=send_result if receive is not None else None, max_result=max_result)

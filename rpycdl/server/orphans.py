@@ -1,7 +1,8 @@
-"""What job processes leave behind. The process that forks them is a child subreaper, so what a
-job started (even what left its process group or its session) is this process's descendant, or is
-adopted by it when its parent dies; its children that it did not fork itself are such leftovers,
-killed when the job ends and reaped meanwhile."""
+"""Processes forked here, and what they leave behind: a detached job's supervisor forks its job process
+itself (HERE, a runner.Launcher), and is a child subreaper, so what the job started (even what left its
+process group or its session) is its descendant, or is adopted by it when its parent dies; its children
+that it did not fork itself are such leftovers, killed when the job ends and reaped meanwhile. (A
+connection process's jobs come from the server's forkserver, which does the same for them.)"""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from rpycdl.defaults import KILL_WAIT
 from rpycdl.errors import LimitError
 from rpycdl.scheduler import procs
+from rpycdl.server import child
 from rpycdl.server.child import prctl
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -109,3 +111,48 @@ def kill_strays() -> None:
     while not procs.kill_until_gone(running, KILL_WAIT, reap_adopted):
         log.warning("processes left by a job still run after SIGKILL: %s", running())
     reap_adopted()
+
+
+class Forked:
+    """A job process or load check forked by this process (runner.Launched)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = procs.identify(pid)[1]
+        self.pidfd = os.pidfd_open(pid)
+        self._status: int | None = None
+
+    def name_job(self, job_id: str) -> None:
+        """Nothing to do: what the job leaves is this process's to kill, whatever its id."""
+
+    def wait(self) -> int:
+        """Reap it, then kill what its job left (kill_strays); its wait status."""
+        if self._status is None:
+            self._status = reap(self.pid)
+            kill_strays()
+        return self._status
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class _Here:
+    """Forks job processes and load checks from this process (runner.Launcher): a detached job's supervisor,
+    which does so before it reads anything but its job's own files."""
+
+    def launch(self, kind: str, fds: list[int]) -> Forked:
+        parent = os.getpid()
+        pid = fork("the job" if kind == "job" else "a load check", fds)
+        if pid == 0:
+            if kind == "job":
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], parent=parent)
+            child.run_check(go_r=fds[0], res_w=fds[1], parent=parent)
+        for fd in fds:
+            os.close(fd)
+        return Forked(pid)
+
+
+HERE = _Here()
+"""Job processes forked by this process."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler.shares import GPURequest, parse_request
+from rpycdl.security.accounts import Account
 from rpycdl.security.auth import Identity
 from rpycdl.server.context import ServerContext
 
@@ -79,6 +80,7 @@ class JobRequest:
         detached: submitted to run without its client (a supervisor owns it), with `name` if given.
         working_dir: the content hash of the working directory the job runs in (in the server's
             cache: unpacked for the job alone), or None.
+        account: the Unix account it runs as (a root server's: its owner's); None: the server's own.
     """
 
     gpu_request: GPURequest
@@ -94,6 +96,7 @@ class JobRequest:
     detached: bool = False
     name: str | None = None
     working_dir: str | None = None
+    account: Account | None = None
 
     @property
     def kind(self) -> str:
@@ -184,6 +187,7 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
 
     Raises:
         InvalidRequestError: anything it could never run.
+        NotAllowedError: its owner may not run jobs here, or has no account (security.accounts).
     """
     sizes = [gpu.memory_total for gpu in context.gpus]
     if working_dir is not None and (not isinstance(working_dir, str) or not context.working_dirs.has(working_dir)):
@@ -191,7 +195,8 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
                                   "rpycdl clients send it first (put_working_dir) and name it by its hash")
     return JobRequest(parse_request(ngpus, gpus, gpu_memory, sizes, context.shares), owner, client,
                       timeout=check_seconds(timeout, "timeout"),
-                      queue_timeout=check_seconds(queue_timeout, "queue_timeout"), working_dir=working_dir, **job)
+                      queue_timeout=check_seconds(queue_timeout, "queue_timeout"), working_dir=working_dir,
+                      account=context.accounts.account(owner), **job)
 
 
 def writer(stream: Any) -> Callable[[str], None]:

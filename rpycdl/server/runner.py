@@ -21,7 +21,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import fcntl
-import json
 import os
 import select
 import signal
@@ -29,13 +28,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import procs
-from rpycdl.server import orphans
-from rpycdl.server.child import COUNT, ENTRY, GO, cannot_load, die_with_parent, run_job, write_all
-from rpycdl.wire import codec
+from rpycdl.security.accounts import Account
+from rpycdl.server import child, orphans
+from rpycdl.server.child import COUNT, ENTRY, write_all
+from rpycdl.wire import bulk, codec
 
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
@@ -116,34 +116,76 @@ class _ResultPipe:
         return more and not self._too_large(len(self.outcome))
 
 
+class Launched(Protocol):
+    """A process a Launcher started: its pid and start time, a pidfd readable once it has exited."""
+
+    pid: int
+    start: int
+    pidfd: int
+
+    def name_job(self, job_id: str) -> None:
+        """Say which job it runs: what the job starts is known by that id too."""
+
+    def wait(self) -> int:
+        """Block until it and everything its job left are gone; its wait status."""
+
+    def close(self) -> None:
+        """Let go of it (it is killed if it still runs) and of its descriptors."""
+
+
+class Launcher(Protocol):
+    """What starts job processes and load checks (forkserver.ForkServer, orphans.HERE)."""
+
+    def launch(self, kind: str, fds: list[int]) -> Launched:
+        """A process of `kind` ("job" or "check") with `fds` as its descriptors, closed here.
+
+        Raises:
+            LimitError: no process could be started.
+        """
+
+
+def _pipes(count: int) -> list[int]:
+    """`count` pipes' (read, write) descriptors, flat."""
+    fds: list[int] = []
+    try:
+        for _ in range(count):
+            fds.extend(os.pipe())
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise LimitError(f"this server could not start a process for the job ({exc.strerror}); try again later") \
+            from None
+    return fds
+
+
+def _send(fd: int, go: child.Go, buffers: Sequence[Any]) -> None:
+    """Write `go` and its buffers down the go pipe `fd` (blocking), then close it; a process that died
+    meanwhile has its end told by its wait."""
+    with contextlib.suppress(BrokenPipeError):
+        write_all(fd, go.header())
+        for buffer in buffers:
+            with memoryview(buffer) as raw, raw.cast("B") as view:
+                bulk.lend_to_pipe(fd, view)
+    os.close(fd)
+
+
 class LoadCheck:
-    """Unpickles a payload in a throwaway process while its request waits for GPUs, so a callable
-    this server cannot load (a module it lacks) fails at once rather than after the wait.
+    """Unpickles a payload in a throwaway process, as its owner, while its request waits for GPUs, so a
+    callable this server cannot load (a module it lacks) fails at once rather than after the wait.
 
-    The process sees no GPU (CUDA_VISIBLE_DEVICES is empty) and dies with its parent. `fd`
-    becomes readable when it is done; then `error()` says what went wrong, if anything."""
+    The process sees no GPU (CUDA_VISIBLE_DEVICES is empty). `fd` becomes readable when it is done; then
+    `error()` says what went wrong, if anything."""
 
-    def __init__(self, body: bytes, buffers: Sequence[Any] = ()) -> None:
-        read_end, write_end = os.pipe()
-        parent = os.getpid()
-        self.pid = orphans.fork("a load check", (read_end, write_end))
-        if self.pid == 0:
-            os.close(read_end)
-            message = b""
-            try:
-                os.setpgid(0, 0)
-                die_with_parent(parent)
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(devnull, fd)
-                os.environ["CUDA_VISIBLE_DEVICES"] = ""
-                codec.load_call(body, buffers)
-            except BaseException as exc:  # noqa: BLE001 - what failed is the answer
-                message = str(cannot_load(exc)).encode(errors="replace")
-            os.write(write_end, message[:4096])
-            os._exit(0)
-        os.close(write_end)
+    def __init__(self, launcher: Launcher, go: child.Go, buffers: Sequence[Any] = ()) -> None:
+        go_r, go_w, read_end, write_end = _pipes(2)
+        try:
+            self._process = launcher.launch("check", [go_r, write_end])
+        except BaseException:
+            for fd in (go_w, read_end):
+                os.close(fd)
+            raise
         self.fd = read_end
+        _send(go_w, go, buffers)
 
     def error(self) -> InvalidRequestError | None:
         """Once `fd` is readable: why the payload cannot be loaded here (cannot_load), or None if it can."""
@@ -153,66 +195,59 @@ class LoadCheck:
 
     def close(self) -> None:
         """Stop the check (if still running) and release what it holds."""
-        procs.kill_group(self.pid)
-        orphans.reap(self.pid)
+        procs.kill_group(self._process.pid)
+        self._process.wait()
+        self._process.close()
         os.close(self.fd)
 
 
 class JobProcess:
-    """One job process, forked before its GPUs come, so that it is ready when they do: it waits
-    for its environment before it unpickles anything. Either it is forked with the payload `body`
-    and its out-of-band `buffers` in its memory, as the request arrives; or it is a spare, forked
-    before there is a request (no `body`), and give() names its payload. run() starts it and
-    waits for its outcome; close() leaves nothing of it running, and must be called however the
-    request ends (before its GPUs are released).
+    """One job process, started before its GPUs come, so that it is ready when they do: it waits for
+    what to run before it unpickles anything. give() names its payload; run() starts it and waits for its
+    outcome; close() leaves nothing of it running, and must be called however the request ends (before
+    its GPUs are released).
 
     Args:
-        body: a payload body accepted by codec.check_payload; None for a spare.
-        buffers: its out-of-band buffers. The job process gets them by the fork (shared until
-            written); run() empties the list, so this process lets go of their memory once the
-            job no longer waits (a LoadCheck may need them while it does).
-        close_fds: descriptors of this process the job process must not keep (a spare's
-            connection process still has the server's listening socket).
+        launcher: what starts it (the server's forkserver; a supervisor's own fork).
 
     Raises:
         LimitError: the machine has no process to spare for it.
     """
 
-    def __init__(self, body: bytes | None = None, buffers: list[Any] | None = None,
-                 close_fds: Sequence[int] = ()) -> None:
-        go_r, self._go_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        res_r, res_w = os.pipe()
+    def __init__(self, launcher: Launcher) -> None:
+        go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w = _pipes(4)
         with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
             fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-        parent = os.getpid()
-        self.pid = orphans.fork("the job", (go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w))
-        if self.pid == 0:
-            for fd in (self._go_w, out_r, err_r, res_r, *close_fds):
+        try:
+            self._process = launcher.launch("job", [go_r, out_w, err_w, res_w])
+        except BaseException:
+            for fd in (self._go_w, out_r, err_r, res_r):
                 os.close(fd)
-            run_job(body, buffers or (), go_r=go_r, out_w=out_w, err_w=err_w, res_w=res_w, parent=parent)
-        self._buffers = buffers
-        self._body = b""  # a spare's payload, sent down the go pipe by run()
-        self._spare = body is None
-        self.identity = procs.identify(self.pid)
-        for fd in (go_r, out_w, err_w, res_w):
-            os.close(fd)
-        self._pidfd = os.pidfd_open(self.pid)
+            raise
+        self.pid = self._process.pid
+        self.identity: procs.Pid = (self.pid, self._process.start)
+        self._pidfd = self._process.pidfd
         self._out, self._err, self._res = out_r, err_r, res_r
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
+        self._body: bytes | None = None
+        self._buffers: list[Any] = []
         self._status: int | None = None
 
-    def give(self, body: bytes) -> bool:
-        """Make a spare run the payload `body`; False if it cannot (not a spare, used, or gone)."""
-        if not self._spare or self._body or self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]:
+    def give(self, body: bytes, buffers: list[Any] | None = None) -> bool:
+        """Name the payload `body` and its out-of-band `buffers` (sent when it runs); False if it cannot
+        take one (named already, or gone)."""
+        if self._body is not None or self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]:
             return False
-        self._body = body
+        self._body, self._buffers = body, buffers or []
         return True
 
+    def name_job(self, job_id: str) -> None:
+        """Say which job it runs (its launcher knows what the job starts by that id too)."""
+        self._process.name_job(job_id)
+
     def run(self, env: dict[str, str], on_stdout: Callable[[str], None], on_stderr: Callable[[str], None], *,
-            on_start: Callable[[int], None] | None = None, timeout: float | None = None,
+            account: Account | None = None, on_start: Callable[[int], None] | None = None, timeout: float | None = None,
             watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
             stop: Callable[[int], tuple[Ending, str] | None] | None = None,
             on_buffers: Callable[[codec.Layout, int], int] | None = None,
@@ -222,6 +257,7 @@ class JobProcess:
 
         Args:
             env: variables set in the job process before the payload is unpickled.
+            account: the account it runs as (a root server's); None: the one it was started as.
             on_stdout, on_stderr: receive the job's output, as text, as it arrives.
             on_start: called with the job process id (its group id too) just before the payload
                 is let go, so that whatever it records is there before the job can be seen running.
@@ -240,7 +276,7 @@ class JobProcess:
         """
         if on_start is not None:
             on_start(self.pid)
-        self._start(env, on_buffers is not None)
+        self._start(env, account, on_buffers is not None)
         streams: Streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
                             self._err: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
         handed = self._handing(streams, on_buffers) if on_buffers is not None else None
@@ -250,7 +286,8 @@ class JobProcess:
                                         stop=stop)
         finally:
             procs.kill_group(self.pid)
-            procs.kill([self.pid])  # in case it died before it could lead its own group
+            with contextlib.suppress(ProcessLookupError):  # in case it died before it could lead its own group
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             for fd in streams:
                 _forward(fd, *streams[fd])
         if result.over:
@@ -261,18 +298,12 @@ class JobProcess:
             ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} before returning a result"
         return Result(ending, bytes(result.outcome), reason)
 
-    def _start(self, env: dict[str, str], out_of_band: bool) -> None:
-        """Send the job its environment (and a spare its payload) down the go pipe, and close it."""
-        if self._buffers:
-            self._buffers.clear()
-        if self._spare and not self._body:
-            raise RuntimeError("a spare job process runs only once give() named its payload")
-        environment = json.dumps(env).encode()
-        with contextlib.suppress(BrokenPipeError):  # it died: the wait reports how
-            write_all(self._go_w, GO.pack(len(environment), out_of_band) + environment)
-            write_all(self._go_w, self._body)
-        self._body = b""
-        os.close(self._go_w)
+    def _start(self, env: dict[str, str], account: Account | None, out_of_band: bool) -> None:
+        """Send the job what to run down the go pipe (child.Go), and close it."""
+        if self._body is None:
+            raise RuntimeError("a job process runs only once give() named its payload")
+        buffers, self._buffers = self._buffers, []  # sent: this process lets go of their memory
+        _send(self._go_w, child.Go(env, account, self._body, codec.layout(buffers), out_of_band), buffers)
         self._go_w = -1
 
     def _handing(self, streams: Streams,
@@ -321,7 +352,7 @@ class JobProcess:
                 on_watch()
             if time.monotonic() >= next_reap:  # what the job's programs left, adopted here: no zombie piles up
                 next_reap = time.monotonic() + STOP_POLL
-                procs.reap(orphans.adopted())
+                procs.reap(orphans.adopted())  # a supervisor's: a forkserver reaps its own
             if ending is None and stop is not None and time.monotonic() >= next_stop_check:
                 next_stop_check = time.monotonic() + STOP_POLL
                 ending, reason = stop(self.pid) or (None, "")
@@ -330,23 +361,23 @@ class JobProcess:
         return ending, reason
 
     def close(self) -> None:
-        """Kill the job process and everything it started, and wait until none of them runs (they
-        are this process's own descendants, or adopted by it: rpycdl.server.orphans). Closing twice
-        is harmless."""
+        """Kill the job process and everything it started, and wait until none of them runs (its launcher
+        says when). Closing twice is harmless."""
         if self._pidfd < 0:
             return
         procs.kill_group(self.pid)
-        procs.kill([self.pid])
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self._reap()
-        orphans.kill_strays()
-        for fd in (self._go_w, self._out, self._err, self._res, self._pidfd):
+        self._process.close()
+        for fd in (self._go_w, self._out, self._err, self._res):
             if fd >= 0:
                 os.close(fd)
         self._pidfd = -1
 
     def _reap(self) -> int:
         if self._status is None:
-            self._status = orphans.reap(self.pid)
+            self._status = self._process.wait()
         return self._status
 
 

@@ -15,6 +15,8 @@ once nothing of the job runs, and any server's sweep marks the job LOST (rpycdl.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sqlite3
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rpycdl.defaults import SUPERVISOR_MODULE
-from rpycdl.errors import InvalidRequestError, RpycdlError
+from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
@@ -33,9 +35,11 @@ from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import Place
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import GPURequest, ShareRules
+from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
 from rpycdl.server import child, jobdirs, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
+from rpycdl.server.forkserver import clean_environment
 from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
 from rpycdl.states import JobState
 from rpycdl.wire import codec
@@ -107,31 +111,40 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                        "limits": context.limits.to_dict(), "shares": {"unit": context.shares.unit,
                                                                       "allowance": context.shares.allowance},
                        "artifact_store": context.artifact_store, "artifact_endpoint": context.artifact_endpoint,
-                       "scheduling": context.scheduling.to_dict()},
+                       "scheduling": context.scheduling.to_dict(), "accounts": context.accounts.to_dict()},
             "request": {"ngpus": checked.gpu_request.ngpus, "share_bytes": checked.gpu_request.share_bytes,
                         "user": checked.owner.user, "verified": checked.owner.verified, "client": checked.client,
                         "timeout": checked.timeout, "queue_timeout": checked.queue_timeout, "name": checked.name,
                         "command": None if checked.command is None else list(checked.command),
-                        "container": container, "working_dir": checked.working_dir}}
+                        "container": container, "working_dir": checked.working_dir,
+                        "account": None if checked.account is None else checked.account.to_dict()}}
 
 
 def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
     """Start the supervisor, in a session of its own, with the place's descriptor; returns its pid
-    and the pipe to send it GO on. It is this process's own child (orphans), not a leftover."""
+    and the pipe to send it GO on. It is this process's own child (orphans), not a leftover. Its
+    environment is clean of credentials (forkserver.clean_environment): they come down a pipe, which it
+    reads only once its job process is forked, so that no job ever holds them."""
     go_r, go_w = os.pipe()
-    pid = orphans.fork("the job's supervisor", (go_r, go_w))
+    secrets_r, secrets_w = os.pipe()
+    env = clean_environment(os.environ)
+    child.write_all(secrets_w, json.dumps({name: value for name, value in os.environ.items()
+                                           if name not in env}).encode())  # a few variables: the pipe holds them
+    os.close(secrets_w)
+    pid = orphans.fork("the job's supervisor", (go_r, go_w, secrets_r))
     if pid == 0:
         try:
             os.setsid()  # no signal for the server's session or group reaches it
             os.close(go_w)
-            for fd in (go_r, place.fifo_fd):
+            for fd in (go_r, place.fifo_fd, secrets_r):
                 os.set_inheritable(fd, True)
-            os.execv(sys.executable, [sys.executable, "-m", MODULE, state_dir, job_id, str(place.ticket),
-                                      str(place.fifo_fd), str(go_r)])
+            os.execve(sys.executable, [sys.executable, "-m", MODULE, state_dir, job_id, str(place.ticket),
+                                       str(place.fifo_fd), str(go_r), str(secrets_r)], env)
         finally:
             os._exit(127)
     orphans.let_go(pid)
     os.close(go_r)
+    os.close(secrets_r)
     return pid, go_w
 
 
@@ -139,10 +152,11 @@ def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
 
 
 class Supervised:
-    """A detached job's jobflow.Link: no client; its outcome goes to its result file."""
+    """A detached job's jobflow.Link: no client; its job process forked when the supervisor started; its
+    outcome goes to its result file."""
 
-    def __init__(self, context: ServerContext, record: JobRecord) -> None:
-        self._context, self._record = context, record
+    def __init__(self, context: ServerContext, record: JobRecord, spare: runner.JobProcess | None) -> None:
+        self._context, self._record, self._spare = context, record, spare
 
     def socket_fds(self) -> list[int]:
         return []
@@ -154,7 +168,8 @@ class Supervised:
         raise RuntimeError("a detached job's result has no client to go to")
 
     def take_spare(self) -> runner.JobProcess | None:
-        return None
+        spare, self._spare = self._spare, None
+        return spare
 
     def defer(self, end: Any) -> None:
         end()
@@ -172,7 +187,8 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          limits=Limits(**server["limits"]), shares=ShareRules(**server["shares"]),
                          artifact_store=server.get("artifact_store", ""),
                          artifact_endpoint=server.get("artifact_endpoint"),
-                         scheduling=Scheduling.from_dict(server["scheduling"]))
+                         scheduling=Scheduling.from_dict(server["scheduling"]),
+                         accounts=Accounts.from_dict(server["accounts"]) if "accounts" in server else Accounts())
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:
@@ -188,11 +204,19 @@ def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], No
         GPURequest(asked["ngpus"], asked["share_bytes"]), Identity(asked["user"], asked["verified"]), asked["client"],
         body=body, container=container, command=None if asked["command"] is None else tuple(asked["command"]),
         timeout=asked["timeout"], queue_timeout=asked["queue_timeout"], name=asked["name"], detached=True,
-        output=request.Output(write, write), working_dir=asked.get("working_dir"))
+        output=request.Output(write, write), working_dir=asked.get("working_dir"),
+        account=None if asked.get("account") is None else Account.from_dict(asked["account"]))
 
 
-def supervise(state_dir: str, job_id: str, place: Place, go_fd: int) -> int:
-    """Run one detached job to its end (the supervisor's life); returns the process's exit code."""
+def supervise(state_dir: str, job_id: str, place: Place, go_fd: int, secrets_fd: int) -> int:
+    """Run one detached job to its end (the supervisor's life); returns the process's exit code. Its job
+    process is forked first, while this process holds nothing but its arguments; then the credentials
+    come (`secrets_fd`)."""
+    spare = None
+    with contextlib.suppress(LimitError):  # no process to spare now: the flow forks one when the job starts
+        spare = runner.JobProcess(orphans.HERE)
+    with os.fdopen(secrets_fd, "rb") as secrets:
+        os.environ.update(json.loads(secrets.read() or b"{}"))
     with os.fdopen(go_fd, "rb") as go:
         told = go.read(len(GO))
     if told != GO:  # the submission broke off (a name taken meanwhile, the connection process died)
@@ -222,12 +246,15 @@ def supervise(state_dir: str, job_id: str, place: Place, go_fd: int) -> int:
 
     try:
         checked = _request(spec, context.files.payload(job_id), write)
-        JobFlow(context, checked, Supervised(context, record), lambda: None, record=record, place=place).run()
+        JobFlow(context, checked, Supervised(context, record, spare), lambda: None, record=record, place=place).run()
+        spare = None
     except (RpycdlError, EOFError):
         pass  # the ledger says how it ended
     except Exception:  # the ledger refused the end (a full disk), or a bug: the end is recorded below
         traceback.print_exc()
     finally:
+        if spare is not None:  # a container job's, or the flow never took it
+            spare.close()
         log.close()
         context.files.drop_payload(job_id)
     _record_end(context, record)
@@ -249,11 +276,11 @@ def _record_end(context: ServerContext, record: JobRecord) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rpycdl.server.supervisor STATE_DIR JOB_ID TICKET FIFO_FD GO_FD`."""
-    state_dir, job_id, ticket, fifo_fd, go_fd = argv if argv is not None else sys.argv[1:]
+    """`python -m rpycdl.server.supervisor STATE_DIR JOB_ID TICKET FIFO_FD GO_FD SECRETS_FD`."""
+    state_dir, job_id, ticket, fifo_fd, go_fd, secrets_fd = argv if argv is not None else sys.argv[1:]
     child.name_process("rpycdl-superv")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is not for detached jobs
-    return supervise(state_dir, job_id, Place(int(ticket), int(fifo_fd)), int(go_fd))
+    return supervise(state_dir, job_id, Place(int(ticket), int(fifo_fd)), int(go_fd), int(secrets_fd))
 
 
 if __name__ == "__main__":

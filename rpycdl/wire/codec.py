@@ -103,11 +103,12 @@ def dumps(obj: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.Pickl
     return file.getvalue(), buffers
 
 
-def layout(buffers: Sequence[pickle.PickleBuffer]) -> Layout:
-    """The layout of out-of-band buffers (a tuple, which RPyC passes by value)."""
+def layout(buffers: Sequence[Any]) -> Layout:
+    """The layout of out-of-band buffers (a tuple, which RPyC passes by value): the PickleBuffers of
+    encode_call, or buffers received (bytes, writable mmaps)."""
     sizes = []
     for buffer in buffers:
-        with buffer.raw() as view:
+        with memoryview(buffer) as view:
             sizes.append((view.nbytes, view.readonly))
     return tuple(sizes)
 

@@ -1,0 +1,336 @@
+"""The job forkserver: the process that forks every job process and load check of a server's connections.
+
+The server starts it clean at its own start (`python -m rpycdl.server.forkserver FD`, exec'd, with the
+server's environment less every credential variable), so that nothing of the server's memory (its TLS
+key, its shared secret, the store's credentials, other users' rows) and no secret of its environment is
+in a job, whose owner may read all of its memory once it runs as them (rpycdl.security.accounts). It
+never touches CUDA. It is a child subreaper: what a job leaves when its parent dies comes to it, stays
+while it belongs to a live job (its session, or RPYCDL_JOB_ID naming the job), and is killed otherwise.
+
+One request a datagram on a SOCK_SEQPACKET connection: the one the server made (every connection process
+inherits it; no job ever holds it), or one a process of the server's account made to the forkserver's
+abstract address (ForkServer.launch, after the forkserver it knew died):
+
+    request   JSON {"kind": "job" | "check"}; SCM_RIGHTS: a control socket, then the child's descriptors
+              (job: go, stdout, stderr, result; check: go, result)
+    reply     on the control socket: PID (pid, start time), SCM_RIGHTS: the child's pidfd
+    requester on the control socket: JOB_ID + the job's id, once it knows it
+    end       on the control socket: STATUS (wait status), once the child and everything of its job are
+              gone; then the control socket closes
+
+A requester that closes its control socket (it died) has its child killed. The forkserver leaves once
+every connection has closed and its children are gone."""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from rpycdl.defaults import FORKSERVER_MODULE, SECRET_VARIABLE_PREFIXES, STORE_SECRET_VARIABLES, SWEEP_INTERVAL
+from rpycdl.errors import LimitError
+from rpycdl.scheduler import procs
+
+PID = struct.Struct("<iQ")  # reply: pid, start time
+STATUS = struct.Struct("<i")  # end: wait status
+JOB_ID = b"J"  # requester: the job's id follows
+MAX_FDS = 8
+PR_SET_CHILD_SUBREAPER = 36
+
+log = logging.getLogger("rpycdl.forkserver")
+
+
+# -- the server's side ----------------------------------------------------------------------------
+
+
+@dataclass
+class Launched:
+    """A process the forkserver forked for this one: its pid and start time, a pidfd (readable once it
+    has exited), and the control socket its end comes on."""
+
+    pid: int
+    start: int
+    pidfd: int
+    control: socket.socket
+    status: int | None = field(default=None)
+
+    def name_job(self, job_id: str) -> None:
+        """Tell the forkserver the job's id: what the job starts keeps it in its environment."""
+        with contextlib.suppress(OSError):
+            self.control.send(JOB_ID + job_id.encode())
+
+    def wait(self) -> int:
+        """Block until the process and everything of its job are gone; its wait status."""
+        if self.status is None:
+            data = b""
+            with contextlib.suppress(OSError):
+                data = self.control.recv(STATUS.size)
+            # No end told: the forkserver died, and its children with it (they die with their parent).
+            self.status = STATUS.unpack(data)[0] if len(data) == STATUS.size else signal.SIGKILL
+        return self.status
+
+    def close(self) -> None:
+        """Let go of the process (killed by the forkserver if still running) and of its descriptors."""
+        self.control.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class ForkServer:
+    """The server's handle on its forkserver: started with the server, inherited by its connection
+    processes, which ask it for processes. Should it die, the server starts another at the same address
+    (start()), and each process reaches the new one when it next asks."""
+
+    def __init__(self, name: str, preload: tuple[str, ...] = ()) -> None:
+        self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
+        self.preload = preload
+        self.start()
+
+    def start(self) -> None:
+        """Start the forkserver (again), listening at its address, with this process connected to it."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(self.address)
+        listener.listen()
+        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds = [theirs.fileno(), listener.fileno()]
+        self.process = subprocess.Popen([sys.executable, "-m", FORKSERVER_MODULE, *map(str, fds), *self.preload],
+                                        pass_fds=fds, env=clean_environment(os.environ), stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+        theirs.close()
+        listener.close()  # the forkserver's alone: the address is free again once it is gone
+        self._identity = procs.identify(self.process.pid)
+
+    def alive(self) -> bool:
+        """Whether the forkserver still runs."""
+        return procs.alive(*self._identity)
+
+    def launch(self, kind: str, fds: list[int]) -> Launched:
+        """A new process of `kind` ("job" or "check") with `fds` as its descriptors (closed here once sent).
+
+        Raises:
+            LimitError: the forkserver is gone, or could not fork.
+        """
+        ours, control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        message = [json.dumps({"kind": kind}).encode()]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [control.fileno(), *fds]))]
+        try:
+            try:
+                try:
+                    self._socket.sendmsg(message, rights)
+                except OSError:  # the forkserver this process knew died: ask the one started in its place
+                    self._socket.close()
+                    self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                    self._socket.connect(self.address)
+                    self._socket.sendmsg(message, rights)
+            finally:  # the forkserver holds them now (or nobody: the reply is empty)
+                control.close()
+                for fd in fds:
+                    os.close(fd)
+            data, fds_back, _, _ = socket.recv_fds(ours, PID.size, 1)
+        except OSError as exc:
+            ours.close()
+            raise LimitError(f"this server could not start a process for the job (its forkserver: {exc}); try again "
+                             "later or use another server") from None
+        if len(data) != PID.size or not fds_back:
+            ours.close()
+            raise LimitError("this server could not start a process for the job (its forkserver could not fork); "
+                             "try again later or use another server")
+        pid, start = PID.unpack(data)
+        return Launched(pid, start, fds_back[0], ours)
+
+    def close(self) -> None:
+        """Close this process's connection (the forkserver leaves once every connection has closed, and its
+        jobs are gone)."""
+        self._socket.close()
+
+
+def clean_environment(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The environment less every variable that may hold a credential: the store's, and any named by a
+    prefix of SECRET_VARIABLE_PREFIXES."""
+    return {name: value for name, value in environ.items()
+            if name not in STORE_SECRET_VARIABLES and not name.startswith(SECRET_VARIABLE_PREFIXES)}
+
+
+# -- the forkserver's side ------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    control: socket.socket
+    start: int
+    job_id: str = ""
+    watched: bool = True  # the requester still holds its control socket
+    status: int | None = None  # once reaped
+
+
+class _Server:
+    """The forkserver's loop: requests, its children's ends, what jobs leave."""
+
+    def __init__(self, first: socket.socket, listener: socket.socket) -> None:
+        self.connections = {first}  # the server's, and those of processes that reconnected (ForkServer.launch)
+        self.listener = listener
+        self.children: dict[int, _Child] = {}
+        self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w)
+
+    def run(self) -> None:
+        while self.connections or self.children:
+            watched = [child.control for child in self.children.values() if child.watched]
+            ready = select.select([self.wake_r, self.listener, *self.connections, *watched], [], [],
+                                  SWEEP_INTERVAL)[0]
+            for each in ready:
+                if each is self.listener:
+                    self._accept()
+                elif each in self.connections:
+                    self._request(each)
+                elif isinstance(each, socket.socket):
+                    self._control(each)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 4096)
+            self._reap()
+            self._sweep()
+
+    def _accept(self) -> None:
+        """A process that lost the forkserver it knew connects to this one: one of the server's account only."""
+        with contextlib.suppress(OSError):
+            sock, _ = self.listener.accept()
+            _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            if uid == os.getuid():
+                self.connections.add(sock)
+            else:
+                log.warning("refused a connection from uid %d", uid)
+                sock.close()
+
+    def _request(self, connection: socket.socket) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(connection, 4096, MAX_FDS)
+        except OSError:
+            data, fds = b"", []
+        if not data:  # every holder of this connection has closed it
+            self.connections.discard(connection)
+            connection.close()
+            return
+        try:
+            kind = json.loads(data)["kind"]
+            if kind not in ("job", "check") or len(fds) != (5 if kind == "job" else 3):
+                raise ValueError(f"bad request {data[:100]!r}")
+            self._fork(kind, fds)
+        except Exception:  # a bad request never takes the forkserver down
+            log.exception("forkserver request failed")
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _fork(self, kind: str, fds: list[int]) -> None:
+        control = socket.socket(fileno=os.dup(fds[0]))
+        me = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            control.close()  # the requester reads an empty reply: LimitError
+            return
+        if pid == 0:
+            self._become_child(kind, fds[1:], me)
+        pidfd = os.pidfd_open(pid)
+        try:
+            socket.send_fds(control, [PID.pack(pid, procs.identify(pid)[1])], [pidfd])
+        except OSError:  # the requester is gone already
+            pass
+        finally:
+            os.close(pidfd)
+        self.children[pid] = _Child(control, procs.identify(pid)[1])
+
+    def _become_child(self, kind: str, fds: list[int], parent: int) -> None:
+        """In the forked child: let go of everything of the forkserver's, then become the job (never returns)."""
+        from rpycdl.server import child  # imported by main() already: no cost
+
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if kind == "job":  # it keeps nothing of the forkserver's but `fds` (child.keep_only)
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], parent=parent)
+            child.run_check(go_r=fds[0], res_w=fds[1], parent=parent)
+        finally:
+            os._exit(2)
+
+    def _control(self, control: socket.socket) -> None:
+        pid = next(pid for pid, each in self.children.items() if each.control is control)
+        each = self.children[pid]
+        try:
+            data = control.recv(256)
+        except OSError:
+            data = b""
+        if data.startswith(JOB_ID):
+            each.job_id = data[len(JOB_ID):].decode(errors="replace")
+        elif not data:  # the requester is gone: so is its job
+            each.watched = False
+            procs.kill_group(pid)
+            procs.kill([pid])
+
+    def _reap(self) -> None:
+        """Reap every ended child; a job's end is told once nothing of it runs (_sweep)."""
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                if pid in self.children:
+                    self.children[pid].status = status
+
+    def _sweep(self) -> None:
+        """Kill what ended jobs left and what belongs to no live job; tell the ends of jobs now gone."""
+        live = {pid: each for pid, each in self.children.items() if each.status is None}
+        for pid in procs.children(os.getpid()):
+            if pid not in self.children and not any(_belongs(pid, job, each) for job, each in live.items()):
+                procs.kill([pid, *procs.subtree(pid)])
+        for pid, each in list(self.children.items()):
+            if each.status is None:
+                continue
+            left = procs.job_processes(each.job_id, (pid, each.start))
+            if left:
+                procs.kill(left)
+                continue
+            with contextlib.suppress(OSError):
+                each.control.send(STATUS.pack(each.status))
+            each.control.close()
+            del self.children[pid]
+
+
+def _belongs(pid: int, job: int, child: _Child) -> bool:
+    """Whether the process `pid` belongs to the live job process `job`: in its session, or named by its
+    environment."""
+    found = procs.stat(pid)
+    return found is not None and (found.session == job or bool(child.job_id and procs.environment_names(pid,
+                                                                                                        child.job_id)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rpycdl.server.forkserver FD LISTENER [MODULE ...]`: serve the requests on the socket FD and
+    on the connections LISTENER accepts, with MODULEs imported first (rpycdl serve --preload)."""
+    from rpycdl.server import child
+
+    first, listener, *preload = argv if argv is not None else sys.argv[1:]
+    child.name_process("rpycdl-forksrv")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's, which stops it
+    child.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    for module in preload:
+        __import__(module)
+    _Server(socket.socket(fileno=int(first)), socket.socket(fileno=int(listener))).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
