@@ -42,6 +42,7 @@ from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.scheduler.fairshare import FairShare, read_settings
 from rpycdl.scheduler.planning import PACK, PLACEMENTS
 from rpycdl.scheduler.policies import FAIR, FCFS, POLICIES, Scheduling
+from rpycdl.security.accounts import Accounts
 from rpycdl.units import format_duration, format_size, parse_duration, parse_size
 
 
@@ -127,6 +128,31 @@ def _scheduling(args: argparse.Namespace) -> Scheduling:
     return Scheduling(args.policy, args.placement, fair)
 
 
+def _add_isolation_flags(serve: argparse.ArgumentParser) -> None:
+    """Whose account runs each job (rpycdl.security.accounts)."""
+    serve.add_argument("--user-map", default=None, metavar="FILE",
+                       help="a root server runs each job as the account named like its owner's verified identity; this "
+                            "TOML file maps identities to other accounts ([accounts] alice = \"alice\" or "
+                            "\"uid:gid\") and names admins ([admins] names = [...])")
+    serve.add_argument("--guest-user", default=None, metavar="ACCOUNT",
+                       help="on a root server, run the jobs of unverified clients (shared secret, no certificate) as "
+                            "this account (default: refuse them)")
+    serve.add_argument("--require-verified", action="store_true",
+                       help="refuse jobs of unverified clients, on any server")
+    serve.add_argument("--one-account", action="store_true",
+                       help="on a root server, run every job as root, as a server that is not root runs every job as "
+                            "its own account: jobs can then reach each other and the server's files")
+
+
+def _accounts(args: argparse.Namespace) -> Accounts:
+    """The server's account rules from the flags (a bad user map or guest account is a start failure)."""
+    try:
+        return Accounts.for_server(os.geteuid() == 0, args.one_account, args.user_map, args.guest_user,
+                                   args.require_verified)
+    except InvalidRequestError as exc:
+        raise RpycdlError(str(exc)) from None
+
+
 def _add_serve(command: Command) -> None:
     """The serve subcommand and its options."""
     serve = command("serve", "run a GPU server for one framework service",
@@ -180,6 +206,7 @@ def _add_serve(command: Command) -> None:
     serve.add_argument("--tls-ca", default=None, metavar="FILE",
                        help="the team's CA certificate: clients must present a certificate it signed")
     _add_scheduling_flags(serve)
+    _add_isolation_flags(serve)
 
 
 def _registry(args: argparse.Namespace) -> int:
@@ -219,7 +246,8 @@ def _serve(args: argparse.Namespace) -> int:
                           insecure=args.insecure, version=args.version,
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_ca=args.tls_ca, limits=limits, shares=shares, artifact_store=args.artifacts or "",
-                          artifact_endpoint=args.artifacts_endpoint, scheduling=_scheduling(args))
+                          artifact_endpoint=args.artifacts_endpoint, scheduling=_scheduling(args),
+                          accounts=_accounts(args))
     if args.registry != "none":
         registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later
     logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")

@@ -109,7 +109,14 @@ class FakeInventory(Inventory):
         return list(self._gpus)
 
     def use_lock_dir(self, lock_dir: str | os.PathLike[str]) -> None:
+        """Keep the simulated driver's state in the lock directory's simulated-gpus/, a folder per GPU in
+        which every user's jobs write (sticky: none removes another's), made here if this process may."""
         self.state_dir = Path(lock_dir) / "simulated-gpus"
+        for folder in (self.state_dir, *(self.state_dir / gpu.uuid for gpu in self._gpus)):
+            with contextlib.suppress(OSError):  # a monitor of another user: the servers make them
+                folder.mkdir(exist_ok=True)
+                if folder.stat().st_uid == os.geteuid():
+                    os.chmod(folder, SIMULATED_DIR_MODE)
 
     def memory_used(self) -> dict[str, int | None]:
         return {gpu.uuid: sum(self.process_memory(gpu.uuid).values()) for gpu in self._gpus}
@@ -297,6 +304,10 @@ def _applied(words: list[str], devices: Sequence[tuple[int, GPU]]) -> bool:
     lowered = [word.lower() for word in words]
     return (lowered in (["all"], ["void"], []) or all(word.startswith("/") or "=" in word for word in words)
             or all(word.isdigit() for word in words) and len(set(words)) == len(devices))
+
+
+SIMULATED_DIR_MODE = 0o1777
+"""simulated-gpus/ and its folders: every user's jobs record their "allocations" there (simulate_memory)."""
 
 
 def _listing(devices: Sequence[tuple[int, GPU]]) -> str:

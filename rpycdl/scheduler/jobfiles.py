@@ -24,7 +24,7 @@ from typing import Any
 
 from rpycdl.errors import LimitError
 from rpycdl.scheduler import procs
-from rpycdl.scheduler.lockdir import SHARED_FILE_MODE, shared_dir
+from rpycdl.scheduler.lockdir import file_mode, shared_dir
 from rpycdl.units import format_size
 
 WORKING_DIR = "work"
@@ -199,9 +199,9 @@ class LogWriter:
         self.limit = limit
         self.size = 0
         self._full = False
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, SHARED_FILE_MODE)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, file_mode())
         with contextlib.suppress(PermissionError):
-            os.fchmod(self._fd, SHARED_FILE_MODE)
+            os.fchmod(self._fd, file_mode())
 
     def write(self, text: str) -> None:
         if self._full or not text:
@@ -240,10 +240,10 @@ def _write(path: Path, data: bytes, sync: bool = False) -> None:
     """Write `data` to `path` whole: aside first, then renamed over it; nothing is left if it fails."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, SHARED_FILE_MODE)
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode())
         try:
             with contextlib.suppress(PermissionError):
-                os.fchmod(fd, SHARED_FILE_MODE)
+                os.fchmod(fd, file_mode())
             with memoryview(data) as view:
                 written = 0
                 while written < len(view):

@@ -1,4 +1,5 @@
-"""The lock directory's files, for rpycdl.locks: created writable by every user, JSON records
+"""The lock directory's files, for rpycdl.locks: created writable by every user (or private to root's on a
+host whose servers run jobs as their owners), JSON records
 replaced atomically, this process's descriptors of the lock files, probes of the fcntl locks
 other processes hold (F_GETLK, which takes nothing), and the waiters' wake-up FIFOs."""
 
@@ -25,24 +26,60 @@ SHARED_DIR_MODE = 0o777
 No sticky bit: records are replaced by rename, which a sticky directory forbids across users."""
 SHARED_FILE_MODE = 0o666
 
+PRIVATE_DIR_MODE = 0o751
+"""On a host whose servers run each job as its owner (root servers: rpycdl.security.accounts): root writes,
+the directory's group (a monitor's) reads, others may only pass through, to their own jobs' directories."""
+PRIVATE_FILE_MODE = 0o640
+PRIVATE_UMASK = 0o027
+
+_MODES = {"dir": SHARED_DIR_MODE, "file": SHARED_FILE_MODE}
+"""The modes this process gives what it creates in the lock and state directories."""
+
+
+def use_private_modes() -> None:
+    """Give what this process creates in the lock and state directories the private modes (PRIVATE_DIR_MODE),
+    as the processes of a server that runs jobs as their owners do."""
+    _MODES.update(dir=PRIVATE_DIR_MODE, file=PRIVATE_FILE_MODE)
+    os.umask(PRIVATE_UMASK)
+
+
+def file_mode() -> int:
+    """The mode of the files this process creates in the lock and state directories."""
+    return _MODES["file"]
+
+
+def make_private(root: Path, skip: tuple[str, ...] = ()) -> None:
+    """Take from every directory and file under `root` that this process owns what the private modes do not
+    give others (write for its group; all for the rest, but passing through directories): they may have been
+    made shared by a server that ran every job as itself. The subtrees named `skip` are left as they are."""
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = [name for name in dirs if name not in skip]
+        for name, passing in [(".", 0o001), *((name, 0) for name in files)]:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):  # gone meanwhile
+                found = os.lstat(path)
+                mode = stat.S_IMODE(found.st_mode)
+                if found.st_uid == os.geteuid() and not stat.S_ISLNK(found.st_mode) and mode & PRIVATE_UMASK:
+                    os.chmod(path, mode & ~PRIVATE_UMASK | passing)
+
 
 def shared_dir(path: Path) -> None:
-    """Create a directory of the lock directory, writable by every user if we own it."""
+    """Create a directory of the lock directory, with this process's mode for it if we own it."""
     path.mkdir(parents=True, exist_ok=True)
     if path.stat().st_uid == os.geteuid():
         with contextlib.suppress(PermissionError):
-            os.chmod(path, SHARED_DIR_MODE)
+            os.chmod(path, _MODES["dir"])
 
 
 def shared_file(path: Path, data: bytes | None = None) -> None:
-    """Create `path` writable by every user: empty if absent (data None), else replaced atomically."""
+    """Create `path` with this process's mode for it: empty if absent (data None), else replaced atomically."""
     if data is None and path.exists():
         return  # never reopen a lock file: closing a second descriptor would drop our fcntl lock
     target = path if data is None else path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if data is None else os.O_TRUNC), SHARED_FILE_MODE)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if data is None else os.O_TRUNC), _MODES["file"])
     try:
         with contextlib.suppress(PermissionError):
-            os.fchmod(fd, SHARED_FILE_MODE)
+            os.fchmod(fd, _MODES["file"])
         if data is not None:
             os.write(fd, data)
     finally:

@@ -283,7 +283,7 @@ class GPULockManager:
         entry = self.root / "queue" / f"{ticket:016d}.json"
         fifo = entry.with_suffix(".fifo")
         os.mkfifo(fifo)
-        os.chmod(fifo, lockdir.SHARED_FILE_MODE)  # others must open it to wake us (and to see we live)
+        os.chmod(fifo, lockdir.file_mode())  # others must open it to wake us (and to see we live)
         # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
         # and writers see a reader for exactly as long as this process lives.
         fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)

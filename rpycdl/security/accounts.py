@@ -94,6 +94,30 @@ class Accounts:
         return cls(str(data["mode"]), dict(data["user_map"]), frozenset(data["admins"]),  # type: ignore[arg-type]
                    data["guest"], bool(data["require_verified"]))  # type: ignore[arg-type]
 
+    @classmethod
+    def for_server(cls, root: bool, one_account: bool = False, user_map: str | None = None,
+                   guest: str | None = None, require_verified: bool = False) -> Accounts:
+        """A server's rules from its flags: owner accounts on a root server unless told --one-account.
+
+        Raises:
+            InvalidRequestError: flags that cannot go together, a user map that cannot be read, or a guest
+                account that does not exist.
+        """
+        isolated = root and not one_account
+        if (user_map or guest) and not isolated:
+            raise InvalidRequestError("--user-map and --guest-user choose the accounts jobs run as, which only a "
+                                      "server started as root can do (and not with --one-account)")
+        if guest and require_verified:
+            raise InvalidRequestError("--guest-user runs unverified clients' jobs, which --require-verified refuses: "
+                                      "give one or the other")
+        if guest:
+            try:
+                named_account(guest, "the guest account (--guest-user)")
+            except NotAllowedError as exc:
+                raise InvalidRequestError(str(exc)) from None
+        accounts, admins = load_user_map(user_map) if user_map else ({}, frozenset())
+        return cls(OWNER_ACCOUNTS if isolated else ONE_ACCOUNT, accounts, admins, guest, require_verified)
+
     def admin(self, identity: Identity) -> bool:
         """Whether the identity may act on anyone's jobs: an admin certificate, or named by the user map."""
         return identity.admin or (identity.verified and identity.user in self.admins)

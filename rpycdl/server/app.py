@@ -24,6 +24,7 @@ from rpycdl.scheduler.planning import LEAST_BUSY
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
 from rpycdl.security import auth, tls
+from rpycdl.security.accounts import Accounts
 from rpycdl.security.auth import is_loopback
 from rpycdl.server import child
 from rpycdl.server.context import Limits, ServerContext
@@ -68,6 +69,7 @@ class ServerConfig:
     artifact_store: str = ""  # where jobs' outputs go (a URL); "": the state directory's artifacts/
     artifact_endpoint: str | None = None  # an S3-compatible endpoint (MinIO)
     scheduling: Scheduling = field(default_factory=Scheduling)  # --policy, --placement, --fair-share
+    accounts: Accounts = field(default_factory=Accounts)  # --user-map, --guest-user, --require-verified, --one-account
 
 
 def framework_version(service: str) -> str | None:
@@ -127,7 +129,11 @@ def build_server(config: ServerConfig) -> DLServer:
                             state_dir=config.state_dir or state_dir(directory),
                             host=config.host, framework_version=version, limits=config.limits,
                             shares=config.shares, artifact_store=config.artifact_store,
-                            artifact_endpoint=config.artifact_endpoint, scheduling=config.scheduling)
+                            artifact_endpoint=config.artifact_endpoint, scheduling=config.scheduling,
+                            accounts=config.accounts)
+    if context.accounts.isolated:  # what servers that ran every job as themselves shared, made root's
+        for root in {Path(directory), Path(context.state_dir)}:
+            lockdir.make_private(root, skip=("simulated-gpus", "workdirs"))
     lockdir.claim_pid_namespace(Path(directory))
     context.locks.claim_scheduling()
     context.launcher = ForkServer(context.server_id)  # before any fork: connection processes ask it for jobs
@@ -161,7 +167,8 @@ def serve(config: ServerConfig) -> None:
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
           f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); artifacts to {ctx.artifact_store}; "
-          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}; jobs' working "
+          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}; isolation: "
+          f"{ctx.accounts.mode}; jobs' working "
           f"directories {'cloned' if can_clone(ctx.working_dirs.root) else 'copied (no reflinks here)'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)

@@ -134,6 +134,7 @@ def run_job_container(
     poll: Callable[[], None] | None = None,
     cancelled: Callable[[], bool] | None = None,
     extra_env: Mapping[str, str] | None = None,
+    user: str | None = None,
     client: docker.DockerClient | None = None,
 ) -> int:
     """Run a checked job in its own container with exactly the GPUs `uuids`; return its exit code.
@@ -149,6 +150,8 @@ def run_job_container(
         poll: called about every 0.1 s while it runs; may raise (client gone) to stop it.
         cancelled: polled as often; True stops it.
         extra_env: more variables (job id, ticket), set after the job's own.
+        user: "uid:gid" the container's process runs as (its owner's account, on a root server); None: the
+            image's user.
 
     Raises:
         ContainerError: a non-zero exit, with the last log lines.
@@ -158,7 +161,7 @@ def run_job_container(
     remove_orphans(lock_dir, client)  # before taking GPUs an orphan may still be using
     env = {**spec.env, **(extra_env or {}), **gpu_environment(uuids)}
     labels = {LABEL_ROLE: "job", LABEL_OWNER: owner, LABEL_JOB: job_id, LABEL_LOCK_DIR: lock_dir}
-    container = _create(client, spec, uuids, simulated=simulated, env=env, labels=labels)
+    container = _create(client, spec, uuids, simulated=simulated, env=env, labels=labels, user=user)
     # watched: this process, which holds the job's GPU locks (a detached job's supervisor, not the
     # connection process that accepted it and has left)
     watcher = subprocess.Popen([sys.executable, "-m", container_watcher.__name__, str(os.getpid()), container.id],
@@ -180,13 +183,14 @@ def run_job_container(
 
 
 def _create(client: docker.DockerClient, spec: JobSpec, uuids: Sequence[str], *, simulated: bool,
-            env: dict[str, str], labels: dict[str, str]) -> Container:
+            env: dict[str, str], labels: dict[str, str], user: str | None) -> Container:
     """Create (not start) the job's container, with exactly the GPUs `uuids` unless they are simulated."""
     requests = [] if simulated else [DeviceRequest(device_ids=list(uuids), capabilities=[["gpu"]])]
     try:
         return client.containers.create(
             spec.image, list(spec.command), environment=env, working_dir=spec.workdir, mounts=list(spec.mounts),
-            device_requests=requests, security_opt=["no-new-privileges"], init=True, labels=labels)
+            device_requests=requests, security_opt=["no-new-privileges"], init=True, labels=labels,
+            **({"user": user} if user else {}))
     except docker.errors.ImageNotFound:
         raise InvalidRequestError(f"no image {spec.image} on this server's Docker engine") from None
     except docker.errors.APIError as exc:

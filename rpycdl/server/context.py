@@ -23,7 +23,7 @@ from rpycdl.defaults import (
     WORKING_DIR_CACHE,
 )
 from rpycdl.gpu.inventory import GPU, Inventory
-from rpycdl.scheduler import procs
+from rpycdl.scheduler import lockdir, procs
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import Ledger
 from rpycdl.scheduler.locks import GPULockManager
@@ -81,11 +81,15 @@ class ServerContext:
     store: ArtifactStore = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.accounts.isolated:  # what this process makes in the lock and state directories is root's
+            lockdir.use_private_modes()
         self.gpus = self.inventory.gpus()
         self.locks = GPULockManager(self.lock_dir, self.scheduling)  # creates the layout; connections inherit it
         self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
         self.files = JobFiles(self.state_dir)
         self.working_dirs = WorkdirCache(os.path.join(self.state_dir, "workdirs"), self.limits.working_dir_cache)
+        if self.accounts.isolated:  # every user's code and data: nobody's but the server's to read
+            os.chmod(self.working_dirs.root, 0o700)
         self.artifact_store = self.artifact_store or os.path.join(os.path.abspath(self.state_dir), "artifacts")
         self.store = ArtifactStore.from_url(self.artifact_store, endpoint_url=self.artifact_endpoint)
         self.inventory.use_lock_dir(self.lock_dir)

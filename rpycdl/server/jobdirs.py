@@ -5,13 +5,16 @@ recorded). An upload that fails keeps the outputs on the server, the ledger sayi
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 
 from rpycdl.artifacts.files import Identity
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.scheduler.ledger import JobRecord
+from rpycdl.security.accounts import Account
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest
 
@@ -28,6 +31,7 @@ def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[st
     files = context.files
     output = files.output_dir(job_id)
     output.mkdir(parents=True, exist_ok=True)
+    give(output, checked.account)
     env = {OUTPUT_DIR_VARIABLE: str(output)}
     if checked.working_dir is None:
         return env
@@ -40,7 +44,19 @@ def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[st
         except KeyError:
             raise InvalidRequestError(f"the working directory {checked.working_dir[:12]} left this server's cache "
                                       "before the job started: submit it again") from None
+        give(path, checked.account)
     return env
+
+
+def give(directory: Path, account: Account | None) -> None:
+    """Make `directory` and all in it the job's owner's, the directory theirs alone (mode 700); nothing to do
+    where jobs run as the server's account (None)."""
+    if account is None:
+        return
+    for root, dirs, files in os.walk(directory):
+        for name in [".", *dirs, *files]:
+            os.lchown(os.path.join(root, name), account.uid, account.gid)
+    os.chmod(directory, 0o700)
 
 
 def finish(context: ServerContext, record: JobRecord, saved: Mapping[str, Identity] | None = None) -> None:

@@ -272,12 +272,14 @@ class JobFlow:
         ctx, record, output = self.context, self.record, self.request.output
         ctx.ledger.save(record)
         env = {key: value for key, value in self._environment().items() if key.startswith("RPYCDL_")}
+        account = self.request.account
         try:
             code = containers.run_job_container(
                 self.request.container, record.gpu_uuids, simulated=ctx.inventory.simulated, owner=ctx.server_id,  # type: ignore[arg-type]
                 job_id=record.job_id, lock_dir=ctx.lock_dir, on_stdout=output.stdout, on_stderr=output.stderr,
                 timeout=self.request.timeout, poll=self.link.serve_client,
-                cancelled=lambda: ctx.ledger.cancel_requested(record.job_id), extra_env=env)
+                cancelled=lambda: ctx.ledger.cancel_requested(record.job_id), extra_env=env,
+                user=None if account is None else f"{account.uid}:{account.gid}")
         except JobTimeoutError as exc:
             return runner.Result(runner.Ending.TIMED_OUT, reason=str(exc))
         except JobCancelledError as exc:

@@ -41,7 +41,8 @@ class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
 
     def on_connect(self, conn: rpyc.Connection) -> None:
         self._conn = conn
-        self._identity: auth.Identity = conn._config.get("credentials") or auth.ANONYMOUS
+        identity: auth.Identity = conn._config.get("credentials") or auth.ANONYMOUS
+        self._identity = dataclasses.replace(identity, admin=self.context.accounts.admin(identity))  # --user-map's
         peer = (conn._config.get("endpoints") or (None, ("?", 0)))[1]
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._busy = False  # one job at a time per connection: a second would be served inside the first

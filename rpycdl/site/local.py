@@ -115,13 +115,16 @@ class LocalCluster:
         self.processes.append(process)
         return process
 
-    def add_server(self, service: str, inventory: str | None, *extra: str,
-                   lock_dir: str | None = None) -> tuple[Process, int]:
+    def add_server(self, service: str, inventory: str | None, *extra: str, lock_dir: str | None = None,
+                   isolated: bool = False) -> tuple[Process, int]:
         """Start a server of `service` on a free loopback port (with a lock directory of its own, as a
-        server of another host has, if `lock_dir` is given); returns it and its port."""
+        server of another host has, if `lock_dir` is given); returns it and its port. Started as root, it
+        runs every job as root (--one-account), as the demo's one user expects, unless `isolated`: then each
+        job runs as its owner's account (rpycdl.security.accounts)."""
         lock_dir = lock_dir or self.lock_dir
+        one_account = ["--one-account"] if os.geteuid() == 0 and not isolated else []
         args = ["serve", "--service", service, "--host", "127.0.0.1", "--port", "0",
-                "--registry", self.registry_address, "--lock-dir", lock_dir, *extra]
+                "--registry", self.registry_address, "--lock-dir", lock_dir, *one_account, *extra]
         if inventory:
             args += ["--gpus", inventory]
         self.state_dirs.add(extra[extra.index("--state-dir") + 1] if "--state-dir" in extra
