@@ -210,7 +210,7 @@ def test_a_compressed_frame_inflating_over_the_limit_drops_the_connection_unread
     assert sock.recv(1) == b""  # dropped
     sock.close()
     log = server_process(cluster, port).lines
-    wait_until(lambda: any("inflates" in line and "--max-payload" in line for line in log), what="the log line")
+    wait_until(lambda: any("inflates" in line and "--max-frame" in line for line in log), what="the log line")
     assert connect(port).root.run_code(lambda x: x, "still serving") == "still serving"
 
 
