@@ -14,6 +14,7 @@ from rpycdl.defaults import OUTPUT_DIR_VARIABLE
 from rpycdl.errors import (
     ArtifactStoreError,
     AuthFailedError,
+    ConnectionDroppedError,
     ContainerError,
     DiscoveryError,
     GPUMemoryExceededError,
@@ -38,11 +39,11 @@ from rpycdl.states import JobState
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArtifactStoreError", "AuthFailedError", "Connection", "ContainerError", "DiscoveryError", "GPUMemoryExceededError",
-    "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
-    "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
-    "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError", "__version__", "connect", "job",
-    "output_dir", "save_artifact", "simulate_memory",
+    "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ContainerError",
+    "DiscoveryError", "GPUMemoryExceededError", "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError",
+    "JobLostError", "JobNotFinishedError", "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError",
+    "NoInventoryError", "NotAllowedError", "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError",
+    "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]
 
 

@@ -133,7 +133,21 @@ REFUSAL_BUSY_TIMEOUT = 1.0
 held up longer (the server's parent counts the connections it refuses between its forks)."""
 
 MAX_PAYLOAD = 8 * 1024**3
-"""Largest call a server accepts, in bytes (`--max-payload`); a larger RPyC frame drops the connection."""
+"""Largest call a server accepts, in bytes (`--max-payload`)."""
+
+MAX_FRAME_CEILING = 2**32 - 1
+"""The largest RPyC frame there is (its header counts bytes in 32 bits)."""
+
+FRAME_MEMORY_SHARE = 8
+"""By default a server takes RPyC frames of at most its machine's memory over this (`--max-frame`), and never more
+than --max-payload (plus FRAME_SLACK): a frame is held whole in its connection process's memory, twice for a moment."""
+
+FRAME_SLACK = 1 << 20
+"""Bytes an RPyC frame may carry beyond the payload limit (the call around the payload)."""
+
+SPOOL_MIN = 256 * 1024**2
+"""An out-of-band buffer of a call of more bytes than this is received into a file of the state directory
+(deleted as it is made, so nothing is left), not into anonymous memory: the kernel may write it out to disk."""
 
 MIN_MAX_PAYLOAD = 1024**2
 """The smallest --max-payload a server takes: calls up to this size need no look at the limit."""
@@ -157,7 +171,39 @@ MAX_QUEUED_PER_USER = 100
 """Most requests of one user waiting at once on one server (`--max-queued-per-user`)."""
 
 MAX_CONNECTIONS = 256
-"""Most client connections a server serves at once (`--max-connections`); one more is refused at once."""
+"""Most authenticated client connections a server serves at once (`--max-connections`); one more is refused
+once it has authenticated."""
+
+MAX_STARTUPS = (64, 30, 256)
+"""Connections still authenticating that a server holds (`--max-startups LOW:RATE:HIGH`, as OpenSSH's MaxStartups):
+from LOW of them on, a new one is dropped with a probability of RATE percent, rising to 100 at HIGH."""
+
+MAX_STARTUPS_CEILING = 512
+"""The highest HIGH of --max-startups: the server parent holds one descriptor per startup, and a connection
+process keeps its socket's descriptor number, which select() wants below 1024."""
+
+PER_SOURCE_STARTUPS = 16
+"""Connections still authenticating that a server holds from one source address (`--per-source-startups`); one
+more replaces the oldest of them that has sent nothing, or is dropped."""
+
+STARTUP_GRACE = 5.0
+"""Seconds a connection may take to authenticate (and, on a server without authentication, to send its first
+byte) before the server drops it."""
+
+ACCEPT_BATCH = 8
+"""Connections the server parent accepts at most per turn of its loop, between turns that advance the handshakes
+already under way (so that a flood of new ones never starves those)."""
+
+DROP_LOG_INTERVAL = 10.0
+"""Seconds over which the server parent sums up the connections it dropped or refused before authentication:
+the first of each source and cause is logged at once, the rest in one line at the end of the interval."""
+
+DROP_COUNT_INTERVAL = 1.0
+"""Seconds between the server parent's writes of those counts to the ledger (the monitor reads them there)."""
+
+CONNECT_TIMEOUT = 10.0
+"""Seconds a client keeps connecting again when a busy server drops its connection before authenticating it
+(--max-startups, --per-source-startups)."""
 
 IDLE_TIMEOUT = 3600.0
 """Seconds a connection may stay idle (no request, no job) before the server closes it (`--idle-timeout`)."""

@@ -22,6 +22,12 @@ class LimitError(RpycdlError):
     one the machine has no process to spare for."""
 
 
+class ConnectionDroppedError(LimitError):
+    """The server dropped the connection before authenticating it, as a busy server does (--max-startups,
+    --per-source-startups); the client connects again within its connect timeout, and raises this only
+    once that has passed."""
+
+
 class QueueTimeoutError(RpycdlError, TimeoutError):
     """A request waited longer than its queue_timeout for its GPUs."""
 

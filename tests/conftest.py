@@ -9,7 +9,7 @@ from helpers import Team
 
 import rpycdl
 from rpycdl import cli
-from rpycdl.site.local import LocalCluster
+from rpycdl.site.local import LocalCluster, start
 
 
 @pytest.fixture(autouse=True)
@@ -98,3 +98,13 @@ def tls_server(server, team) -> Iterator[Callable[[str], rpycdl.Connection]]:
     yield as_user
     for conn in opened:
         conn.close()
+
+
+@pytest.fixture
+def monitor(cluster) -> Iterator[str]:
+    """A monitor of the cluster's lock directory on a free port; its base URL."""
+    process = start(["monitor", "--gpus", "fake:2", "--lock-dir", cluster.lock_dir, "--port", "0"])
+    try:
+        yield "http://127.0.0.1:" + process.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
+    finally:
+        process.stop()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,3 +260,17 @@ def server_pid(cluster: Any, port: int) -> int:
     """The pid of the cluster's server on `port`."""
     return server_process(cluster, port).popen.pid
 
+
+
+def scrape(base: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of the monitor at `base`'s /metrics by name: (labels, value) pairs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")
+        text = response.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples

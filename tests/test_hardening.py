@@ -137,11 +137,12 @@ def _receiving(pid: int) -> bool:
         return False
 
 
-def _raw_client(port: int, server: int) -> tuple[socket.socket, int]:
-    """A raw socket connected to the server (no authentication on loopback), and the pid of the
-    connection process serving it."""
+def _raw_client(port: int, server: int, first: bytes) -> tuple[socket.socket, int]:
+    """A raw socket connected to the server (no authentication on loopback) that has sent `first` (a connection
+    gets a process once it has said something), and the pid of the connection process serving it."""
     before = set(connection_processes(server))
     sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(first)
     pid = wait_until(lambda: (set(connection_processes(server)) - before or {0}).pop(), what="its connection process")
     return sock, pid
 
@@ -152,10 +153,11 @@ def test_a_header_announcing_a_huge_frame_costs_no_memory_until_the_bytes_come(s
     stalled = []
     try:
         for number in range(50):
-            sock, conn_pid = _raw_client(port, pid)
+            header = Channel.FRAME_HEADER.pack(1 << 30, False)
+            sock, conn_pid = _raw_client(port, pid, header[:1])
             stalled.append(sock)
             before = _memory(conn_pid)
-            sock.sendall(Channel.FRAME_HEADER.pack(1 << 30, False))
+            sock.sendall(header[1:])
             if number == 0:  # a trickle of the body, as a slow client would send it
                 for _ in range(10):
                     sock.sendall(b"x" * 1000)
@@ -175,8 +177,7 @@ def test_a_frame_that_stops_halfway_is_dropped_after_the_idle_timeout(server, cl
     # A header, a few bytes of the body, then nothing: the connection process waits inside the frame,
     # where the idle timeout between requests does not look; it must not wait for ever.
     port = server("pytorch", "fake:1", "--idle-timeout", "1")
-    sock, conn_pid = _raw_client(port, server_pid(cluster, port))
-    sock.sendall(Channel.FRAME_HEADER.pack(1000, False) + b"x" * 10)
+    sock, conn_pid = _raw_client(port, server_pid(cluster, port), Channel.FRAME_HEADER.pack(1000, False) + b"x" * 10)
     wait_until(lambda: _receiving(conn_pid), what="the connection process to read the frame's body")
     sock.settimeout(10)
     started = time.monotonic()
@@ -196,9 +197,10 @@ def test_a_compressed_frame_inflating_over_the_limit_drops_the_connection_unread
     port = server("pytorch", "fake:1", "--max-payload", "1MiB")
     bomb = _bomb(512 * MiB)
     assert len(bomb) < MiB  # well under the frame limit: only its inflated size is over
-    sock, conn_pid = _raw_client(port, server_pid(cluster, port))
+    frame = Channel.FRAME_HEADER.pack(len(bomb), True) + bomb + Channel.FLUSHER
+    sock, conn_pid = _raw_client(port, server_pid(cluster, port), frame[:1])
     before = _memory(conn_pid, "VmHWM")
-    sock.sendall(Channel.FRAME_HEADER.pack(len(bomb), True) + bomb + Channel.FLUSHER)
+    sock.sendall(frame[1:])
     peak, ended = before, time.monotonic() + 10
     while (now := _memory(conn_pid, "VmHWM")) and time.monotonic() < ended:  # sampled until it exits
         peak = max(peak, now)
@@ -208,7 +210,7 @@ def test_a_compressed_frame_inflating_over_the_limit_drops_the_connection_unread
     assert sock.recv(1) == b""  # dropped
     sock.close()
     log = server_process(cluster, port).lines
-    wait_until(lambda: any("inflates" in line and "--max-payload" in line for line in log), what="the log line")
+    wait_until(lambda: any("inflates" in line and "--max-frame" in line for line in log), what="the log line")
     assert connect(port).root.run_code(lambda x: x, "still serving") == "still serving"
 
 

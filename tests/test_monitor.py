@@ -14,15 +14,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import gate_job, open_gate, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import gate_job, open_gate, scrape, wait_until
 
 import rpycdl
 from rpycdl import JobState
@@ -31,28 +29,6 @@ from rpycdl.site.local import start
 from rpycdl.units import GiB
 
 UUIDS = [f"GPU-00000000-0000-4000-8000-{index:012d}" for index in range(2)]
-
-
-@pytest.fixture
-def monitor(cluster) -> Iterator[str]:
-    """A monitor of the cluster's lock directory on a free port; its base URL."""
-    process = start(["monitor", "--gpus", "fake:2", "--lock-dir", cluster.lock_dir, "--port", "0"])
-    try:
-        yield "http://127.0.0.1:" + process.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
-    finally:
-        process.stop()
-
-
-def scrape(base: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Every sample of /metrics by name: (labels, value) pairs."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-        assert response.headers["Content-Type"].startswith("text/plain; version=")
-        text = response.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return samples
 
 
 def value(samples: dict[str, Any], name: str, **labels: str) -> float | None:

@@ -71,6 +71,28 @@ def test_a_job_may_change_its_argument_array_in_place(conn, np):
     assert np.array_equal(conn.root.run_code(job, array), array * 2)
 
 
+def test_an_array_over_the_spool_size_arrives_in_a_file_of_the_state_directory(server, cluster, connect, np):
+    from rpycdl.defaults import SPOOL_MIN
+
+    port = server()
+    array = np.arange((SPOOL_MIN + MiB) // 8, dtype=np.float64)
+
+    def job(a):
+        address = a.__array_interface__["data"][0]
+        for line in open("/proc/self/maps"):
+            span, _, _, _, _, *path = line.split(maxsplit=5)
+            start, end = (int(bound, 16) for bound in span.split("-"))
+            if start <= address < end:
+                a *= 2  # writable, as any argument array
+                return " ".join(path).strip(), float(a[-1])
+        return None, None
+
+    where, last = connect(port).root.run_code(job, array, timeout=120)
+    assert last == 2 * array[-1]
+    state = os.path.realpath(os.path.join(cluster.lock_dir, "state"))
+    assert where.startswith(state) and where.endswith("(deleted)"), where  # a file without a name: nothing is left
+
+
 def test_large_buffers_nested_in_containers_arrive_intact_and_shared_ones_once(conn, np):
     blob = os.urandom(5 * MiB)
     array = np.random.default_rng(1).random(MiB)  # 8 MiB

@@ -23,14 +23,18 @@ from rpycdl.defaults import (
     KEEP,
     LOCK_DIR,
     MAX_CONNECTIONS,
+    MAX_FRAME_CEILING,
     MAX_LOG,
     MAX_PAYLOAD,
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
     MAX_RESULT,
+    MAX_STARTUPS,
+    MAX_STARTUPS_CEILING,
     MAX_WORKING_DIR,
     MEMORY_ALLOWANCE,
     MIN_MAX_PAYLOAD,
+    PER_SOURCE_STARTUPS,
     REGISTRY_PORT,
     SERVER_PORT,
     STATE_SUBDIR,
@@ -100,6 +104,28 @@ def _add_job_store_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--working-dir-cache", default=format_size(WORKING_DIR_CACHE), metavar="SIZE",
                        help="working directories kept by content in the state directory, so that the same one is not "
                             "sent twice; the least recently used go first (default: %(default)s)")
+
+
+def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
+    """What one client or user may take, and how many connections are held."""
+    serve.add_argument("--max-payload", default=format_size(MAX_PAYLOAD), metavar="SIZE",
+                       help="largest call accepted, at least 1 MiB (default: %(default)s)")
+    serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
+                       help="most requests waiting at once (default: %(default)s)")
+    serve.add_argument("--max-queued-per-user", type=int, default=MAX_QUEUED_PER_USER, metavar="N",
+                       help="most requests of one user waiting at once (default: %(default)s)")
+    serve.add_argument("--max-frame", default=None, metavar="SIZE",
+                       help="largest RPyC frame taken, checked on its header (default: --max-payload, but at most an "
+                            "eighth of this machine's memory)")
+    serve.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                       help="most authenticated client connections served at once (default: %(default)s)")
+    serve.add_argument("--max-startups", default=":".join(map(str, MAX_STARTUPS)), metavar="LOW:RATE:HIGH",
+                       help="connections still authenticating held at once: from LOW on, a new one is dropped with a "
+                            "chance of RATE percent, rising to all at HIGH (default: %(default)s)")
+    serve.add_argument("--per-source-startups", type=int, default=PER_SOURCE_STARTUPS, metavar="N",
+                       help="connections of one address still authenticating held at once (default: %(default)s)")
+    serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
+                       help="close connections idle this long (default: %(default)s)")
 
 
 def _add_scheduling_flags(serve: argparse.ArgumentParser) -> None:
@@ -181,16 +207,7 @@ def _add_serve(command: Command) -> None:
                        help="version to announce (default: read from the installed framework package)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow listening on a non-loopback address without authentication")
-    serve.add_argument("--max-payload", default=format_size(MAX_PAYLOAD), metavar="SIZE",
-                       help="largest call accepted, at least 1 MiB (default: %(default)s)")
-    serve.add_argument("--max-queued", type=int, default=MAX_QUEUED, metavar="N",
-                       help="most requests waiting at once (default: %(default)s)")
-    serve.add_argument("--max-queued-per-user", type=int, default=MAX_QUEUED_PER_USER, metavar="N",
-                       help="most requests of one user waiting at once (default: %(default)s)")
-    serve.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
-                       help="most client connections served at once (default: %(default)s)")
-    serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
-                       help="close connections idle this long (default: %(default)s)")
+    _add_limit_flags(serve)
     serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
                        help="granularity of shares of a GPU (gpus=0.25, gpu_memory='6GiB'): a size such as "
                             "1GiB or a fraction such as 1/8; shares are rounded up to it (default: %(default)s)")
@@ -226,17 +243,20 @@ def _serve(args: argparse.Namespace) -> int:
         serve,  # the server's imports are not the client's
     )
     from rpycdl.server.context import Limits
+    from rpycdl.server.gate import parse_max_startups
 
     max_payload = parse_size(args.max_payload)
-    if max_payload < MIN_MAX_PAYLOAD or min(args.max_queued, args.max_queued_per_user, args.max_connections) < 1 \
-            or not args.idle_timeout > 0:
-        raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued, --max-queued-per-user and "
-                                  "--max-connections at least 1, --idle-timeout positive")
+    if max_payload < MIN_MAX_PAYLOAD or min(args.max_queued, args.max_queued_per_user, args.max_connections,
+                                            args.per_source_startups) < 1 or not args.idle_timeout > 0:
+        raise InvalidRequestError("--max-payload must be at least 1MiB, --max-queued, --max-queued-per-user, "
+                                  "--max-connections and --per-source-startups at least 1, --idle-timeout positive")
     limits = Limits(max_payload=max_payload, max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
                     max_connections=args.max_connections, idle_timeout=args.idle_timeout,
                     max_result=parse_size(args.max_result), max_log=parse_size(args.max_log),
                     keep=parse_duration(args.keep), max_working_dir=parse_size(args.max_working_dir),
-                    working_dir_cache=parse_size(args.working_dir_cache))
+                    working_dir_cache=parse_size(args.working_dir_cache),
+                    max_startups=parse_max_startups(args.max_startups, MAX_STARTUPS_CEILING),
+                    per_source_startups=args.per_source_startups, max_frame=_max_frame(args.max_frame))
     if min(limits.max_result, limits.max_log, limits.max_working_dir, limits.working_dir_cache) < 1 or limits.keep <= 0:
         raise InvalidRequestError("--max-result, --max-log, --max-working-dir, --working-dir-cache and --keep must be "
                                   "more than 0")
@@ -259,6 +279,20 @@ def _serve(args: argparse.Namespace) -> int:
         raise RpycdlError(str(exc)) from None  # (exit 2 is the command line's: argparse and the checks above)
     print("rpycdl serve: stopped", file=sys.stderr)
     return 0
+
+
+def _max_frame(text: str | None) -> int:
+    """--max-frame in bytes (0: the default, derived from --max-payload and the machine's memory)."""
+    from rpycdl.server.context import memory
+
+    if text is None:
+        return 0
+    size = parse_size(text)
+    if not MIN_MAX_PAYLOAD <= size <= min(MAX_FRAME_CEILING, memory() // 2):
+        raise InvalidRequestError(f"--max-frame must be at least 1MiB and at most {format_size(MAX_FRAME_CEILING)} "
+                                  f"and half this machine's memory ({format_size(memory() // 2)}): a frame is held "
+                                  "whole, twice for a moment")
+    return size
 
 
 def _listen_failure(exc: OSError, protocol: str, host: str, port: int) -> str | None:

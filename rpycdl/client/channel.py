@@ -3,17 +3,23 @@ RPyC on top, with the server's first reply checked for a refusal or a greeting."
 
 from __future__ import annotations
 
+import random
 import socket
 import ssl
+import time
 from typing import Any
 
 import rpyc
 from rpyc.core import netref
 from rpyc.core.channel import Channel
 
-from rpycdl.errors import AuthFailedError
+from rpycdl.defaults import CONNECT_TIMEOUT
+from rpycdl.errors import AuthFailedError, ConnectionDroppedError
 from rpycdl.security import auth, tls
 from rpycdl.wire.stream import BulkSocketStream
+
+RETRY_PAUSE, RETRY_PAUSE_MAX = 0.02, 0.5
+"""Seconds between a client's tries to get through a busy server's handshake: the first pause, and the most."""
 
 
 class ClientSocketStream(BulkSocketStream):
@@ -74,15 +80,32 @@ class _ClientService(rpyc.VoidService):
 
 
 def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None,
-            tls_context: ssl.SSLContext | None = None) -> rpyc.Connection:
+            tls_context: ssl.SSLContext | None = None, timeout: float = CONNECT_TIMEOUT) -> rpyc.Connection:
     """rpyc.connect(host, port, config=config) over the bulk transport, after the authentication
     the server asks for (rpycdl.auth), when this client has credentials. The first request
-    (the root object) is made here, so a refusal is raised here.
+    (the root object) is made here, so a refusal is raised here. A busy server may drop the
+    connection before it authenticated it (--max-startups): then it connects again, after a
+    growing pause, for `timeout` seconds.
 
     Raises:
         AuthFailedError: the server and this client could not authenticate each other.
         LimitError: the server refused the connection (--max-connections).
+        ConnectionDroppedError: the server kept dropping it for `timeout` seconds.
     """
+    deadline, pause, tries = time.monotonic() + timeout, RETRY_PAUSE, 1
+    while True:
+        try:
+            return _connect(host, port, config, secret, tls_context)
+        except ConnectionDroppedError as exc:
+            if time.monotonic() + pause > deadline:
+                raise ConnectionDroppedError(f"{exc}; {tries} tries in {timeout:g} s: the server is busy with "
+                                             "connections still authenticating") from None
+            time.sleep(pause * random.uniform(0.5, 1.5))
+            pause, tries = min(2 * pause, RETRY_PAUSE_MAX), tries + 1
+
+
+def _connect(host: str, port: int, config: dict[str, Any], secret: bytes | None,
+             tls_context: ssl.SSLContext | None) -> rpyc.Connection:
     sock = BulkSocketStream._connect(host, port, nodelay=True)
     try:
         if secret is not None or tls_context is not None:
@@ -92,9 +115,9 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
         try:
             conn.root  # noqa: B018 - the first request: the server may still refuse our certificate
         except EOFError as exc:
-            if isinstance(exc.__cause__, ssl.SSLError):
+            if isinstance(exc.__cause__, ssl.SSLError) and not isinstance(exc.__cause__, ssl.SSLEOFError):
                 raise tls.explain(exc.__cause__, host) from None
-            raise
+            raise ConnectionDroppedError(f"the server closed the connection before its first answer ({exc})") from None
     except BaseException:
         sock.close()
         raise

@@ -5,7 +5,8 @@ It takes no lock a grant waits on: the lock directory's snapshot probes with F_G
 nothing, and the ledger is read in WAL mode, which never blocks a writer. Labels stay bounded: GPUs,
 services, states and reasons; a job id appears only on `rpycdl_gpu_holder_info`, one series per current
 holder. The histograms and the watchdog's counter count the jobs that ended since the monitor started;
-the refusals are the ledger's own counts, host-wide since it was made.
+the refusals and the connections dropped before authenticating are the ledger's own counts, host-wide since
+it was made.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rpycdl.gpu.inventory import Inventory
-from rpycdl.scheduler.ledger import REFUSALS, JobRecord, Ledger
+from rpycdl.scheduler.ledger import DROPS, REFUSALS, JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.policyfiles import host_scheduling
 
@@ -96,6 +97,14 @@ class HostCollector(Collector):
             for reason in REFUSALS:
                 refused.add_metric([service, reason], counts.get((service, reason), 0))
         yield refused
+        dropped = CounterMetricFamily("rpycdl_connections_dropped", "Connections the host's servers dropped before "
+                                      "they authenticated, by service and reason, since the ledger was made",
+                                      labels=["service", "reason"])
+        counts = self.ledger.drops()
+        for service in sorted({service for service, _ in counts}):
+            for reason in DROPS:
+                dropped.add_metric([service, reason], counts.get((service, reason), 0))
+        yield dropped
         scheduling = host_scheduling(self.locks.root)
         policy = InfoMetricFamily("rpycdl_scheduling", "The scheduling policy and placement of the host's live servers "
                                   "(absent while none lives)")

@@ -2,7 +2,8 @@
 mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container of the host.
 
 Its schema and migrations are rpycdl.scheduler.schema's, a row's JobRecord rpycdl.scheduler.jobrecord's.
-`refusals` counts the requests the host's servers refused (count_refusal), `artifacts` says where a job's
+`refusals` counts the requests the host's servers refused (count_refusal), `drops` the connections they
+dropped before authenticating them (count_drops), `artifacts` says where a job's
 outputs stand (set_artifacts).
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
@@ -37,7 +38,7 @@ from rpycdl.scheduler.lockdir import shared_dir, shared_file
 from rpycdl.scheduler.schema import LIVE, migrate
 from rpycdl.states import UNFINISHED, JobState
 
-__all__ = ["REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
+__all__ = ["DROPS", "REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
 
 log = logging.getLogger("rpycdl.ledger")
 
@@ -46,6 +47,9 @@ REFUSALS = ("invalid", "limit", "connections", "auth", "not_allowed")
 never serve (InvalidRequestError), over a limit (LimitError: a full queue, --max-payload), a connection
 over --max-connections, an authentication that failed, a user acting on another's job (NotAllowedError)."""
 
+DROPS = ("startups", "per_source", "grace")
+"""Why a server's parent drops a connection before it authenticated, the reasons count_drops counts: over
+--max-startups, over --per-source-startups, its handshake not completed in time."""
 
 ARTIFACT_STATES = ("uploading", "uploaded", "failed")
 """Where a job's outputs stand: going to the artifact store, there, or kept on the server (its error says
@@ -287,24 +291,39 @@ class Ledger:
             counted = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
         return {state: counted.get(state.value, 0) for state in JobState}
 
-    def count_refusal(self, service: str, reason: str) -> None:
-        """Count one request a server of `service` refused, for `reason` (one of REFUSALS). It never
+    def count_refusal(self, service: str, reason: str, count: int = 1) -> None:
+        """Count `count` requests a server of `service` refused, for `reason` (one of REFUSALS). It never
         raises, and waits REFUSAL_BUSY_TIMEOUT at most for another write: a refusal goes to its client
         as it is, counted or not (a failure to count is logged)."""
+        self._count("refusals", REFUSALS, service, {reason: count})
+
+    def count_drops(self, service: str, counts: dict[str, int]) -> None:
+        """Add the connections a server of `service` dropped before they authenticated, by reason (of DROPS);
+        as count_refusal, it never raises and waits little."""
+        if counts:
+            self._count("drops", DROPS, service, counts)
+
+    def _count(self, table: str, reasons: tuple[str, ...], service: str, counts: dict[str, int]) -> None:
         try:
-            if reason not in REFUSALS:
-                raise ValueError(f"not a reason of REFUSALS: {reason!r}")
+            if set(counts) - set(reasons):
+                raise ValueError(f"not a reason of {table}: {sorted(set(counts) - set(reasons))}")
             with self._write(REFUSAL_BUSY_TIMEOUT) as db:
-                db.execute("INSERT INTO refusals VALUES (?, ?, 1) ON CONFLICT (service, reason) DO UPDATE SET "
-                           "count = count + 1", (service, reason))
+                db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?) ON CONFLICT (service, reason) DO UPDATE SET "
+                               "count = count + excluded.count", [(service, r, n) for r, n in counts.items()])
         except Exception as exc:
-            log.warning("a refusal (%s, %s) was not counted in %s: %s", service, reason, self.path, exc)
+            log.warning("%s of %s (%s) were not counted in %s: %s", table, service, counts, self.path, exc)
 
     def refusals(self) -> dict[tuple[str, str], int]:
         """The requests the host's servers refused since the ledger was made, by (service, reason)."""
         with self._db() as db:
             return {(service, reason): count for service, reason, count in
                     db.execute("SELECT service, reason, count FROM refusals")}
+
+    def drops(self) -> dict[tuple[str, str], int]:
+        """The connections the host's servers dropped before they authenticated, by (service, reason)."""
+        with self._db() as db:
+            return {(service, reason): count for service, reason, count in
+                    db.execute("SELECT service, reason, count FROM drops")}
 
     def set_artifacts(self, job_id: str, state: str, files: Sequence[dict[str, Any]], error: str = "") -> None:
         """Record where the job's outputs stand: ARTIFACT_STATES[...], the store's error, and `files` uploaded

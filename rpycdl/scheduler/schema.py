@@ -8,7 +8,8 @@ filters, cheap whatever the history), (user, submitted), (user, name) for find, 
 among unfinished rows: one live job of a name per user. `refusals(service, reason, count)` counts the
 requests the host's servers refused, one row per service and reason. `artifacts(job_id, state, files,
 error, updated)` says where a job's outputs stand; a job's row going takes it along (a trigger). Version 4
-adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair share counts.
+adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair share counts; version 5
+`drops(service, reason, count)`, the connections the host's servers dropped before they authenticated.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ MIGRATIONS = [
     """,
     """
     ALTER TABLE jobs ADD COLUMN gpus REAL NOT NULL DEFAULT 0;
+    """,
+    """
+    CREATE TABLE drops (service TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
+                        PRIMARY KEY (service, reason)) WITHOUT ROWID;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

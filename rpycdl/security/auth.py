@@ -1,10 +1,12 @@
 """Who may talk to a server, said before RPyC says a word: the server's greeting (or refusal),
 mutual TLS (rpycdl.tls), the shared-secret handshake, and the identity a connection gets.
 
-A server that requires authentication greets every client with one line from the connection
-process that took it, `RPYCDL-AUTH tls`, `RPYCDL-AUTH secret` or `RPYCDL-AUTH tls+secret`;
-a server over its connection limit answers `RPYCDL-REFUSED <why>` from its parent and closes,
-whatever its mode. A client with credentials reads the greeting, then does every step it names (TLS first,
+A server that requires authentication greets every client with one line from its parent's gate
+(rpycdl.server.gate, which takes every handshake before the connection gets a process),
+`RPYCDL-AUTH tls`, `RPYCDL-AUTH secret` or `RPYCDL-AUTH tls+secret`; a server over its connection limit
+answers `RPYCDL-REFUSED <why>` and closes, whatever its mode; a busy one drops a connection still
+authenticating with `RPYCDL-BUSY <why>` (or, during TLS, a plain close), and the client connects again
+(ConnectionDroppedError). A client with credentials reads the greeting, then does every step it names (TLS first,
 then the secret), each of which also proves the server; a client without credentials sees the
 line where it expected RPyC's first reply. The greeting steers nothing the client has not
 configured, so a forged one can only make a connection fail.
@@ -29,18 +31,16 @@ import os
 import re
 import socket
 import ssl
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
 
-from rpyc.utils.authenticators import AuthenticationError
-
 from rpycdl.defaults import ENV_SECRET_FILE, HANDSHAKE_TIMEOUT
-from rpycdl.errors import AuthFailedError, InvalidRequestError, LimitError
+from rpycdl.errors import AuthFailedError, ConnectionDroppedError, InvalidRequestError, LimitError
 from rpycdl.security import tls
 
 NONCE = 32
+PROOF = hashlib.sha256().digest_size
 BANNER = b"RPYCDL-"
 MAX_BANNER = 512
 USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -107,8 +107,11 @@ def load_secret(path: str | None = None) -> bytes | None:
     return secret
 
 
-def _proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    """The HMAC one side sends to prove it knows the secret (role b"client" or b"server")."""
     return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
 
 
 def _recv_exactly(sock: socket.socket, count: int) -> bytes:
@@ -126,20 +129,24 @@ def _recv_exactly(sock: socket.socket, count: int) -> bytes:
 
 def _send_line(sock: socket.socket, text: str) -> None:
     """Send one short line without ever blocking the server parent (a fresh socket's buffer is empty)."""
-    try:
-        sock.send(BANNER + text.encode()[: MAX_BANNER - len(BANNER) - 1] + b"\n", socket.MSG_DONTWAIT)
+    line = BANNER + text.encode()[: MAX_BANNER - len(BANNER) - 1] + b"\n"
+    try:  # a TLS socket takes no flags: the gate's are non-blocking already
+        sock.send(line) if isinstance(sock, ssl.SSLSocket) else sock.send(line, socket.MSG_DONTWAIT)
     except OSError:
         pass
-
-
-def greet(sock: socket.socket, mode: str) -> None:
-    """Tell a new client which authentication steps follow ("tls", "secret", "tls+secret")."""
-    _send_line(sock, f"AUTH {mode}")
 
 
 def refuse(sock: socket.socket, why: str) -> None:
     """Tell a client why it is refused, and close its socket."""
     _send_line(sock, f"REFUSED {why}")
+    sock.close()
+
+
+def drop(sock: socket.socket, why: str | None) -> None:
+    """Close a connection the server drops before it authenticated, telling the client to try again (unless
+    `why` is None: a TLS client would take the line for a broken handshake, and retries on the close alone)."""
+    if why is not None:
+        _send_line(sock, f"BUSY {why}")
     sock.close()
 
 
@@ -154,6 +161,7 @@ def read_banner(sock: socket.socket, first: bytes = b"") -> set[str]:
 
     Raises:
         LimitError: the server refused the connection (over --max-connections).
+        ConnectionDroppedError: the server dropped it while busy; try again.
         AuthFailedError: no greeting, or not one of ours.
     """
     line = bytearray(first)
@@ -164,67 +172,24 @@ def read_banner(sock: socket.socket, first: bytes = b"") -> set[str]:
             if not chunk:
                 break
             line += chunk
+    except ConnectionResetError as exc:
+        raise ConnectionDroppedError(f"the server reset the connection before greeting it ({exc})") from None
     except OSError as exc:
         raise AuthFailedError(f"no greeting from the server ({exc}): does it require authentication? "
                               "A server that does not never gets anything from a client with credentials") from None
     finally:
         sock.settimeout(None)
     text = line.decode(errors="replace").strip()
+    if not text:
+        raise ConnectionDroppedError("the server closed the connection before greeting it")
+    if text.startswith("RPYCDL-BUSY "):
+        raise ConnectionDroppedError(f"the server dropped the connection: {text[len('RPYCDL-BUSY '):]}")
     if text.startswith("RPYCDL-REFUSED "):
         raise LimitError(f"the server refused the connection: {text[len('RPYCDL-REFUSED '):]}")
     if text.startswith("RPYCDL-AUTH "):
         return set(text[len("RPYCDL-AUTH "):].split("+"))
     raise AuthFailedError(f"no greeting from the server (it said {text[:40]!r}): does it require authentication? "
                           "A server that does not never gets anything from a client with credentials")
-
-
-# -- the connection process ----------------------------------------------------------------------
-
-
-class ServerAuthenticator:
-    """An RPyC server authenticator, run in the forked connection process: TLS (when the server
-    has a certificate), then the shared secret (when it has one). Returns the Identity the
-    client certificate proves, or None (the client declares its user later). `on_refused` is called
-    for each client it refuses (a silent one, or one that hangs up, included)."""
-
-    def __init__(self, tls_context: ssl.SSLContext | None, secret: bytes | None,
-                 on_refused: Callable[[], None] | None = None) -> None:
-        self._tls = tls_context
-        self._secret = secret
-        self._on_refused = on_refused
-
-    @property
-    def mode(self) -> str:
-        """The steps it takes, as the greeting names them."""
-        return "+".join(name for name, used in (("tls", self._tls), ("secret", self._secret)) if used)
-
-    def __call__(self, sock: socket.socket) -> tuple[socket.socket, Identity | None]:
-        identity = None
-        try:
-            if self._tls is not None:
-                sock, user, admin = tls.accept(sock, self._tls)
-                identity = Identity(user, verified=True, admin=admin)
-            if self._secret is not None:
-                _server_handshake(sock, self._secret)
-        except (OSError, AuthFailedError) as exc:
-            if self._on_refused is not None:
-                self._on_refused()
-            raise AuthenticationError(f"authentication failed: {exc}") from None
-        return sock, identity
-
-
-def _server_handshake(sock: socket.socket, secret: bytes) -> None:
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    try:
-        nonce_s = os.urandom(NONCE)
-        sock.sendall(nonce_s)
-        reply = _recv_exactly(sock, NONCE + hashlib.sha256().digest_size)
-        nonce_c, proof = reply[:NONCE], reply[NONCE:]
-        if not hmac.compare_digest(proof, _proof(secret, b"client", nonce_s, nonce_c)):
-            raise AuthFailedError("wrong shared secret")
-        sock.sendall(_proof(secret, b"server", nonce_c, nonce_s))
-    finally:
-        sock.settimeout(None)
 
 
 def client_handshake(sock: socket.socket, secret: bytes) -> None:
@@ -237,18 +202,22 @@ def client_handshake(sock: socket.socket, secret: bytes) -> None:
     try:
         nonce_s = _recv_exactly(sock, NONCE)
         nonce_c = os.urandom(NONCE)
-        sock.sendall(nonce_c + _proof(secret, b"client", nonce_s, nonce_c))
+        sock.sendall(nonce_c + proof(secret, b"client", nonce_s, nonce_c))
         try:
-            proof = _recv_exactly(sock, hashlib.sha256().digest_size)
+            theirs = _recv_exactly(sock, PROOF)
         except AuthFailedError:
             raise AuthFailedError("the server refused our proof: wrong shared secret") from None
+        if is_banner(theirs):  # dropped while busy, before our proof was read
+            read_banner(sock, theirs)
     except ssl.SSLError:
         raise  # TLS said no (rpycdl.tls.explain says why)
+    except ConnectionResetError as exc:
+        raise ConnectionDroppedError(f"the server reset the connection during the secret handshake ({exc})") from None
     except OSError as exc:
         raise AuthFailedError(f"no shared-secret handshake from the server ({exc})") from None
     finally:
         sock.settimeout(None)
-    if not hmac.compare_digest(proof, _proof(secret, b"server", nonce_c, nonce_s)):
+    if not hmac.compare_digest(theirs, proof(secret, b"server", nonce_c, nonce_s)):
         raise AuthFailedError("the server does not know the shared secret: not sending it anything")
 
 

@@ -13,10 +13,7 @@ import socket
 import ssl
 
 from rpycdl.defaults import HANDSHAKE_TIMEOUT
-from rpycdl.errors import AuthFailedError, InvalidRequestError
-
-LINGER = 1.0
-"""Seconds a refused client has to read the alert before its connection is closed."""
+from rpycdl.errors import AuthFailedError, ConnectionDroppedError, InvalidRequestError
 
 ADMIN_UNIT = "rpycdl-admins"
 """Organisational unit of an admin's certificate (may cancel anyone's job)."""
@@ -96,54 +93,20 @@ def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSL
     return context
 
 
-def accept(sock: socket.socket, context: ssl.SSLContext) -> tuple[ssl.SSLSocket, str, bool]:
-    """Server side: the TLS handshake on an accepted socket; returns it, the user (the client
-    certificate's common name) and whether that user is an admin.
-
-    Raises:
-        ssl.SSLError, OSError: the handshake failed (no certificate, an untrusted or expired one).
-    """
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    wrapped = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-    try:
-        wrapped.do_handshake()
-    except OSError:
-        _linger(wrapped)
-        raise
-    wrapped.settimeout(None)
-    subject = dict(item for rdn in wrapped.getpeercert()["subject"] for item in rdn)
-    user = subject.get("commonName", "")
-    if not user:
-        wrapped.close()
-        raise ssl.SSLError("the client certificate names no user (no common name)")
-    return wrapped, user, subject.get("organizationalUnitName") == ADMIN_UNIT
-
-
-def _linger(sock: ssl.SSLSocket) -> None:
-    """After a failed handshake, let the client read the alert that says why: close our side
-    with a FIN (a close with unread data would send a reset, which can discard the alert) and
-    read what the client still sends, for a moment."""
-    try:
-        sock.shutdown(socket.SHUT_WR)  # also leaves TLS: recv reads the plain socket
-        sock.settimeout(LINGER)
-        while sock.recv(4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        sock.close()
-
-
 def connect(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.SSLSocket:
     """Client side: the TLS handshake, checking the server's certificate against the CA and `host`.
 
     Raises:
         AuthFailedError: the server's certificate is not trusted or not for `host`, or the
             server refused ours.
+        ConnectionDroppedError: the server closed the connection during the handshake (a busy one does).
     """
     sock.settimeout(HANDSHAKE_TIMEOUT)
     try:
         wrapped = context.wrap_socket(sock, server_hostname=host)
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionResetError) as exc:  # dropped by a busy server
+        raise ConnectionDroppedError(f"the server at {host} closed the connection during the TLS handshake "
+                                     f"({exc})") from None
     except (ssl.SSLError, OSError) as exc:
         raise explain(exc, host) from None
     wrapped.settimeout(None)

@@ -3,7 +3,6 @@ forking server (inventory, lock directory, authentication, registration) and run
 
 from __future__ import annotations
 
-import functools
 import getpass
 import importlib.metadata
 import logging
@@ -26,6 +25,7 @@ from rpycdl.scheduler.shares import ShareRules
 from rpycdl.security import auth, tls
 from rpycdl.security.accounts import Accounts
 from rpycdl.security.auth import is_loopback
+from rpycdl.security.handshake import ServerCredentials
 from rpycdl.server import child
 from rpycdl.server.context import Limits, ServerContext
 from rpycdl.server.forking import DLServer
@@ -141,18 +141,15 @@ def build_server(config: ServerConfig) -> DLServer:
     if config.registry != "none":
         registrar = registry_client(config.registry)
         registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
-    refused = functools.partial(context.ledger.count_refusal, context.name, "auth")  # in the connection process
-    return DLServer(context, hostname=config.host, port=config.port, registrar=registrar,
-                    auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"),
-                    authenticator=auth.ServerAuthenticator(tls_context, secret, refused) if secret or tls_context
-                    else None)
+    return DLServer(context, ServerCredentials(tls_context, secret), hostname=config.host, port=config.port,
+                    registrar=registrar, auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"))
 
 
 def serve(config: ServerConfig) -> None:
     """Build the server and serve until SIGTERM or Ctrl-C."""
     server = build_server(config)
     ctx = server.context
-    if not is_loopback(config.host) and server.authenticator is None:
+    if not is_loopback(config.host) and not server.credentials.mode:
         print(f"WARNING: listening on {config.host} with --insecure: anyone who can reach port "
               f"{server.port} can run code as {getpass.getuser()}",
               file=sys.stderr, flush=True)
@@ -167,8 +164,7 @@ def serve(config: ServerConfig) -> None:
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
           f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); artifacts to {ctx.artifact_store}; "
-          f"authentication: {server.authenticator.mode if server.authenticator else 'none'}; isolation: "
-          f"{ctx.accounts.mode}; jobs' working "
+          f"authentication: {server.credentials.mode or 'none'}; isolation: {ctx.accounts.mode}; jobs' working "
           f"directories {'cloned' if can_clone(ctx.working_dirs.root) else 'copied (no reflinks here)'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
@@ -184,6 +180,7 @@ def serve(config: ServerConfig) -> None:
     finally:
         if server.active:
             server.close()
+        server.tally.flush(force=True)
         if sampler is not None:
             sampler.terminate()
 

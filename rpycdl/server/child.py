@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import mmap
 import os
 import resource
 import signal
+import socket
 import struct
 import sys
 import traceback
@@ -99,16 +101,18 @@ class Go:
     layout: codec.Layout = ()
     out_of_band: bool = False
 
-    def header(self) -> bytes:
-        """The message up to the buffers: GO, the JSON of the rest, the body."""
+    def header(self, files: Sequence[int] = ()) -> bytes:
+        """The message up to the buffers: GO, the JSON of the rest, the body. `files`: the buffers (by index)
+        whose files come on the files socket instead of their bytes on the pipe (bulk.Spooled)."""
         text = json.dumps({"env": self.env, "account": None if self.account is None else self.account.to_dict(),
-                           "layout": self.layout}).encode()
+                           "layout": self.layout, "files": list(files)}).encode()
         return GO.pack(len(text), len(self.body), self.out_of_band) + text + self.body
 
 
-def read_go(fd: int) -> tuple[Go, list[Any]] | None:
-    """Read a Go and its buffers (each into fresh memory) from the blocking pipe `fd`; None if it closed
-    first (a spare whose request never came)."""
+def read_go(fd: int, files: int) -> tuple[Go, list[Any]] | None:
+    """Read a Go and its buffers from the blocking pipe `fd` (each into fresh memory), or as a private
+    mapping of a file whose descriptor comes on the socket `files`; None if the pipe closed first (a spare
+    whose request never came)."""
     header = _read_exactly(fd, GO.size)
     if header is None:
         return None
@@ -118,8 +122,13 @@ def read_go(fd: int) -> tuple[Go, list[Any]] | None:
     if told is None or body is None:
         return None
     layout = codec.check_layout(tuple(tuple(entry) for entry in told["layout"]))
-    buffers = []
-    for length, readonly in layout:
+    buffers: list[Any] = []
+    for index, (length, readonly) in enumerate(layout):
+        if index in told["files"]:
+            _, (file,), _, _ = socket.recv_fds(socket.socket(fileno=os.dup(files)), 1, 1)
+            buffers.append(mmap.mmap(file, length, flags=mmap.MAP_PRIVATE))  # written pages: the job's own
+            os.close(file)
+            continue
         buffer, cells = bulk.allocate(length, readonly)
         with memoryview(cells) as raw, raw.cast("B") as view:
             done = 0
@@ -179,11 +188,11 @@ def _start(parent: int, name: str, fds: Sequence[int]) -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, parent: int) -> None:
-    """Body of the job process: waits for its Go on `go_r`, then runs the payload, its output on `out_w`
-    and `err_w`, its outcome on `res_w`. Never returns."""
+def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent: int) -> None:
+    """Body of the job process: waits for its Go on `go_r` (and `files`), then runs the payload, its output on
+    `out_w` and `err_w`, its outcome on `res_w`. Never returns."""
     try:
-        _start(parent, "rpycdl-job", (go_r, out_w, err_w, res_w))
+        _start(parent, "rpycdl-job", (go_r, out_w, err_w, res_w, files))
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(out_w, 1)
@@ -191,8 +200,9 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, parent: int) -> No
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        told = read_go(go_r)
+        told = read_go(go_r, files)
         os.close(go_r)
+        os.close(files)
         if told is None:  # closed before its GPUs came: nothing to run
             os._exit(0)
         go, buffers = told
@@ -225,16 +235,16 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, parent: int) -> No
     os._exit(0)
 
 
-def run_check(*, go_r: int, res_w: int, parent: int) -> None:
+def run_check(*, go_r: int, res_w: int, files: int, parent: int) -> None:
     """Body of a load check: unpickles the payload of its Go as the job's owner would, with no GPU, and
     writes why it cannot be loaded (nothing if it can) to `res_w`. Never returns."""
     message = b""
     try:
-        _start(parent, "rpycdl-check", (go_r, res_w))
+        _start(parent, "rpycdl-check", (go_r, res_w, files))
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
-        told = read_go(go_r)
+        told = read_go(go_r, files)
         if told is None:
             os._exit(0)
         go, buffers = told

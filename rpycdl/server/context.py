@@ -11,15 +11,20 @@ from typing import Any
 from rpycdl.artifacts.store import ArtifactStore
 from rpycdl.artifacts.workdircache import WorkdirCache
 from rpycdl.defaults import (
+    FRAME_MEMORY_SHARE,
+    FRAME_SLACK,
     IDLE_TIMEOUT,
     KEEP,
     MAX_CONNECTIONS,
+    MAX_FRAME_CEILING,
     MAX_LOG,
     MAX_PAYLOAD,
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
     MAX_RESULT,
+    MAX_STARTUPS,
     MAX_WORKING_DIR,
+    PER_SOURCE_STARTUPS,
     WORKING_DIR_CACHE,
 )
 from rpycdl.gpu.inventory import GPU, Inventory
@@ -47,9 +52,28 @@ class Limits:
     keep: float = KEEP
     max_working_dir: int = MAX_WORKING_DIR
     working_dir_cache: int = WORKING_DIR_CACHE
+    max_startups: tuple[int, int, int] = MAX_STARTUPS  # LOW, RATE (percent), HIGH
+    per_source_startups: int = PER_SOURCE_STARTUPS
+    max_frame: int = 0  # 0: default_max_frame(max_payload)
+
+    def __post_init__(self) -> None:
+        if not self.max_frame:
+            object.__setattr__(self, "max_frame", default_max_frame(self.max_payload))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def memory() -> int:
+    """This machine's memory, in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_max_frame(max_payload: int) -> int:
+    """The largest RPyC frame a server takes unless told (--max-frame): --max-payload (plus FRAME_SLACK for the
+    call around it), but no more than a FRAME_MEMORY_SHARE of the machine's memory, and no more than a frame
+    can announce."""
+    return min(max_payload + FRAME_SLACK, memory() // FRAME_MEMORY_SHARE, MAX_FRAME_CEILING)
 
 
 @dataclass

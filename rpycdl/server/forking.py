@@ -1,6 +1,8 @@
-"""The forking server: RPyC's ForkingServer with its forks made ahead of the clients (spare
-connection processes, each with a spare job process), --max-connections, authentication in the
-forked connection process, and the sweeper that cleans up after connection processes that died."""
+"""The forking server: RPyC's ForkingServer whose parent authenticates every connection in its gate
+(rpycdl.server.gate) before the connection gets a process: connection processes forked ahead of the clients
+(spares, each with a spare job process) take the connections that got in (handed over with SCM_RIGHTS), or
+under TLS one is forked for each from the parent; --max-connections; and the sweeper that cleans up after
+connection processes that died."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import os
 import select
 import signal
 import socket
+import ssl
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import rpyc
@@ -25,22 +29,22 @@ from rpycdl.defaults import (
     PRUNE_INTERVAL,
     SAMPLER_MODULE,
     SPARE_CONNECTIONS,
+    STARTUP_GRACE,
     SWEEP_INTERVAL,
 )
 from rpycdl.errors import LimitError
 from rpycdl.scheduler import fairshare, lockdir, procs, sweep
 from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
-from rpycdl.server import child, container_watcher, runner, supervisor
+from rpycdl.security.auth import Identity
+from rpycdl.security.handshake import ServerCredentials, ServerHandshake
+from rpycdl.server import child, container_watcher, drops, gate, runner, supervisor
 from rpycdl.server.context import ServerContext
 from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
 from rpycdl.wire import stream
 
 PR_SET_CHILD_SUBREAPER = 36
-
-FRAME_SLACK = 1 << 20
-"""Bytes an RPyC frame may carry beyond the payload limit (the call around the payload)."""
 
 _PID = struct.Struct("i")  # what a spare connection process writes to the parent when it takes a client
 
@@ -55,14 +59,19 @@ log = logging.getLogger("rpycdl.server")
 
 
 class DLServer(ForkingServer):
-    """The ForkingServer of one rpycdl service, with its forks made ahead of the clients.
+    """The ForkingServer of one rpycdl service, whose parent lets in each connection before it forks for it.
 
-    The parent only forks: it never imports a framework or touches CUDA. It keeps
-    SPARE_CONNECTIONS connection processes forked and waiting in accept() on the listening
-    socket they share, each with a spare job process (runner.JobProcess) forked already; a spare
-    that takes a client writes its pid to the parent, which forks the next one. A connection
-    process serves one client and exits, as with RPyC's ForkingServer. The parent counts them:
-    at --max-connections it keeps no spare and accepts connections itself, to refuse them.
+    The parent only forks and lets in: it never imports a framework or touches CUDA. Its gate
+    (rpycdl.server.gate) accepts every connection and takes its handshake (the greeting, TLS, the
+    secret; on a server without authentication, the client's first byte) in one loop over non-blocking
+    sockets, so a connection that has not authenticated costs memory, not a process. A connection that
+    got in goes to a connection process: without TLS, to one of the SPARE_CONNECTIONS spares the parent
+    keeps forked, each with a spare job process (runner.JobProcess) started by the job forkserver
+    already, waiting on a socket over which the parent passes the connection's descriptor (SCM_RIGHTS);
+    a spare that takes one writes its pid to the parent, which forks the next. TLS state cannot move to
+    another process, so under TLS the parent forks the connection process with it, after the handshake.
+    A connection process serves one client and exits, as with RPyC's ForkingServer. The parent counts
+    them: at --max-connections it keeps no spare and refuses authenticated connections, saying so.
 
     It is a child subreaper, so what a connection process that died leaves running (its job
     process dies with it, not what the job started) becomes its child. When a child exits other
@@ -70,25 +79,36 @@ class DLServer(ForkingServer):
     clears the orphaned grants of its own dead connection processes (and of servers that died)
     once nothing of their jobs runs, ends the ledger rows of jobs whose owner died (of any server:
     rpycdl.scheduler.sweep), and wakes the waiting requests; every PRUNE_INTERVAL it removes the
-    jobs past their retention. Detached jobs' supervisors, which it adopts when the connection
-    process that started them ends, are left alone: they live on their own."""
+    jobs past their retention; and it writes the gate's counts to the ledger (drops.Tally). Detached
+    jobs' supervisors, which it adopts when the connection process that started them ends, are left
+    alone: they live on their own."""
 
     # Self-pipes written from SIGCHLD: one wakes the sweeper, the other the loop that forks spares.
     _wake_r, _wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     _exited_r, _exited_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
-    def __init__(self, context: ServerContext, **kwargs) -> None:
+    def __init__(self, context: ServerContext, credentials: ServerCredentials, **kwargs) -> None:
         self.context = context
+        self.credentials = credentials
         service = type("GPUService", (GPUService,), {"ALIASES": context.aliases, "context": context})
         super().__init__(service, protocol_config=PROTOCOL_CONFIG, **kwargs)
         context.port = self.port
         self._stop = threading.Event()
         self._connections: set[int] = set()  # pids of the connection processes serving a client
         self._spares: set[int] = set()  # pids of those still waiting for one
+        self._queued = 0  # connections handed to the spares that no spare has said it took yet
+        self._fork_failed = False
         self._forking = threading.Lock()  # held while those sets change: the sweeper kills other children
         self._taken_r, self._taken_w = os.pipe2(os.O_CLOEXEC)  # a spare writes its pid here as it takes a client
         os.set_blocking(self._taken_r, False)
+        self._hand_w, self._hand_r = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # connections to spares
         self._spare_job: runner.JobProcess | None = None  # in a connection process: its spare job
+        limits = context.limits
+        self.tally = drops.Tally(context.ledger, context.name)
+        startups = gate.Startups(*limits.max_startups, limits.per_source_startups, STARTUP_GRACE)
+        self.gate = gate.Gate(self.listener, credentials, startups, self.tally)
+        self.gate.watch(self._taken_r, self._note_taken)
+        self.gate.watch(self._exited_r, lambda: lockdir.drain(self._exited_r))
 
     def start(self) -> None:
         try:
@@ -132,8 +152,8 @@ class DLServer(ForkingServer):
 
     def accept(self) -> None:
         """One turn of the parent's loop (RPyC's start() repeats it while the server is active):
-        fork the spares the limit leaves room for, note the ones that took a client, and refuse
-        connections while there is no spare to take them."""
+        fork the spares the limit leaves room for, let the gate take what came, and give each
+        connection that got in its connection process."""
         if self._stop.is_set():  # stopped before RPyC's start() had set the server active
             self.active = False
             return
@@ -141,38 +161,15 @@ class DLServer(ForkingServer):
             self._connections = {pid for pid in self._connections if _running(pid)}
             self._spares = {pid for pid in self._spares if _running(pid)}
         self._keep_forkserver()
-        limit = self.context.limits.max_connections
-        room = limit - len(self._connections)
+        self._fork_spares()
         try:
-            while self.active and len(self._spares) < min(SPARE_CONNECTIONS, room):
-                with self._forking:
-                    self._spares.add(self._fork_spare())
-        except OSError as exc:  # out of processes or memory: refuse, and try again next turn
-            self.logger.error("could not fork a connection process: %s", exc)
-        watched = [self._taken_r, self._exited_r] + ([] if self._spares else [self.listener])
-        try:
-            readable = select.select(watched, [], [], 1.0)[0]
+            done = self.gate.turn(1.0)
         except (OSError, ValueError):  # the listener was closed: the server is stopping
             if self.active:
                 raise
             return
-        if self._exited_r in readable:
-            lockdir.drain(self._exited_r)
-        if self._taken_r in readable:
-            with self._forking:
-                for (pid,) in _PID.iter_unpack(lockdir.drain(self._taken_r)):
-                    self._spares.discard(pid)
-                    self._connections.add(pid)
-        if self.listener in readable and self.active:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:  # gone again, or taken by a spare forked meanwhile
-                return
-            reason = (f"this server serves at most {limit} connections at once (--max-connections)" if room <= 0
-                      else "this server could not start a process for the connection")
-            self.logger.warning("refused a connection: %s", reason)
-            auth.refuse(sock, f"{reason}; try again later or another server")
-            self.context.ledger.count_refusal(self.context.name, "connections")
+        for handshake, source in done:
+            self._hand_off(handshake, source)
 
     def _keep_forkserver(self) -> None:
         """Start the job forkserver again if it died (its jobs died with it; the sweep frees their GPUs
@@ -184,9 +181,58 @@ class DLServer(ForkingServer):
                 launcher.close()
                 launcher.start()
 
-    def _fork_spare(self) -> int:
-        """Fork a connection process that waits for a client with a spare job process forked
-        already, tells the parent when it has one, serves it, and exits."""
+    def _authenticated(self) -> int:
+        """The connections that got in and have a connection process, or are on their way to one."""
+        return len(self._connections) + self._queued
+
+    def _fork_spares(self) -> None:
+        """Keep SPARE_CONNECTIONS spares waiting (none under TLS), as far as --max-connections leaves room."""
+        wanted = 0 if self.credentials.tls is not None else SPARE_CONNECTIONS
+        room = self.context.limits.max_connections - self._authenticated()
+        try:
+            while self.active and len(self._spares) - self._queued < min(wanted, room):
+                with self._forking:
+                    self._spares.add(self._fork(self._spare))
+            self._fork_failed = False
+        except OSError as exc:  # out of processes or memory: refuse, and try again next turn
+            self._fork_failed = True
+            self.logger.error("could not fork a connection process: %s", exc)
+
+    def _note_taken(self) -> None:
+        with self._forking:
+            for (pid,) in _PID.iter_unpack(lockdir.drain(self._taken_r)):
+                self._spares.discard(pid)
+                self._connections.add(pid)
+                self._queued = max(0, self._queued - 1)
+
+    def _hand_off(self, handshake: ServerHandshake, source: str) -> None:
+        """Give a connection that got in its connection process: a spare, or under TLS a fork of its own."""
+        sock, limit = handshake.sock, self.context.limits.max_connections
+        try:
+            if self._authenticated() >= limit:
+                self._refuse(sock, source, f"this server serves at most {limit} authenticated connections at once "
+                                           "(--max-connections)")
+            elif isinstance(sock, ssl.SSLSocket):  # TLS state cannot move to another process: fork one with it
+                pid = self._fork(lambda parent: self._serve(sock, handshake.identity, parent))
+                with self._forking:
+                    self._connections.add(pid)
+            elif len(self._spares) <= self._queued and self._fork_failed:
+                raise OSError("no spare connection process, and none could be forked")
+            else:
+                socket.send_fds(self._hand_w, [b"c"], [sock.fileno()])
+                self._queued += 1
+        except OSError as exc:
+            self.logger.error("could not start a process for a connection: %s", exc)
+            self._refuse(sock, source, "this server could not start a process for the connection")
+        finally:
+            sock.close()  # this process's copy (a TLS one without a close_notify: the connection goes on)
+
+    def _refuse(self, sock: socket.socket, source: str, reason: str) -> None:
+        auth.refuse(sock, f"{reason}; try again later or another server")
+        self.tally.refused(source, "connections", reason)
+
+    def _fork(self, role: Callable[[int], int]) -> int:
+        """Fork a connection process that runs `role(parent pid)` and exits with what it returns."""
         parent = os.getpid()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # Ctrl-C at the server is the server's
         try:
@@ -204,21 +250,9 @@ class DLServer(ForkingServer):
             signal.signal(signal.SIGCHLD, self._prevhandler)
             signal.siginterrupt(signal.SIGCHLD, False)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would close the listener
-            child.die_with_parent(parent)  # a spare must not outlive the server: it holds the port
-            child.name_process("rpycdl-spare")
-            with contextlib.suppress(LimitError):  # none to spare: the first job forks as its request comes
-                self._spare_job = runner.JobProcess(self.context.launcher)
-            procs.myself()  # read now, while no client waits
-            self.context.ledger.get("0")  # the ledger's connection too
-            sock = self._take_client()
-            os.write(self._taken_w, _PID.pack(os.getpid()))
-            child.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop
-            child.name_process("rpycdl-conn")
-            self.listener.close()
-            if self.authenticator is not None:
-                auth.greet(sock, self.authenticator.mode)
-            self._authenticate_and_serve_client(sock)
-            code = 0
+            self.gate.close_in_child()  # its copies would keep the connections it drops open
+            self._hand_w.close()
+            code = role(parent)
         except Exception:
             self.logger.exception("connection process failed")
         finally:
@@ -226,22 +260,58 @@ class DLServer(ForkingServer):
                 self._spare_job.close()
             os._exit(code)  # not 0: the parent sweeps for jobs it left behind
 
+    def _spare(self, parent: int) -> int:
+        """A spare: wait for a connection with a spare job process forked already, tell the parent when it
+        has one, and serve it."""
+        child.die_with_parent(parent)  # a spare is of no use without its parent
+        child.name_process("rpycdl-spare")
+        with contextlib.suppress(LimitError):  # none to spare: the first job forks as its request comes
+            self._spare_job = runner.JobProcess(self.context.launcher)
+        procs.myself()  # read now, while no client waits
+        self.context.ledger.get("0")  # the ledger's connection too
+        sock = self._take_client()
+        os.write(self._taken_w, _PID.pack(os.getpid()))
+        return self._serve(sock, None, parent)
+
     def _take_client(self) -> socket.socket:
-        """Accept a client on the listening socket (shared with the other spares)."""
+        """Receive a connection the parent let in (shared with the other spares: each goes to one)."""
         while True:
             try:
-                sock, _ = self.listener.accept()
-            except (TimeoutError, BlockingIOError, InterruptedError):  # another spare took it, or none came
+                _, fds, _, _ = socket.recv_fds(self._hand_r, 16, 1)
+            except InterruptedError:
                 continue
+            if not fds:  # the parent is gone
+                os._exit(0)
+            sock = socket.socket(fileno=fds[0])
             sock.setblocking(True)
             return sock
+
+    def _serve(self, sock: socket.socket, identity: Identity | None, parent: int) -> int:
+        """Serve the client on `sock` (its connection let in by the gate) to its end; the exit code."""
+        child.die_with_parent(parent, die=False)  # from now on it serves a client, even past a stop
+        child.name_process("rpycdl-conn")
+        self._hand_r.close()
+        sock.setblocking(True)
+        try:
+            if self._spare_job is None:  # under TLS, forked with its client: its first job process now
+                with contextlib.suppress(LimitError):
+                    self._spare_job = runner.JobProcess(self.context.launcher)
+            self._serve_client(sock, identity)
+        except (OSError, EOFError) as exc:  # the connection broke: one line, never a traceback
+            self.logger.info("a connection ended: %s", exc)
+            return 1
+        finally:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        return 0
 
     def _serve_client(self, sock: socket.socket, credentials: object) -> None:
         """RPyC's own, over rpycdl's stream (rpycdl.wire.stream)."""
         config = dict(self.protocol_config, credentials=credentials,
                       endpoints=(sock.getsockname(), sock.getpeername()), logger=self.logger)
         limits = self.context.limits
-        channel = stream.channel(sock, limits.max_payload + FRAME_SLACK, limits.idle_timeout)
+        channel = stream.channel(sock, limits.max_frame, limits.idle_timeout)
         service = self.service(self._spare_job)
         self._handle_connection(service._connect(channel, config), service)
 
@@ -268,6 +338,7 @@ class DLServer(ForkingServer):
         while not self._stop.is_set():  # the first sweep at start cleans up after a server that died
             try:
                 self._sweep_once()
+                self.tally.flush()
                 if time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + min(PRUNE_INTERVAL, self.context.limits.keep / 10)
                     sweep.prune(self.context.ledger, self.context.files, self.context.limits.keep)

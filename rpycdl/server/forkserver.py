@@ -12,7 +12,7 @@ inherits it; no job ever holds it), or one a process of the server's account mad
 abstract address (ForkServer.launch, after the forkserver it knew died):
 
     request   JSON {"kind": "job" | "check"}; SCM_RIGHTS: a control socket, then the child's descriptors
-              (job: go, stdout, stderr, result; check: go, result)
+              (job: go, stdout, stderr, result, files; check: go, result, files)
     reply     on the control socket: PID (pid, start time), SCM_RIGHTS: the child's pidfd
     requester on the control socket: JOB_ID + the job's id, once it knows it
     end       on the control socket: STATUS (wait status), once the child and everything of its job are
@@ -224,7 +224,7 @@ class _Server:
             return
         try:
             kind = json.loads(data)["kind"]
-            if kind not in ("job", "check") or len(fds) != (5 if kind == "job" else 3):
+            if kind not in ("job", "check") or len(fds) != (6 if kind == "job" else 4):
                 raise ValueError(f"bad request {data[:100]!r}")
             self._fork(kind, fds)
         except Exception:  # a bad request never takes the forkserver down
@@ -261,8 +261,8 @@ class _Server:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             if kind == "job":  # it keeps nothing of the forkserver's but `fds` (child.keep_only)
-                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], parent=parent)
-            child.run_check(go_r=fds[0], res_w=fds[1], parent=parent)
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=parent)
+            child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=parent)
         finally:
             os._exit(2)
 

@@ -147,8 +147,8 @@ class _Here:
         pid = fork("the job" if kind == "job" else "a load check", fds)
         if pid == 0:
             if kind == "job":
-                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], parent=parent)
-            child.run_check(go_r=fds[0], res_w=fds[1], parent=parent)
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=parent)
+            child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=parent)
         for fd in fds:
             os.close(fd)
         return Forked(pid)

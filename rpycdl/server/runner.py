@@ -24,6 +24,7 @@ import fcntl
 import os
 import select
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,15 +159,26 @@ def _pipes(count: int) -> list[int]:
     return fds
 
 
-def _send(fd: int, go: child.Go, buffers: Sequence[Any]) -> None:
-    """Write `go` and its buffers down the go pipe `fd` (blocking), then close it; a process that died
-    meanwhile has its end told by its wait."""
-    with contextlib.suppress(BrokenPipeError):
-        write_all(fd, go.header())
+def _files_socket() -> tuple[socket.socket, int]:
+    """The socket on which a job process gets the files of spooled buffers: ours, and its end's descriptor."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return ours, theirs.detach()
+
+
+def _send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any]) -> None:
+    """Write `go` and its buffers down the go pipe `fd` (blocking), the files of spooled ones on `files`,
+    then close both; a process that died meanwhile has its end told by its wait."""
+    spooled = [index for index, buffer in enumerate(buffers) if isinstance(buffer, bulk.Spooled)]
+    with contextlib.suppress(BrokenPipeError, ConnectionError):
+        for index in spooled:
+            socket.send_fds(files, [b"f"], [buffers[index].fd])
+        write_all(fd, go.header(spooled))
         for buffer in buffers:
-            with memoryview(buffer) as raw, raw.cast("B") as view:
-                bulk.lend_to_pipe(fd, view)
+            if not isinstance(buffer, bulk.Spooled):
+                with memoryview(buffer) as raw, raw.cast("B") as view:
+                    bulk.lend_to_pipe(fd, view)
     os.close(fd)
+    files.close()
 
 
 class LoadCheck:
@@ -178,14 +190,16 @@ class LoadCheck:
 
     def __init__(self, launcher: Launcher, go: child.Go, buffers: Sequence[Any] = ()) -> None:
         go_r, go_w, read_end, write_end = _pipes(2)
+        files, files_theirs = _files_socket()
         try:
-            self._process = launcher.launch("check", [go_r, write_end])
+            self._process = launcher.launch("check", [go_r, write_end, files_theirs])
         except BaseException:
             for fd in (go_w, read_end):
                 os.close(fd)
+            files.close()
             raise
         self.fd = read_end
-        _send(go_w, go, buffers)
+        _send(go_w, files, go, buffers)
 
     def error(self) -> InvalidRequestError | None:
         """Once `fd` is readable: why the payload cannot be loaded here (cannot_load), or None if it can."""
@@ -218,11 +232,13 @@ class JobProcess:
         go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w = _pipes(4)
         with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
             fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        self._files, files_theirs = _files_socket()
         try:
-            self._process = launcher.launch("job", [go_r, out_w, err_w, res_w])
+            self._process = launcher.launch("job", [go_r, out_w, err_w, res_w, files_theirs])
         except BaseException:
             for fd in (self._go_w, out_r, err_r, res_r):
                 os.close(fd)
+            self._files.close()
             raise
         self.pid = self._process.pid
         self.identity: procs.Pid = (self.pid, self._process.start)
@@ -303,7 +319,7 @@ class JobProcess:
         if self._body is None:
             raise RuntimeError("a job process runs only once give() named its payload")
         buffers, self._buffers = self._buffers, []  # sent: this process lets go of their memory
-        _send(self._go_w, child.Go(env, account, self._body, codec.layout(buffers), out_of_band), buffers)
+        _send(self._go_w, self._files, child.Go(env, account, self._body, codec.layout(buffers), out_of_band), buffers)
         self._go_w = -1
 
     def _handing(self, streams: Streams,
@@ -370,6 +386,7 @@ class JobProcess:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self._reap()
         self._process.close()
+        self._files.close()
         for fd in (self._go_w, self._out, self._err, self._res):
             if fd >= 0:
                 os.close(fd)

@@ -125,7 +125,7 @@ class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
                                     output=request.output(options, receive))
             if layout and send is None:
                 raise InvalidRequestError("a payload with out-of-band buffers needs the client's send callback")
-            buffers = bulk.pull(self._conn, send, layout) if layout else []  # type: ignore[arg-type]
+            buffers = bulk.pull(self._conn, send, layout, self.context.state_dir) if layout else []  # type: ignore[arg-type]
             return self._run(dataclasses.replace(checked, buffers=buffers))
         except RpycdlError as exc:
             return codec.encode_error(refused(self.context, exc), tb="")

@@ -16,12 +16,15 @@ import mmap
 import os
 import socket
 import ssl
+import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import rpyc
 
+from rpycdl.defaults import SPOOL_MIN
 from rpycdl.wire.codec import layout_bytes
 from rpycdl.wire.stream import CHUNK, closed_on_failure, receive_view, send_view
 
@@ -42,21 +45,54 @@ def bulk_socket(conn: rpyc.Connection) -> socket.socket:
     return conn._channel.stream.sock
 
 
-def allocate(size: int, readonly: bool) -> tuple[Any, ctypes.Array]:
+def allocate(size: int, readonly: bool, spool: str | None = None) -> tuple[Any, ctypes.Array]:
     """Fresh memory for a buffer of `size` bytes (at least 1), and a ctypes array over it to fill it.
 
     A read-only buffer is a bytes object, so that the bytes a client sent arrive as bytes with no
     copy; it is filled through the array before anything else sees it, as C code fills the result
     of PyBytes_FromStringAndSize(NULL, size). A writable one is an anonymous private mmap (NumPy
-    arrays wrap it). Both are zero pages until written, so untouched memory costs nothing.
+    arrays wrap it); over SPOOL_MIN bytes, given a `spool` directory, a shared mmap of a file there
+    (spooled). Both are zero pages until written, so untouched memory costs nothing.
     """
     if size < 1:
         raise ValueError("an empty buffer has no memory of its own (bytes(0) is shared)")
     if readonly:
         data = bytes(size)  # calloc, and a new object for any size but 0
         return data, (ctypes.c_char * size).from_address(_bytes_address(data))
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    memory = (spooled(size, spool) if spool is not None and size > SPOOL_MIN else None) \
+        or mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     return memory, (ctypes.c_char * size).from_buffer(memory)
+
+
+class Spooled(mmap.mmap):
+    """A shared mapping of a file without a name (spooled), with the file's descriptor (`fd`, closed with
+    the mapping), so that a job process can map the same file rather than be sent its bytes."""
+
+    fd: int
+
+
+def spooled(size: int, directory: str) -> Spooled | None:
+    """Writable memory of `size` bytes backed by a file in `directory` that has no name (O_TMPFILE, else one
+    removed as it is made), its blocks reserved: pages the kernel may write out to disk and drop under memory
+    pressure, where anonymous ones could only stay; the file goes with the last mapping and descriptor. None
+    if the directory cannot have it (no room: filling a mapping past the disk's room would kill the process)."""
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError:
+        try:
+            fd, path = tempfile.mkstemp(dir=directory)
+        except OSError:
+            return None
+        os.unlink(path)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        memory = Spooled(fd, size, flags=mmap.MAP_SHARED)
+    except OSError:
+        os.close(fd)
+        return None
+    memory.fd = fd
+    weakref.finalize(memory, os.close, fd)
+    return memory
 
 
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
@@ -66,11 +102,12 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
             send_view(sock, view)
 
 
-def receive_buffers(sock: socket.socket, layout: Sequence[tuple[int, bool]]) -> list[Any]:
-    """Read buffers of `layout` (wire.Layout) from `sock`, each into fresh memory (allocate)."""
+def receive_buffers(sock: socket.socket, layout: Sequence[tuple[int, bool]], spool: str | None = None) -> list[Any]:
+    """Read buffers of `layout` (wire.Layout) from `sock`, each into fresh memory (allocate, which spools a
+    large writable one into a file of `spool`, as it arrives)."""
     buffers = []
     for size, readonly in layout:
-        buffer, cells = allocate(size, readonly)
+        buffer, cells = allocate(size, readonly, spool)
         with _populated(ctypes.addressof(cells), size), memoryview(cells) as raw, raw.cast("B") as view:
             receive_view(sock, view)
         del cells  # lets go of the mmap
@@ -104,13 +141,14 @@ def _populated(address: int, size: int) -> Iterator[None]:
         thread.join()  # gone before anything forks
 
 
-def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple[int, bool]]) -> list[Any]:
+def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple[int, bool]],
+         spool: str | None = None) -> list[Any]:
     """Read the buffers of `layout` from the peer: its callback `send` writes them raw (send_buffers)
-    right after our request to call it, before its reply."""
+    right after our request to call it, before its reply (large writable ones into files of `spool`)."""
     call = rpyc.async_(send)
     reply = call()
     with closed_on_failure(conn):
-        buffers = receive_buffers(bulk_socket(conn), layout)
+        buffers = receive_buffers(bulk_socket(conn), layout, spool)
     reply.wait()
     return buffers
 

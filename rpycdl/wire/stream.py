@@ -84,7 +84,7 @@ class LimitedChannel(Channel):
         header = self.stream.read(self.FRAME_HEADER.size)
         length, compressed = self.FRAME_HEADER.unpack(header)
         if length > self.max_frame:
-            self._drop(f"a frame of {length} bytes is over this server's limit of {self.max_frame} (--max-payload)")
+            self._drop(f"a frame of {length} bytes is over this server's limit of {self.max_frame} (--max-frame)")
         data = self.stream.read(length + len(self.FLUSHER), keep=length)
         return self._inflate(data) if compressed else data
 
@@ -97,7 +97,7 @@ class LimitedChannel(Channel):
             self._drop(f"a compressed frame of {len(data)} bytes does not decompress ({exc})")
         if len(inflated) > self.max_frame:
             self._drop(f"a compressed frame of {len(data)} bytes inflates to over this server's limit of "
-                       f"{self.max_frame} (--max-payload)")
+                       f"{self.max_frame} (--max-frame)")
         if not inflater.eof:
             self._drop(f"a compressed frame of {len(data)} bytes is cut short")
         return inflated

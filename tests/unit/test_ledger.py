@@ -448,7 +448,7 @@ def test_refusals_are_counted_by_service_and_reason_in_one_statement_each(ledger
     ledger.count_refusal("pytorch", "limit")
     assert [s for s in seen if not s.startswith("PRAGMA")] == [
         "BEGIN IMMEDIATE", "INSERT INTO refusals VALUES ('pytorch', 'limit', 1) ON CONFLICT (service, reason) DO "
-        "UPDATE SET count = count + 1", "COMMIT"]
+        "UPDATE SET count = count + excluded.count", "COMMIT"]
     ledger.count_refusal("pytorch", "whatever")  # a bug of the caller's: logged, never raised, never a label
     assert "not counted" in caplog.text and "whatever" in caplog.text
     assert ledger.refusals()[("pytorch", "limit")] == 2 and len(ledger.refusals()) == 5
@@ -499,7 +499,7 @@ def test_refusals_counted_at_once_by_processes_and_threads_are_all_counted(ledge
     assert ledger.refusals() == {("pytorch", "connections"): 400}
 
 
-def test_a_version_1_ledger_gains_the_refusals_artifacts_and_gpus_and_keeps_its_rows(tmp_path):
+def test_a_version_1_ledger_gains_the_refusals_artifacts_gpus_and_drops_and_keeps_its_rows(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     record = job(state=JobState.SUCCEEDED, user="alice", name="train", ended=1000.0, request={"timeout": 5.0})
@@ -514,12 +514,20 @@ def test_a_version_1_ledger_gains_the_refusals_artifacts_and_gpus_and_keeps_its_
     assert ledger.ledger_id == "the-old-ledgers-id"
     assert ledger.get(record.job_id) == record and ledger.count() == 1
     with ledger._db() as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 4
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 5
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'refusals'").fetchone() == ("refusals",)
     assert ledger.artifacts(record.job_id) is None
     assert ledger.refusals() == {}
     ledger.count_refusal("pytorch", "auth")
     assert Ledger(state).refusals() == {("pytorch", "auth"): 1}  # opened again: nothing runs twice
+    assert ledger.drops() == {}
+    ledger.count_drops("pytorch", {"grace": 3, "per_source": 1})
+    ledger.count_drops("pytorch", {"grace": 2})
+    ledger.count_refusal("pytorch", "auth", 4)
+    assert Ledger(state).drops() == {("pytorch", "grace"): 5, ("pytorch", "per_source"): 1}
+    assert Ledger(state).refusals() == {("pytorch", "auth"): 5}
+    ledger.count_drops("pytorch", {"whatever": 1})  # a bug of the caller's: logged, never raised, never a label
+    assert len(Ledger(state).drops()) == 2
     assert Ledger(state).get(record.job_id) == record
     ledger.set_artifacts(record.job_id, "uploaded", [])
     assert Ledger(state).artifacts(record.job_id)["state"] == "uploaded"

@@ -1,0 +1,67 @@
+"""A flood of silent connections, as a hostile client makes them (a helper of tests/test_flood.py and
+bench/bench_flood.py, run as a process of its own): COUNT connections from the source address SOURCE to
+HOST:PORT that say nothing, each opened again as soon as the server closes it, until stdin closes. It
+prints `holding COUNT` once all are open, and at the end how many times it connected.
+
+    python tests/flood.py SOURCE HOST PORT COUNT
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+import selectors
+import socket
+import sys
+import threading
+
+
+def _open(source: str, host: str, port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.setblocking(False)
+    try:
+        sock.connect((host, port))
+    except BlockingIOError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.EINPROGRESS:
+            raise
+    return sock
+
+
+def main() -> None:
+    source, host, port, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    selector = selectors.DefaultSelector()
+    connects = 0
+    for _ in range(count):
+        selector.register(_open(source, host, port), selectors.EVENT_READ)
+        connects += 1
+    print(f"holding {count}", flush=True)
+    while not stop.is_set():
+        for key, _ in selector.select(0.2):
+            sock = key.fileobj
+            try:
+                data = sock.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:  # a greeting or a BUSY line: read, never answered
+                continue
+            selector.unregister(sock)
+            sock.close()
+            try:
+                selector.register(_open(source, host, port), selectors.EVENT_READ)
+                connects += 1
+            except OSError:  # out of ports for a moment: one fewer
+                pass
+    print(f"connected {connects} times", flush=True)
+
+
+if __name__ == "__main__":
+    main()
