@@ -14,6 +14,7 @@ from rpycdl.artifacts.files import Identity
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.scheduler.ledger import JobRecord
+from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.security.accounts import Account
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest
@@ -29,8 +30,9 @@ def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[st
     if checked.container is not None:  # a container sees its image, not the server's files
         return {}
     files = context.files
+    shared_dir(files.path(job_id))  # the lock directory's modes: its owner passes through to what is theirs
     output = files.output_dir(job_id)
-    output.mkdir(parents=True, exist_ok=True)
+    output.mkdir(exist_ok=True)
     give(output, checked.account)
     env = {OUTPUT_DIR_VARIABLE: str(output)}
     if checked.working_dir is None:

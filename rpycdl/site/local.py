@@ -110,17 +110,18 @@ class LocalCluster:
         self.registry = self._start(["registry", "--host", "127.0.0.1", "--port", str(self.registry_port)])
         self.registry.wait_for(r"listening")
 
-    def _start(self, args: list[str]) -> Process:
-        process = start(args, echo=self.echo)
+    def _start(self, args: list[str], env: dict[str, str] | None = None) -> Process:
+        process = start(args, env, echo=self.echo)
         self.processes.append(process)
         return process
 
     def add_server(self, service: str, inventory: str | None, *extra: str, lock_dir: str | None = None,
-                   isolated: bool = False) -> tuple[Process, int]:
+                   isolated: bool = False, env: dict[str, str] | None = None) -> tuple[Process, int]:
         """Start a server of `service` on a free loopback port (with a lock directory of its own, as a
         server of another host has, if `lock_dir` is given); returns it and its port. Started as root, it
         runs every job as root (--one-account), as the demo's one user expects, unless `isolated`: then each
-        job runs as its owner's account (rpycdl.security.accounts)."""
+        job runs as its owner's account (rpycdl.security.accounts). `env`: variables it gets beside this
+        process's."""
         lock_dir = lock_dir or self.lock_dir
         one_account = ["--one-account"] if os.geteuid() == 0 and not isolated else []
         args = ["serve", "--service", service, "--host", "127.0.0.1", "--port", "0",
@@ -129,7 +130,7 @@ class LocalCluster:
             args += ["--gpus", inventory]
         self.state_dirs.add(extra[extra.index("--state-dir") + 1] if "--state-dir" in extra
                             else os.path.join(lock_dir, STATE_SUBDIR))
-        process = self._start(args)
+        process = self._start(args, env)
         port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
         deadline = time.monotonic() + READY_TIMEOUT
         while ("127.0.0.1", port) not in registry.discover(service, self.registry_address):
