@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Background, Team, open_gate, unavailable, wait_until
+from helpers import Background, Team, open_gate, rpycdl_cli, scrape, unavailable, wait_until
 
 import rpycdl
 from rpycdl import cli
 from rpycdl.scheduler.ledger import Ledger
+from rpycdl.site import local
 from rpycdl.site.local import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -310,3 +311,23 @@ def test_what_a_job_starts_and_leaves_runs_as_its_owner_and_goes_with_it(site, a
     assert row["user"] == "alice" and row["state"] == "SUCCEEDED"
     with site.connect("bob") as bob:  # the GPU is free again once nothing of alice's job runs
         assert bob.root.run_code(lambda _: __import__("os").getuid(), None, queue_timeout=5) == accounts["bob"].pw_uid
+
+
+def test_the_isolation_mode_is_said_and_one_lock_directory_has_one(site, cluster, server):
+    flags = ["--host", "127.0.0.1", "--port", str(site.port_a),
+             *(f"--{key.replace('_', '-')}={value}" for key, value in site.team.user("alice").items()),
+             f"--secret-file={site.secret_file}"]
+    shown = rpycdl_cli("status", *flags)
+    assert shown.returncode == 0 and "isolation: owner accounts" in shown.stdout, shown.stdout + shown.stderr
+    one = rpycdl_cli("status", "--host", "127.0.0.1", "--port", str(server("pytorch", "fake:1")))
+    assert "isolation: one account" in one.stdout, one.stdout
+    assert "isolation: owner accounts" in site.cluster.processes[1].lines[0]  # the ready line
+    mixed = rpycdl_cli("serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none",
+                       "--one-account", "--lock-dir", str(site.locks_a), timeout=60)
+    assert mixed.returncode == 1 and "isolation 'owner accounts'" in mixed.stderr, mixed.stderr
+    watching = local.start(["monitor", "--gpus", "fake:1", "--lock-dir", str(site.locks_a), "--port", "0"])
+    try:
+        base = "http://127.0.0.1:" + watching.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
+        assert scrape(base)["rpycdl_isolation_info"] == [({"mode": "owner accounts"}, 1.0)]
+    finally:
+        watching.stop()

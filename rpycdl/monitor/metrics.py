@@ -30,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from rpycdl.gpu.inventory import Inventory
 from rpycdl.scheduler.ledger import DROPS, REFUSALS, JobRecord, Ledger
+from rpycdl.scheduler.lockdir import host_isolation
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.policyfiles import host_scheduling
 
@@ -111,6 +112,12 @@ class HostCollector(Collector):
         if scheduling is not None:
             policy.add_metric([], {"policy": scheduling.policy, "placement": scheduling.placement})
         yield policy
+        mode = host_isolation(self.locks.root)
+        isolation = InfoMetricFamily("rpycdl_isolation", "Whose accounts the host's live servers run jobs as: "
+                                     "'owner accounts' (root servers) or 'one account' (absent while none lives)")
+        if mode is not None:
+            isolation.add_metric([], {"mode": mode})
+        yield isolation
         yield from self._ended()
 
     def _gpus(self, held: dict[str, list[dict[str, Any]]]) -> Iterator[Metric]:

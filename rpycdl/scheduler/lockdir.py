@@ -124,6 +124,30 @@ def claim_pid_namespace(root: Path) -> None:
             "containers with --pid host (rpycdl up and scripts/start_servers.sh do)")
 
 
+def claim_isolation(root: Path, mode: str) -> None:
+    """Mark the lock directory `root` as used by servers running jobs in the isolation `mode`
+    (security.accounts: "owner accounts" or "one account"), for as long as this process lives; refuse if a live
+    server of the other mode marks it. The modes of the lock and state directories' files differ between them.
+
+    Raises:
+        RpycdlError: a server of the other mode uses the lock directory.
+    """
+    key = mode.replace(" ", "-")
+    for other in claim(root / "isolation", key):
+        raise RpycdlError(f"the lock directory {root} is used by servers that run jobs with isolation "
+                          f"{other.replace('-', ' ')!r}, and this one would use {mode!r}: every server sharing a lock "
+                          "directory must run as root (each job as its owner), or none (or all with --one-account)")
+
+
+def host_isolation(root: Path) -> str | None:
+    """The isolation mode the live servers of a lock directory run jobs in (None: no server lives)."""
+    folder = root / "isolation"
+    for key in names(folder, "", "") if folder.is_dir() else ():
+        if "." not in key and others(open_once(str(folder / key)), 0, 0, []):
+            return key.replace("-", " ")
+    return None
+
+
 def names(directory: Path, prefix: str, suffix: str) -> list[str]:
     """Names in `directory` with that prefix and suffix (no glob: its pattern would be compiled
     again in every new connection process)."""

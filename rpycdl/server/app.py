@@ -135,6 +135,7 @@ def build_server(config: ServerConfig) -> DLServer:
         for root in {Path(directory), Path(context.state_dir)}:
             lockdir.make_private(root, skip=("simulated-gpus", "workdirs"))
     lockdir.claim_pid_namespace(Path(directory))
+    lockdir.claim_isolation(Path(directory), context.accounts.mode)
     context.locks.claim_scheduling()
     context.launcher = ForkServer(context.server_id)  # before any fork: connection processes ask it for jobs
     registrar = None
