@@ -18,6 +18,7 @@ from rpycdl.errors import (
     ContainerError,
     DiscoveryError,
     GPUMemoryExceededError,
+    GPUNotGrantedError,
     InvalidRequestError,
     JobCancelledError,
     JobCrashedError,
@@ -40,7 +41,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ContainerError",
-    "DiscoveryError", "GPUMemoryExceededError", "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError",
+    "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError", "InvalidRequestError", "Job",
+    "JobCancelledError", "JobCrashedError",
     "JobLostError", "JobNotFinishedError", "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError",
     "NoInventoryError", "NotAllowedError", "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError",
     "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",

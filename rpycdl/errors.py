@@ -48,6 +48,10 @@ class GPUMemoryExceededError(RpycdlError):
     """A job on a share of a GPU used more memory than its grant plus the allowance, and was stopped."""
 
 
+class GPUNotGrantedError(RpycdlError):
+    """A job used a GPU it was not granted (it reset CUDA_VISIBLE_DEVICES), and was stopped."""
+
+
 class JobLostError(RpycdlError):
     """A detached job's supervising process died before the job ended: its outcome is unknown."""
 

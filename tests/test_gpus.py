@@ -230,10 +230,11 @@ def test_the_fake_driver_refuses_what_a_real_one_refuses():
 def test_nvml_per_process_memory_and_the_watchdog_on_it():
     import subprocess
 
-    from rpycdl.gpu.watchdog import MemoryWatch
+    from rpycdl.gpu.watchdog import ELSEWHERE, OVER_MEMORY, GPUWatch
 
     nvml = make_nvml(_devices())
     inventory = NvmlInventory(nvml=nvml)
+    gpus = {gpu.uuid: gpu for gpu in inventory.gpus()}
     gpu = inventory.gpus()[2]
     # A job: a process group whose leader started a child; the driver sees the child on the GPU.
     job = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
@@ -242,19 +243,29 @@ def test_nvml_per_process_memory_and_the_watchdog_on_it():
         child = int(job.stdout.readline())
         nvml.driver.devices[2].processes = {child: 3 * GiB, os.getpid(): 30 * GiB, 999999: None}
         assert inventory.process_memory(gpu.uuid) == {child: 3 * GiB, os.getpid(): 30 * GiB, 999999: 0}
+        assert inventory.processes()[gpu.uuid] == {child: 3 * GiB, os.getpid(): 30 * GiB, 999999: 0}
         assert nvml.driver.init_count == 0
 
-        watch = MemoryWatch(inventory, gpu, grant=2 * GiB, allowance=GiB, interval=0)
+        watch = GPUWatch(inventory, gpus, {gpu.uuid: 2 * GiB}, allowance=GiB, interval=0)
         assert watch.check(job.pid) is None  # 3 GiB: within the grant plus the allowance; ours is not the job's
         nvml.driver.devices[2].processes[child] = 3 * GiB + 1
-        reason = watch.check(job.pid)
-        assert reason is not None and f"GPU 2 ({gpu.uuid})" in reason and "grant of 2048 MiB" in reason
+        why, reason = watch.check(job.pid)
+        assert why == OVER_MEMORY and f"GPU 2 ({gpu.uuid})" in reason and "grant of 2048 MiB" in reason
         nvml.driver.devices[2].lost = True  # a query that fails stops nobody
         assert inventory.process_memory(gpu.uuid) is None and watch.check(job.pid) is None
+
+        # A job granted GPU 0 whole whose process shows up on GPU 1 (it reset CUDA_VISIBLE_DEVICES).
+        nvml.driver.devices[2].lost = False
+        nvml.driver.devices[2].processes = {}
+        whole = GPUWatch(inventory, gpus, {inventory.gpus()[0].uuid: 0}, allowance=GiB, interval=0)
+        nvml.driver.devices[0].processes = {child: 70 * GiB}
+        assert whole.check(job.pid) is None  # all of its own GPU: fine
+        nvml.driver.devices[1].processes = {child: 1}
+        why, reason = whole.check(job.pid)
+        assert why == ELSEWHERE and f"GPU 1 ({inventory.gpus()[1].uuid}), which it was not granted" in reason
     finally:
         os.killpg(job.pid, 9)
         job.wait()
-
 
 
 # -- simulated GPUs shared by every user of a lock directory ---------------------------------------

@@ -10,7 +10,7 @@ from helpers import Background, gate_job, open_gate, quick_error, wait_until
 
 import rpycdl
 from rpycdl.cli.status import format_status
-from rpycdl.errors import GPUMemoryExceededError, InvalidRequestError
+from rpycdl.errors import GPUMemoryExceededError, GPUNotGrantedError, InvalidRequestError
 
 GiB = 1024**3
 
@@ -155,8 +155,30 @@ def test_the_watchdog_counts_the_processes_a_job_starts(two_gpus, connect):
         connect(two_gpus).root.run_code(spawning_job, 3 * GiB, gpu_memory="2GiB", timeout=20)
 
 
-def test_whole_gpu_jobs_are_not_watched(two_gpus, connect):
+def test_whole_gpu_jobs_are_not_held_to_a_memory_size(two_gpus, connect):
     assert connect(two_gpus).root.run_code(allocate_job, {"size": 15 * GiB, "hold": 1.5}, ngpus=1) == "done"
+
+
+def test_the_watchdog_stops_a_job_on_a_gpu_it_was_not_granted(two_gpus, connect):
+    def sneaking_job(_):
+        import os
+        import time
+
+        from rpycdl import simulate_memory
+
+        mine = os.environ["RPYCDL_GPU_UUIDS"]
+        other = next(uuid for uuid in ("GPU-00000000-0000-4000-8000-000000000000",
+                                       "GPU-00000000-0000-4000-8000-000000000001") if uuid != mine)
+        os.environ["RPYCDL_GPU_UUIDS"] = f"{mine},{other}"  # as a job that reset CUDA_VISIBLE_DEVICES sees more
+        simulate_memory(GiB, device=1)
+        time.sleep(30)
+
+    conn = connect(two_gpus)
+    with pytest.raises(GPUNotGrantedError, match=r"used GPU \d \(GPU-\S+\), which it was not granted") as caught:
+        conn.root.run_code(sneaking_job, None, ngpus=1, timeout=20)
+    assert "it may use only GPU" in str(caught.value)
+    assert conn.root.jobs()[0]["state"] == "FAILED" and conn.root.jobs()[0]["error_type"] == "GPUNotGrantedError"
+    assert [gpu["holders"] for gpu in conn.root.gpu_status()["gpus"]] == [[], []]
 
 
 def test_simulate_memory_outside_a_simulated_job_says_why(monkeypatch):

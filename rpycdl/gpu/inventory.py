@@ -62,6 +62,11 @@ class Inventory:
         """Bytes each process uses on the GPU right now, by pid; None where the query failed."""
         raise NotImplementedError
 
+    def processes(self) -> dict[str, dict[int, int]]:
+        """Every GPU the host's driver shows (this process's own or not: a job may open what its server does
+        not use), by UUID: the bytes each process uses on it, by pid; a GPU whose query failed is left out."""
+        return {gpu.uuid: used for gpu in self.gpus() if (used := self.process_memory(gpu.uuid)) is not None}
+
     def utilization(self) -> dict[str, float | None]:
         """The share of the last sample period each GPU's kernels ran (0 to 1) by UUID; None where
         unknown (a simulated GPU, a failed query)."""
@@ -120,6 +125,11 @@ class FakeInventory(Inventory):
 
     def memory_used(self) -> dict[str, int | None]:
         return {gpu.uuid: sum(self.process_memory(gpu.uuid).values()) for gpu in self._gpus}
+
+    def processes(self) -> dict[str, dict[int, int]]:
+        """Every simulated GPU with records, this inventory's or not (another fake:N of the host)."""
+        folders = self.state_dir.iterdir() if self.state_dir and self.state_dir.is_dir() else ()
+        return {folder.name: self.process_memory(folder.name) for folder in folders if folder.is_dir()}
 
     def process_memory(self, uuid: str) -> dict[int, int]:
         used = {}
@@ -218,6 +228,21 @@ class NvmlInventory(Inventory):
             return rates
 
         return self._ask(query, {gpu.uuid: None for gpu in self._gpus})
+
+    def processes(self) -> dict[str, dict[int, int]]:
+        def query(nvml: ModuleType) -> dict[str, dict[int, int]]:
+            found: dict[str, dict[int, int]] = {}
+            for number in range(nvml.nvmlDeviceGetCount()):
+                try:  # one GPU that does not answer (or is not ours to ask) is left out
+                    handle = nvml.nvmlDeviceGetHandleByIndex(number)
+                    running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                    found[_text(nvml.nvmlDeviceGetUUID(handle))] = {int(p.pid): int(p.usedGpuMemory or 0)
+                                                                    for p in running}
+                except Exception:
+                    continue
+            return found
+
+        return self._ask(query, {})
 
     def process_memory(self, uuid: str) -> dict[int, int] | None:
         def query(nvml: ModuleType) -> dict[int, int]:

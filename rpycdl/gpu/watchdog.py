@@ -1,56 +1,75 @@
-"""The memory watchdog: holds a job on a share of a GPU to its grant from outside the job,
-whatever framework (or none) it allocates with.
+"""The GPU watchdog: holds a job to the GPUs it was granted from outside the job, whatever framework (or
+none) it uses: no process of it on a GPU it was not granted (one that reset CUDA_VISIBLE_DEVICES), and on
+a share of a GPU, no more memory than the grant.
 
-The connection process running the job asks the inventory for the GPU's per-process memory
-(NVML's compute processes, or the simulated inventory's records) every WATCH_INTERVAL
-seconds, adds up the job's processes (its process group and its descendants), and stops the
-job when they use more than the grant plus the allowance for the CUDA context.
+The process running the job (its connection process, or a detached job's supervisor) asks the inventory
+for every GPU's processes (NVML's compute processes, or the simulated inventory's records) every
+WATCH_INTERVAL seconds, finds the job's among them (its process group and its descendants), and stops the
+job when one uses a GPU it was not granted, or when they use more of a shared GPU than the grant plus the
+allowance for the CUDA context.
 
-Limits: NVML reports host pids, so a server in a container sees its jobs' memory only when the
-container shares the host's pid namespace (`docker run --pid=host`); memory is sampled, so a
-job can exceed its grant for up to one interval before it is stopped.
+Limits: NVML reports host pids, so a server in a container sees its jobs only when the container shares
+the host's pid namespace (`docker run --pid=host`); the watchdog samples, so a job can misbehave for up to
+one interval before it is stopped; it sees the GPUs the server's driver shows, which a container's runtime
+may make fewer than the host's (a job cannot open the others either).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from rpycdl.defaults import WATCH_INTERVAL
 from rpycdl.gpu.inventory import GPU, Inventory
 
 _ANCESTRY_DEPTH = 32
 
+ELSEWHERE = "elsewhere"
+"""Why a job was stopped: it used a GPU it was not granted."""
+OVER_MEMORY = "over_memory"
+"""Why a job was stopped: it used more of its share's GPU than the grant and the allowance."""
 
-class MemoryWatch:
-    """Watches a job's use of `gpu`, granted `grant` bytes of it (check() names the job by its
-    process group).
+
+class GPUWatch:
+    """Watches a job's use of the GPUs: `granted` maps each of its GPUs (by UUID) to its share's bytes (0
+    for a whole GPU). check() names the job by its process group.
 
     Args:
-        inventory: where per-process memory comes from.
-        gpu: the job's GPU.
-        grant: bytes granted; `allowance` more are tolerated.
+        inventory: where every GPU's processes come from.
+        gpus: the server's GPUs, by UUID (to name them in a refusal).
+        granted: the job's GPUs, and each one's share (0: whole).
+        allowance: bytes tolerated beyond a share.
         interval: seconds between looks (check() is cheap in between).
     """
 
-    def __init__(self, inventory: Inventory, gpu: GPU, grant: int, allowance: int,
+    def __init__(self, inventory: Inventory, gpus: Mapping[str, GPU], granted: Mapping[str, int], allowance: int,
                  interval: float = WATCH_INTERVAL) -> None:
-        self._inventory, self._gpu = inventory, gpu
-        self._grant, self._allowance, self._interval = grant, allowance, interval
+        self._inventory, self._gpus, self._granted = inventory, gpus, granted
+        self._allowance, self._interval = allowance, interval
         self._next = time.monotonic() + interval
 
-    def check(self, pgid: int) -> str | None:
-        """Why the job must stop (it uses too much of its GPU), or None; looks once per interval."""
+    def check(self, pgid: int) -> tuple[str, str] | None:
+        """Why the job must stop (ELSEWHERE or OVER_MEMORY, and the reason in words), or None; looks once per
+        interval."""
         now = time.monotonic()
         if now < self._next:
             return None
         self._next = now + self._interval
-        used = sum(size for pid, size in (self._inventory.process_memory(self._gpu.uuid) or {}).items()
-                   if in_job(pid, pgid))
-        if used <= self._grant + self._allowance:
-            return None
-        return (f"the job used {_mib(used)} of GPU {self._gpu.index} ({self._gpu.uuid}), over its grant of "
-                f"{_mib(self._grant)} plus the {_mib(self._allowance)} allowance for the CUDA context, "
-                "and was stopped")
+        for uuid, used_by in self._inventory.processes().items():
+            used = sum(size for pid, size in used_by.items() if in_job(pid, pgid))
+            if uuid not in self._granted and any(in_job(pid, pgid) for pid in used_by):
+                return ELSEWHERE, (f"the job used {self._name(uuid)}, which it was not granted (it may use only "
+                                   f"{', '.join(self._name(each) for each in self._granted)}), and was stopped")
+            share = self._granted.get(uuid)
+            if share and used > share + self._allowance:
+                return OVER_MEMORY, (f"the job used {_mib(used)} of {self._name(uuid)}, over its grant of "
+                                     f"{_mib(share)} plus the {_mib(self._allowance)} allowance for the CUDA context, "
+                                     "and was stopped")
+        return None
+
+    def _name(self, uuid: str) -> str:
+        gpu = self._gpus.get(uuid)
+        return f"GPU {gpu.index} ({uuid})" if gpu is not None else f"the GPU {uuid}"
 
 
 def in_job(pid: int, pgid: int) -> bool:

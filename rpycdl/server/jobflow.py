@@ -29,14 +29,15 @@ from rpycdl.defaults import (
 from rpycdl.errors import (
     ContainerError,
     GPUMemoryExceededError,
+    GPUNotGrantedError,
     JobCancelledError,
     JobCrashedError,
     JobTimeoutError,
     LimitError,
 )
-from rpycdl.gpu import caps
+from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
-from rpycdl.gpu.watchdog import MemoryWatch
+from rpycdl.gpu.watchdog import GPUWatch
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
@@ -55,10 +56,14 @@ Stop = Callable[[int], tuple[runner.Ending, str] | None]
 """Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
 
 STATES = {runner.Ending.TIMED_OUT: JobState.TIMED_OUT, runner.Ending.CANCELLED: JobState.CANCELLED,
-          runner.Ending.CRASHED: JobState.FAILED, runner.Ending.OVER_MEMORY: JobState.FAILED}
+          runner.Ending.CRASHED: JobState.FAILED, runner.Ending.OVER_MEMORY: JobState.FAILED,
+          runner.Ending.ELSEWHERE: JobState.FAILED}
 ERRORS = {runner.Ending.TIMED_OUT: JobTimeoutError, runner.Ending.CANCELLED: JobCancelledError,
-          runner.Ending.CRASHED: JobCrashedError, runner.Ending.OVER_MEMORY: GPUMemoryExceededError}
+          runner.Ending.CRASHED: JobCrashedError, runner.Ending.OVER_MEMORY: GPUMemoryExceededError,
+          runner.Ending.ELSEWHERE: GPUNotGrantedError}
 """How a job that did not finish ends: its record's state, and the error its client gets."""
+WATCHED = {watchdog.ELSEWHERE: runner.Ending.ELSEWHERE, watchdog.OVER_MEMORY: runner.Ending.OVER_MEMORY}
+"""How a job the GPU watchdog stopped ends."""
 
 
 class Link(Protocol):
@@ -222,18 +227,17 @@ class JobFlow:
         return {**env, **self._env}
 
     def _stopper(self) -> Stop:
-        """The job's Stop: a cancel request, or (for a share of a GPU) the memory watchdog."""
+        """The job's Stop: a cancel request, or the GPU watchdog (a GPU it was not granted; over its share)."""
         ctx, grant, job_id = self.context, self.grant, self.record.job_id
         assert grant is not None
-        watch = None
-        if grant.share_bytes:
-            watch = MemoryWatch(ctx.inventory, self._gpu(grant.uuids[0]), grant.share_bytes, ctx.shares.allowance)
+        watch = GPUWatch(ctx.inventory, {gpu.uuid: gpu for gpu in ctx.gpus},
+                         {uuid: grant.share_bytes for uuid in grant.uuids}, ctx.shares.allowance)
 
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
             if ctx.ledger.cancel_requested(job_id):
                 return runner.Ending.CANCELLED, "the job was cancelled"
-            reason = watch.check(pid) if watch is not None else None
-            return (runner.Ending.OVER_MEMORY, reason) if reason else None
+            found = watch.check(pid)
+            return (WATCHED[found[0]], found[1]) if found else None
 
         return stop
 

@@ -40,7 +40,7 @@ from rpycdl.wire import bulk, codec
 
 _READ = 1 << 20
 PIPE_SIZE = 1 << 20  # Linux's default pipe-max-size: fewer wake-ups for large results
-STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the memory watchdog)
+STOP_POLL = 0.25  # seconds between calls of run()'s `stop` (cancel requests, the GPU watchdog)
 
 Streams = dict[int, tuple[codecs.IncrementalDecoder, Callable[[str], None]]]
 """The job's output pipes, each with its decoder and where its text goes."""
@@ -53,7 +53,8 @@ class Ending(str, Enum):
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
     CRASHED = "crashed"  # died without an outcome
-    OVER_MEMORY = "over_memory"  # stopped by the memory watchdog
+    OVER_MEMORY = "over_memory"  # stopped by the GPU watchdog: over its share of a GPU
+    ELSEWHERE = "elsewhere"  # stopped by the GPU watchdog: on a GPU it was not granted
 
 
 @dataclass
@@ -281,7 +282,7 @@ class JobProcess:
             watch_fds: other descriptors to watch (the client connection).
             on_watch: called when one is readable; may raise (client gone), which kills the job.
             stop: called with the job's pid at least every STOP_POLL seconds; returning (ending, reason)
-                kills the job, which then ends that way (a cancel request, the memory watchdog).
+                kills the job, which then ends that way (a cancel request, the GPU watchdog).
             on_buffers: given, a large result's buffers go out of band: once they come, the output
                 printed so far has been handed on and `on_buffers(layout, fd)` must read exactly
                 their total size from the blocking pipe `fd` and say how many bytes it got (fewer
