@@ -165,6 +165,11 @@ def _add_isolation_flags(serve: argparse.ArgumentParser) -> None:
                             "this account (default: refuse them)")
     serve.add_argument("--require-verified", action="store_true",
                        help="refuse jobs of unverified clients, on any server")
+    serve.add_argument("--preload", default=None, metavar="MODULES",
+                       help="modules (comma-separated) the job forkserver imports before it forks any job, so that "
+                            "every job starts with them imported; '' for none (default: the service's framework where "
+                            "installed: torch for pytorch, jax for jax; not tensorflow, which is not safe to fork "
+                            "after its import)")
     serve.add_argument("--one-account", action="store_true",
                        help="on a root server, run every job as root, as a server that is not root runs every job as "
                             "its own account: jobs can then reach each other and the server's files")
@@ -177,6 +182,17 @@ def _accounts(args: argparse.Namespace) -> Accounts:
                                    args.require_verified)
     except InvalidRequestError as exc:
         raise RpycdlError(str(exc)) from None
+
+
+def _preload(text: str | None) -> tuple[str, ...] | None:
+    """--preload's modules (None: the default); a name that is no module's is a usage error."""
+    if text is None:
+        return None
+    modules = tuple(module.strip() for module in text.split(",") if module.strip())
+    bad = [module for module in modules if not all(part.isidentifier() for part in module.split("."))]
+    if bad:
+        raise InvalidRequestError(f"--preload takes module names separated by commas, not {', '.join(bad)}")
+    return modules
 
 
 def _add_serve(command: Command) -> None:
@@ -267,7 +283,7 @@ def _serve(args: argparse.Namespace) -> int:
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_ca=args.tls_ca, limits=limits, shares=shares, artifact_store=args.artifacts or "",
                           artifact_endpoint=args.artifacts_endpoint, scheduling=_scheduling(args),
-                          accounts=_accounts(args))
+                          accounts=_accounts(args), preload=_preload(args.preload))
     if args.registry != "none":
         registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later
     logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import getpass
 import importlib.metadata
+import importlib.util
 import logging
 import signal
 import subprocess
@@ -41,6 +42,11 @@ FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 """Package whose version names the service version, per known service (read from metadata,
 so the server parent never imports, let alone initialises, the framework)."""
 
+PRELOADED: dict[str, str] = {"pytorch": "torch", "jax": "jax"}
+"""The module a service's job forkserver imports by default, where it is installed (rpycdl serve --preload), so
+that every job starts with it imported. Not TensorFlow: importing it starts threads, after which forking is
+not safe."""
+
 CONTAINER_SERVICE = "deeplearning"
 """The generic service, whose jobs may run in containers of their own."""
 
@@ -70,6 +76,7 @@ class ServerConfig:
     artifact_endpoint: str | None = None  # an S3-compatible endpoint (MinIO)
     scheduling: Scheduling = field(default_factory=Scheduling)  # --policy, --placement, --fair-share
     accounts: Accounts = field(default_factory=Accounts)  # --user-map, --guest-user, --require-verified, --one-account
+    preload: tuple[str, ...] | None = None  # --preload; None: the service's framework, where installed (PRELOADED)
 
 
 def framework_version(service: str) -> str | None:
@@ -95,6 +102,14 @@ def service_aliases(service: str, version: str | None) -> tuple[str, ...]:
             aliases.append(f"{name}-{'.'.join(parts[:2])}")
         aliases.append(f"{name}-{public}")
     return tuple(aliases)
+
+
+def preload_of(config: ServerConfig) -> tuple[str, ...]:
+    """The modules the job forkserver imports: --preload's, else the service's framework if it is installed."""
+    if config.preload is not None:
+        return config.preload
+    module = PRELOADED.get(config.service.lower())
+    return (module,) if module and importlib.util.find_spec(module) is not None else ()
 
 
 def _remove_orphan_containers(lock_dir: str) -> None:
@@ -137,7 +152,8 @@ def build_server(config: ServerConfig) -> DLServer:
     lockdir.claim_pid_namespace(Path(directory))
     lockdir.claim_isolation(Path(directory), context.accounts.mode)
     context.locks.claim_scheduling()
-    context.launcher = ForkServer(context.server_id)  # before any fork: connection processes ask it for jobs
+    context.preload = preload_of(config)
+    context.launcher = ForkServer(context.server_id, context.preload)  # before any fork: connections ask it for jobs
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)
@@ -165,7 +181,8 @@ def serve(config: ServerConfig) -> None:
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
           f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); artifacts to {ctx.artifact_store}; "
-          f"authentication: {server.credentials.mode or 'none'}; isolation: {ctx.accounts.mode}; jobs' working "
+          f"authentication: {server.credentials.mode or 'none'}; isolation: {ctx.accounts.mode}; preloaded: "
+          f"{', '.join(ctx.preload) or 'nothing'}; jobs' working "
           f"directories {'cloned' if can_clone(ctx.working_dirs.root) else 'copied (no reflinks here)'}", flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)

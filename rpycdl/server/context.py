@@ -98,6 +98,7 @@ class ServerContext:
     scheduling: Scheduling = field(default_factory=Scheduling)  # the host's policy and placement
     accounts: Accounts = field(default_factory=Accounts)  # whose account runs each job (security.accounts)
     launcher: runner.Launcher = orphans.HERE  # what starts job processes: the server's forkserver, else this one
+    preload: tuple[str, ...] = ()  # what the forkserver imported before it forked any job (--preload)
     locks: GPULockManager = field(init=False)
     ledger: Ledger = field(init=False)
     files: JobFiles = field(init=False)
@@ -125,4 +126,4 @@ class ServerContext:
                 "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict(),
                 "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id,
                 "artifact_store": self.artifact_store, "scheduling": self.scheduling.to_dict(),
-                "isolation": self.accounts.mode}
+                "isolation": self.accounts.mode, "preload": list(self.preload)}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -37,12 +38,13 @@ import sys
 from dataclasses import dataclass, field
 
 from rpycdl.defaults import FORKSERVER_MODULE, SECRET_VARIABLE_PREFIXES, STORE_SECRET_VARIABLES, SWEEP_INTERVAL
-from rpycdl.errors import LimitError
+from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import procs
 
 PID = struct.Struct("<iQ")  # reply: pid, start time
 STATUS = struct.Struct("<i")  # end: wait status
 JOB_ID = b"J"  # requester: the job's id follows
+READY = b"ready"  # the forkserver to the server, once its preload is imported
 MAX_FDS = 8
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -92,12 +94,19 @@ class ForkServer:
     (start()), and each process reaches the new one when it next asks."""
 
     def __init__(self, name: str, preload: tuple[str, ...] = ()) -> None:
+        """`name` makes its address unique (the server's id); `preload`: modules it imports before it forks
+        anything (rpycdl serve --preload), so that every job starts with them imported."""
         self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
         self.preload = preload
         self.start()
 
     def start(self) -> None:
-        """Start the forkserver (again), listening at its address, with this process connected to it."""
+        """Start the forkserver (again), listening at its address, with this process connected to it, once it
+        has imported its preload.
+
+        Raises:
+            RpycdlError: a module of the preload could not be imported (the message names it and says why).
+        """
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(self.address)
         listener.listen()
@@ -109,6 +118,11 @@ class ForkServer:
         theirs.close()
         listener.close()  # the forkserver's alone: the address is free again once it is gone
         self._identity = procs.identify(self.process.pid)
+        told = self._socket.recv(4096)  # READY once the preload is imported, else why not
+        if told != READY:
+            self.process.wait()
+            self._socket.close()
+            raise RpycdlError(f"the job forkserver could not start: {told.decode(errors='replace') or 'it died'}")
 
     def alive(self) -> bool:
         """Whether the forkserver still runs."""
@@ -326,9 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     child.name_process("rpycdl-forksrv")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's, which stops it
     child.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    server = socket.socket(fileno=int(first))
     for module in preload:
-        __import__(module)
-    _Server(socket.socket(fileno=int(first)), socket.socket(fileno=int(listener))).run()
+        try:
+            importlib.import_module(module)
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the server says it and does not start
+            server.send(f"--preload {module}: {type(exc).__name__}: {exc}".encode()[:4096])
+            return 1
+    server.send(READY)
+    _Server(server, socket.socket(fileno=int(listener))).run()
     return 0
 
 
