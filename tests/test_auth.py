@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rpycdl
-from rpycdl.site.local import start
+from rpycdl.site.local import one_account, start
 
 
 def _secret(path: Path, text: str = "correct horse battery staple") -> str:
@@ -81,7 +81,8 @@ def test_the_client_refuses_a_server_that_does_not_know_the_secret(server, secre
 
 def test_a_secret_lets_a_server_listen_beyond_loopback_without_insecure(secret):
     process = start(["serve", "--service", "pytorch", "--gpus", "fake:1", "--host", "0.0.0.0", "--port", "0",
-                     "--registry", "none", "--lock-dir", os.path.dirname(secret) + "/locks", "--secret-file", secret])
+                     "--registry", "none", "--lock-dir", os.path.dirname(secret) + "/locks", "--secret-file", secret,
+                     *one_account()])
     try:
         line = process.wait_for(r"on 0\.0\.0\.0:\d+ as .*authentication: secret").group(0)
         assert "WARNING" not in "\n".join(process.lines), line

@@ -17,7 +17,7 @@ from helpers import Background, gate_job, open_gate, wait_until
 
 import rpycdl
 from rpycdl import InvalidRequestError, JobState
-from rpycdl.site.local import Process, start
+from rpycdl.site.local import Process, one_account, start
 from rpycdl.site.selftest import confined
 
 UUIDS = [f"GPU-{i}{i}{i}{i}cafe-0000-4000-8000-00000000000{i}" for i in range(4)]
@@ -49,7 +49,8 @@ def node(tmp_path, monkeypatch, cluster) -> Callable[..., Process]:
     def serve(denied: tuple[int, ...] = (), **confinement: str) -> Process:
         env = {**driver(tmp_path / f"nvml-{len(cluster.processes)}.json", denied), **confinement}
         process = start(["serve", "--service", "pytorch", "--gpus", "nvml", "--host", "127.0.0.1", "--port", "0",
-                         "--registry", cluster.registry_address, "--lock-dir", cluster.lock_dir], env=env)
+                         "--registry", cluster.registry_address, "--lock-dir", cluster.lock_dir, *one_account()],
+                        env=env)
         cluster.processes.append(process)  # stopped with the cluster
         return process
 

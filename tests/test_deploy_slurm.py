@@ -18,6 +18,7 @@ from test_deploy_confinement import UUIDS, driver, gpu_env
 
 import rpycdl
 from rpycdl import registry
+from rpycdl.site.local import one_account
 
 SCRIPT = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "rpycdl-server.sbatch"
 SECRET = "slurm's own secret, 32 characters"
@@ -37,7 +38,8 @@ def slurm_job(tmp_path: Path, registry_address: str, denied: tuple[int, ...] = (
             "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_JOB_NAME": "rpycdl-server",
             "SLURM_JOB_NODELIST": "gpu07", "SLURMD_NODENAME": "gpu07", "SLURM_NNODES": "1", "SLURM_NTASKS": "1",
             "SLURM_JOB_GPUS": "1,3", "SLURM_GPUS_ON_NODE": "2", "SLURM_SUBMIT_DIR": str(tmp_path),
-            "RPYCDL_REGISTRY": registry_address, "RPYCDL_SECRET_FILE": str(secret), **settings}
+            "RPYCDL_REGISTRY": registry_address, "RPYCDL_SECRET_FILE": str(secret),
+            "RPYCDL_SERVE_ARGS": " ".join(one_account()), **settings}  # a batch job runs as its user, never root
 
 
 def run_script(environ: dict[str, str]) -> subprocess.Popen[str]:
@@ -52,7 +54,8 @@ def run_script(environ: dict[str, str]) -> subprocess.Popen[str]:
 def test_the_batch_script_serves_the_jobs_gpus_for_the_allocations_lifetime(cluster, tmp_path, denied, visible,
                                                                              indices):
     environ = slurm_job(tmp_path, cluster.registry_address, denied, CUDA_VISIBLE_DEVICES=visible,
-                        GPU_DEVICE_ORDINAL=visible, RPYCDL_SERVE_ARGS="--keep 1d --max-queued 50")
+                        GPU_DEVICE_ORDINAL=visible,
+                        RPYCDL_SERVE_ARGS=" ".join(["--keep 1d --max-queued 50", *one_account()]))
     script = run_script(environ)
     try:
         servers = wait_until(lambda: registry.discover("pytorch", cluster.registry_address) or script.poll(), 30,

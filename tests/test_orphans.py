@@ -23,6 +23,7 @@ from helpers import Background, connection_processes, running, server_pid, unava
 import rpycdl
 from rpycdl.scheduler import lockdir
 from rpycdl.scheduler.ledger import Ledger
+from rpycdl.site.local import one_account
 
 GRACE = 1.0  # promise 3: free again within a second
 
@@ -247,7 +248,7 @@ def test_a_server_in_another_pid_namespace_is_refused_on_a_shared_lock_directory
     server("pytorch", "fake:1")
     argv = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "rpycdl", "serve",
             "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none", "--lock-dir",
-            cluster.lock_dir]
+            cluster.lock_dir, *one_account()]
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode != 0:
         unavailable("needs a new PID namespace (unshare --pid, as root)", "run this test as root")
     try:

@@ -14,7 +14,7 @@ from helpers import connection_processes, server_pid, wait_until
 import rpycdl
 from rpycdl import cli
 from rpycdl.security import certs
-from rpycdl.site.local import start
+from rpycdl.site.local import one_account, start
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_a_client_that_says_nothing_or_speaks_plain_rpyc_blocks_nobody(tls_port,
 
 def test_tls_lets_a_server_listen_beyond_loopback_without_insecure(team, lock_dir):
     process = start(["serve", "--service", "pytorch", "--gpus", "fake:1", "--host", "0.0.0.0", "--port", "0",
-                     "--registry", "none", "--lock-dir", lock_dir, *team.server_args()])
+                     "--registry", "none", "--lock-dir", lock_dir, *team.server_args(), *one_account()])
     try:
         process.wait_for(r"on 0\.0\.0\.0:\d+ as .*authentication: tls")
         assert "WARNING" not in "\n".join(process.lines)

@@ -67,6 +67,13 @@ class Process:
                 self.popen.wait()
 
 
+def one_account() -> list[str]:
+    """`rpycdl serve` flags that run every job as the server's account, as a demo or a test of one user
+    expects: `--one-account` where this process is root (which would run each job as its owner's), none
+    elsewhere."""
+    return ["--one-account"] if os.geteuid() == 0 else []
+
+
 def stop_supervisors(state_dir: str) -> list[str]:
     """Kill the supervisors of the detached jobs of `state_dir`, and everything their jobs run; returns
     the jobs' ids (their rows say LOST once a server sweeps)."""
@@ -123,9 +130,9 @@ class LocalCluster:
         job runs as its owner's account (rpycdl.security.accounts). `env`: variables it gets beside this
         process's."""
         lock_dir = lock_dir or self.lock_dir
-        one_account = ["--one-account"] if os.geteuid() == 0 and not isolated else []
         args = ["serve", "--service", service, "--host", "127.0.0.1", "--port", "0",
-                "--registry", self.registry_address, "--lock-dir", lock_dir, *one_account, *extra]
+                "--registry", self.registry_address, "--lock-dir", lock_dir, *([] if isolated else one_account()),
+                *extra]
         if inventory:
             args += ["--gpus", inventory]
         self.state_dirs.add(extra[extra.index("--state-dir") + 1] if "--state-dir" in extra

@@ -19,7 +19,7 @@ from rpycdl import errors
 from rpycdl.defaults import ENV_CUDA_VISIBLE, ENV_NVIDIA_VISIBLE
 from rpycdl.gpu.inventory import GPU, NvmlInventory
 from rpycdl.scheduler.load import read_load
-from rpycdl.site.local import LocalCluster, start
+from rpycdl.site.local import LocalCluster, one_account, start
 
 
 def _nvidia_smi() -> list[dict[str, str]]:
@@ -239,7 +239,7 @@ def _least_busy(gpus: list[GPU]) -> str:
     sampler has seen its GPU busy, a second one; where each was placed, and the loads the sampler saw."""
     with tempfile.TemporaryDirectory(prefix="rpycdl-selftest-placement-") as lock_dir:
         process = start(["serve", "--service", "pytorch", "--gpus", "nvml", "--host", "127.0.0.1", "--port", "0",
-                         "--registry", "none", "--lock-dir", lock_dir, "--placement", "least-busy"])
+                         "--registry", "none", "--lock-dir", lock_dir, "--placement", "least-busy", *one_account()])
         try:
             port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
             with rpycdl.connect(host="127.0.0.1", port=port) as conn:
@@ -265,7 +265,7 @@ def confined(lock_dir: str, confinement: dict[str, str], job: Callable[[Any], di
     they name, and that `job` sees that GPU alone; stop it."""
     [(variable, value)] = confinement.items()
     process = start(["serve", "--service", "pytorch", "--gpus", "nvml", "--host", "127.0.0.1", "--port", "0",
-                     "--registry", "none", "--lock-dir", lock_dir], env=confinement)
+                     "--registry", "none", "--lock-dir", lock_dir, *one_account()], env=confinement)
     try:
         port = int(process.wait_for(r"on 127\.0\.0\.1:(\d+) as").group(1))
         with rpycdl.connect(host="127.0.0.1", port=port) as conn:
