@@ -76,8 +76,10 @@ def add_commands(command: Command) -> None:
                        "On a machine with NVIDIA GPUs and PyTorch: check the NVML inventory against nvidia-smi, "
                        "a server confined by CUDA_VISIBLE_DEVICES or NVIDIA_VISIBLE_DEVICES, that a job sees only "
                        "its GPU, that jobs queue for busy GPUs, shares of a GPU and the memory watchdog, where "
-                       "least-busy placement puts two compute-heavy shares, detached jobs and the monitor's NVML "
-                       "figures, and print a report (scripts/gpu_selftest.sh runs it).")
+                       "least-busy placement puts two compute-heavy shares, detached jobs, a CUDA call on a server "
+                       "whose forkserver preloaded torch, a job of a second account (as root), the watchdog stopping "
+                       "a job that reaches a GPU it was not granted, and the monitor's NVML figures, and print a "
+                       "report (scripts/gpu_selftest.sh runs it).")
     selftest.add_argument("--report", default=None, help="also write the report to this file")
 
 

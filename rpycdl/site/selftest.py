@@ -19,6 +19,7 @@ from rpycdl import errors
 from rpycdl.defaults import ENV_CUDA_VISIBLE, ENV_NVIDIA_VISIBLE
 from rpycdl.gpu.inventory import GPU, NvmlInventory
 from rpycdl.scheduler.load import read_load
+from rpycdl.site import selfchecks
 from rpycdl.site.local import LocalCluster, one_account, start
 
 
@@ -197,7 +198,7 @@ def run_selftest(report_path: str | None = None) -> int:
         for variable, value in ((ENV_CUDA_VISIBLE, str(gpus[-1].index)), (ENV_NVIDIA_VISIBLE, gpus[0].uuid)):
             report.check(f"a server started with {variable}={value} manages that GPU alone, and a PyTorch job "
                          "there sees it", lambda confinement={variable: value}: confined(lock_dir, confinement))
-        _, port = cluster.add_server("pytorch", "nvml")
+        server, port = cluster.add_server("pytorch", "nvml")
         report.check("PyTorch job with ngpus=1 sees exactly its GPU", lambda: _one_gpu(port, gpus))
         report.check(f"{len(gpus) + 1} one-GPU jobs on {len(gpus)} GPU(s): the last waits, then runs",
                      lambda: _last_waits(port, len(gpus)))
@@ -209,6 +210,11 @@ def run_selftest(report_path: str | None = None) -> int:
         report.check("a detached PyTorch job runs to its end and its result is kept", lambda: _detached(port))
         report.check("under --placement least-busy, a second compute-heavy share avoids the GPU the first keeps busy "
                      "(where there is another)", lambda: _least_busy(gpus))
+        report.check("a CUDA call through run_code on a server whose forkserver preloaded torch",
+                     lambda: selfchecks.preloaded_cuda_call(port, server.popen.pid))
+        report.check("a job of a second account sees exactly its GPU", lambda: selfchecks.second_account(gpus))
+        report.check("a job reaching a GPU it was not granted is stopped by the watchdog",
+                     lambda: selfchecks.reaching_another_gpu(port, gpus))
         monitor = cluster.add_monitor("nvml")[1]
         report.check("the monitor's /metrics shows NVML's memory and utilisation of every GPU",
                      lambda: _monitor_sees_nvml(monitor, gpus))
