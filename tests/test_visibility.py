@@ -1,13 +1,17 @@
 """Others see a job, not its secrets (rpycdl.security.visibility): with real servers, the team's certificates
-(alice, bob, and root, an admin), bob sees that alice's jobs exist (id, owner, state,
+(alice, bob, and root, an admin) and a real monitor, bob sees that alice's jobs exist (id, owner, state,
 GPUs, times) but not their command, name, working directory, client address, error, artifacts or log,
-through the API and the CLI; alice and root see all of it. A declared name
+through the API, the CLI, the monitor's JSON and its log; alice and root see all of it. A declared name
 (the shared secret) never opens a verified user's job, and a working directory's digest opens nothing
 to a user who did not send that content."""
 
 from __future__ import annotations
 
+import base64
 import json
+import ssl
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +22,13 @@ from helpers import Background, gate_job, open_gate, wait_until
 import rpycdl
 from rpycdl import JobState, cli
 from rpycdl.security.visibility import PUBLIC, REDUCED
+from rpycdl.site.local import start
 from rpycdl.wire import codec
 
 API_KEY = "--api-key=sk-alice-0123456789"
 """What alice's command line carries, which nobody else may read."""
 NAME, ERROR, OUTPUT = "alice-private-run", "alice's private failure", "alice's private output"
+SECRET = "a shared secret of the site, long enough"
 
 
 def failing() -> Any:
@@ -185,3 +191,96 @@ def test_a_working_directory_serves_only_the_users_who_sent_it(tls_server, tmp_p
     assert his.wait(30).state is JobState.SUCCEEDED and _log(his) == "alice's data\n"
     assert his.info["request"]["working_dir"] == digest and bob.root.has_working_dir(digest)
     assert alice.root.has_working_dir(digest)
+
+
+def _get(url: str, context: ssl.SSLContext | None = None, headers: dict[str, str] | None = None
+         ) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=20,
+                                    context=context) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def _basic(user: str, password: str = SECRET) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_the_monitor_shows_a_jobs_details_and_log_only_to_its_owner_and_admins(tls_server, team, cluster, tmp_path,
+                                                                              alices_jobs):
+    ca = f"{team.dir}/ca.crt"
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    secret.chmod(0o600)
+    common = ["monitor", "--gpus", "fake:2", "--lock-dir", cluster.lock_dir, "--port", "0"]
+    certified = start([*common, "--tls-cert", f"{team.dir}/server-localhost.crt", "--tls-key",
+                       f"{team.dir}/server-localhost.key", "--tls-ca", ca], env={"RPYCDL_SECRET_FILE": ""})
+    plain = start([*common, "--secret-file", str(secret)])
+    try:
+        https = "https://127.0.0.1:" + certified.wait_for(r"on https://127\.0\.0\.1:(\d+)/metrics").group(1)
+        http = "http://127.0.0.1:" + plain.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
+        running, failed = alices_jobs["running"], alices_jobs["failed"]
+        wait_until(lambda: _log(running) == f"{OUTPUT}\n", 30, "her job's first line")
+
+        def as_user(user: str | None) -> ssl.SSLContext:
+            context = ssl.create_default_context(cafile=ca)
+            if user is not None:
+                context.load_cert_chain(f"{team.dir}/user-{user}.crt", f"{team.dir}/user-{user}.key")
+            return context
+
+        def host(user: str) -> dict[str, Any]:
+            status, body = _get(f"{https}/api/host", as_user(user))
+            assert status == 200, body
+            return json.loads(body)
+
+        def job(user: str, job_id: str) -> dict[str, Any]:
+            status, body = _get(f"{https}/api/jobs/{job_id}", as_user(user))
+            assert status == 200, body
+            return json.loads(body)
+
+        seen = host("bob")
+        assert seen["viewer"] == "bob" and not seen["secret"]
+        hers = [row for row in seen["jobs"] if row["user"] == "alice"]
+        assert {row["job_id"] for row in hers} >= {running.id, failed.id} and all(row[REDUCED] for row in hers)
+        holders = [holder for gpu in seen["gpus"] for holder in gpu["holders"]]
+        assert running.id in {holder["job_id"] for holder in holders} and all(h[REDUCED] for h in holders)
+        _hidden(seen)
+        for job_id in (running.id, failed.id):
+            answer = job("bob", job_id)
+            assert answer["job"][REDUCED] and answer["logs"] is False and answer["job"]["state"]
+            _hidden(answer)
+        status, body = _get(f"{https}/api/jobs/{running.id}/log", as_user("bob"))
+        assert status == 403 and b"belongs to alice and you are bob" in body and OUTPUT.encode() not in body
+
+        for user in ("alice", "root"):
+            rows = {row["job_id"]: row for row in host(user)["jobs"]}
+            assert rows[running.id]["name"] == NAME and API_KEY in rows[running.id]["what"]
+            assert ERROR in rows[failed.id]["error"]
+            answer = job(user, running.id)
+            assert answer["logs"] is True and answer["job"]["client"].startswith("127.0.0.1:")
+            assert answer["job"]["request"]["working_dir"] == alices_jobs["digest"]
+            assert _get(f"{https}/api/jobs/{running.id}/log", as_user(user)) == (200, f"{OUTPUT}\n".encode())
+        with pytest.raises(OSError):  # no certificate: not even a connection
+            _get(f"{https}/api/host", as_user(None))
+        status, body = _get(f"{https}/metrics", as_user("bob"))
+        assert status == 200 and running.id.encode() in body
+        _hidden(body.decode())
+
+        # a monitor that takes the site's secret: nobody, or a declared name, is not verified alice, nor an admin
+        anyone = json.loads(_get(f"{http}/api/host")[1])
+        assert anyone["viewer"] is None and anyone["secret"] is True
+        assert all(row[REDUCED] for row in anyone["jobs"])
+        _hidden(anyone)
+        status, body = _get(f"{http}/api/jobs/{running.id}/log")
+        assert status == 401 and b"owner" in body
+        for user in ("alice", "root"):
+            status, body = _get(f"{http}/api/jobs/{running.id}/log", headers=_basic(user))
+            assert status == 403 and f"belongs to alice and you are {user} (unverified)".encode() in body
+            answer = json.loads(_get(f"{http}/api/jobs/{running.id}", headers=_basic(user))[1])
+            assert answer["viewer"] == f"{user} (unverified)" and answer["job"][REDUCED] and not answer["logs"]
+            _hidden(answer)
+        assert _get(f"{http}/api/host", headers=_basic("alice", "not the secret"))[0] == 403
+    finally:
+        certified.stop()
+        plain.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+from typing import Any
 
 from rpycdl.defaults import HANDSHAKE_TIMEOUT
 from rpycdl.errors import AuthFailedError, InvalidRequestError
@@ -111,12 +112,18 @@ def accept(sock: socket.socket, context: ssl.SSLContext) -> tuple[ssl.SSLSocket,
         _linger(wrapped)
         raise
     wrapped.settimeout(None)
-    subject = dict(item for rdn in wrapped.getpeercert()["subject"] for item in rdn)
-    user = subject.get("commonName", "")
+    user, admin = peer_user(wrapped.getpeercert())
     if not user:
         wrapped.close()
         raise ssl.SSLError("the client certificate names no user (no common name)")
-    return wrapped, user, subject.get("organizationalUnitName") == ADMIN_UNIT
+    return wrapped, user, admin
+
+
+def peer_user(cert: dict[str, Any] | None) -> tuple[str, bool]:
+    """The user a verified client certificate (SSLSocket.getpeercert()) names, its common name ("" if none),
+    and whether it is an admin's (ADMIN_UNIT)."""
+    subject = dict(item for rdn in (cert or {}).get("subject", ()) for item in rdn)
+    return subject.get("commonName", ""), subject.get("organizationalUnitName") == ADMIN_UNIT
 
 
 def _linger(sock: ssl.SSLSocket) -> None:
