@@ -1,7 +1,8 @@
 """The monitor's dashboard against real servers on simulated GPUs: in a real browser (headless Chromium driven
-by selenium: a job goes from waiting to running to done without a reload, its page follows its log with the
-site's secret; 8 GPUs, 100 waiting and 1000 jobs render quickly; a screenshot, $RPYCDL_SCREENSHOT), and its JSON
-API and log endpoint over real HTTP (the secret, the log's bounds, untrusted text kept as data)."""
+by selenium: a job goes from waiting to running to done without a reload, others' jobs reduced, its page follows
+its log for its owner signed in with the site's secret; 8 GPUs, 100 waiting and 1000 jobs render quickly; a
+screenshot, $RPYCDL_SCREENSHOT), and its JSON API and log endpoint over real HTTP (who asks, the log's bounds,
+untrusted text kept as data). tests/test_visibility.py has the monitor with the team's client certificates."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Message, 
         return error.code, error.headers, error.read()
 
 
-def api(base: str, path: str) -> dict[str, Any]:
-    status, _, body = get(base + path)
+def api(base: str, path: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    status, _, body = get(base + path, headers)
     assert status == 200, (path, status, body)
     return json.loads(body)
 
@@ -161,6 +162,15 @@ def _state(driver: Any, job_id: str) -> str:
     return _text(driver, f'#jobs tr[data-key="{job_id}"] td.state')
 
 
+def _sign_in(driver: Any, user: str, secret: str = SECRET) -> None:
+    """Sign in on the page shown, with a user name and the site's secret; wait for the page to say so."""
+    wait_until(lambda: driver.find_element("id", "login").is_displayed(), 20, "the sign-in form")
+    driver.find_element("id", "login-user").send_keys(user)
+    driver.find_element("id", "login-secret").send_keys(secret)
+    driver.find_element("id", "login-submit").click()
+    wait_until(lambda: _text(driver, "#viewer") == f"you are {user} (unverified)", 20, f"{user} to be signed in")
+
+
 def test_the_dashboard_follows_a_job_from_the_queue_to_its_end(cluster, connect, monitor, browser, tmp_path):
     port = cluster.add_server("pytorch", "fake:4")[1]
     alice, bob = connect(port), connect(port)
@@ -181,24 +191,30 @@ def test_the_dashboard_follows_a_job_from_the_queue_to_its_end(cluster, connect,
     behind = bob.root.submit(gate_job(gate), 2, gpu_memory="8GiB", name="sweep-7")
     wait_until(lambda: behind.status().ahead == 1, 20, "two requests to wait")
 
-    browser.get(monitor + "/")
+    def queue() -> list[list[str]]:
+        return [row[:7] for row in browser.execute_script(
+            "return [...document.querySelectorAll('#queue tbody tr')].map(r => [...r.cells].map(c => c.textContent))")]
+
+    browser.get(monitor + "/")  # nobody signed in: every job, reduced
     wait_until(lambda: _state(browser, watched.id) == "PENDING" and _state(browser, behind.id) == "PENDING", 20,
                "the dashboard to show the waiting jobs")
-    queue = browser.execute_script("return [...document.querySelectorAll('#queue tbody tr')].map("
-                                   "r => [...r.cells].map(c => c.textContent))")
-    assert [row[:7] for row in queue] == [["1", watched.id, "finetune", "alice (unverified)", "pytorch", "3 GPUs",
-                                          "0, 1, 2, 3"],
-                                         ["2", behind.id, "sweep-7", "bob (unverified)", "pytorch", "8 GiB of one GPU",
-                                          "0, 1, 2, 3"]]
+    assert [row[2] for row in queue()] == ["-", "-"] and _text(browser, "#viewer") == ""
+    assert HOSTILE not in _text(browser, "main") and "warm-up" not in _text(browser, "main")
+    _sign_in(browser, "bob")  # bob's own jobs in full, alice's reduced
+    wait_until(lambda: _state(browser, behind.id) == "PENDING", 20, "the dashboard again")
+    assert queue() == [["1", watched.id, "-", "alice (unverified)", "pytorch", "3 GPUs", "0, 1, 2, 3"],
+                       ["2", behind.id, "sweep-7", "bob (unverified)", "pytorch", "8 GiB of one GPU", "0, 1, 2, 3"]]
     cards = browser.execute_script("return [...document.querySelectorAll('.gpu')].map(g => g.textContent)")
     assert len(cards) == 4
     held = "".join(cards)
-    assert holder.id in held and "pretrain" in held and all(share.id in held for share in shares)
+    assert holder.id in held and "pretrain" not in held and all(share.id in held for share in shares)
+    assert "eval-a" in held and "eval-b" in held
     assert "granted 10 GiB of 16 GiB · used 8 GiB" in held and "free" in cards[3]
-    assert _state(browser, failed.id) == "FAILED" and "warm-up" in _text(browser, "#jobs tbody")
-    # untrusted text is shown as it is, and nothing of it runs
+    assert _state(browser, failed.id) == "FAILED" and "warm-up" not in _text(browser, "#jobs tbody")
+    # untrusted text is shown as it is, and nothing of it runs; alice's command is not bob's to read
     assert HOSTILE in _text(browser, f'#jobs tr[data-key="{failed.id}"]')
-    assert HOSTILE in _text(browser, f'#jobs tr[data-key="{watched.id}"]')
+    assert HOSTILE not in _text(browser, f'#jobs tr[data-key="{watched.id}"]')
+    assert "finetune" not in _text(browser, "main")
     assert browser.execute_script("return [window.pwned, document.querySelectorAll('main img, main b, main script')"
                                   ".length]") == [None, 0]
     screenshot = Path(os.environ.get(SCREENSHOT_TO) or tmp_path / "dashboard.png")
@@ -214,13 +230,17 @@ def test_the_dashboard_follows_a_job_from_the_queue_to_its_end(cluster, connect,
 
     dashboard = browser.current_window_handle
     browser.switch_to.new_window("tab")
-    browser.get(monitor + href)
+    browser.get(monitor + href)  # a tab of its own: nobody signed in
     wait_until(lambda: _text(browser, "#job-state") == "RUNNING", 20, "the job's page")
-    assert _text(browser, "#job-command") == shlex.join(["sh", "-c", script, "finetune"])
-    assert browser.find_element("id", "secret-form").is_displayed()
-    assert not browser.find_element("id", "log").is_displayed()
-    browser.find_element("id", "secret").send_keys(SECRET)
-    browser.find_element("id", "secret-submit").click()
+    assert _text(browser, "#job-command") == "" and "only its owner" in _text(browser, "#job-reduced")
+    assert "sign in" in _text(browser, "#log-message") and not browser.find_element("id", "log").is_displayed()
+    _sign_in(browser, "bob")
+    wait_until(lambda: "you are bob (unverified)" in _text(browser, "#log-message"), 20, "the log refused to bob")
+    assert _text(browser, "#job-command") == "" and not browser.find_element("id", "log").is_displayed()
+    browser.find_element("id", "logout").click()
+    _sign_in(browser, "alice")
+    wait_until(lambda: _text(browser, "#job-command") == shlex.join(["sh", "-c", script, "finetune"]), 20,
+               "her job's command, for her")
     wait_until(lambda: "first line" in _text(browser, "#log"), 20, "the log's first line")
     assert _text(browser, "#log") == f"first line {HOSTILE}\n"
     open_gate(finish)
@@ -285,27 +305,34 @@ def test_the_dashboard_renders_8_gpus_100_waiting_and_1000_jobs_quickly(lock_dir
 # -- over HTTP ---------------------------------------------------------------------------------------------
 
 
-def test_the_log_needs_the_secret(cluster, connect, monitor):
+def test_the_log_needs_its_owner_with_the_secret(cluster, connect, monitor):
     conn = connect(cluster.add_server("pytorch", "fake:4")[1])
+    conn.root.identify("alice")
     job = conn.root.submit_command(["echo", "hello"], ngpus=1)
     assert job.wait(20).state is JobState.SUCCEEDED
     url = f"{monitor}/api/jobs/{job.id}/log"
     status, headers, body = get(url)
     assert status == 401 and headers["WWW-Authenticate"].startswith("Basic ") and b"secret" in body
-    for wrong in (bearer("not the secret at all"), basic("not the secret at all"), bearer(SECRET[:-1]),
+    for wrong in (bearer("not the secret at all"), basic("not the secret at all", "alice"), bearer(SECRET[:-1]),
                   bearer(SECRET + "x")):
         assert get(url, wrong)[:1] == (403,), wrong
     for malformed in ({"Authorization": "Basic !!!"}, {"Authorization": "Basic " + base64.b64encode(b"x").decode()},
-                      {"Authorization": "Digest x"}, {"Authorization": "Bearer "}):
+                      {"Authorization": "Digest x"}, {"Authorization": "Bearer "}, basic(SECRET, "not a name")):
         assert get(url, malformed)[0] == 401, malformed
-    for right in (bearer(), basic(SECRET), basic(SECRET, user="")):
-        status, headers, body = get(url, right)
-        assert (status, body) == (200, b"hello\n"), right
-        assert (headers["X-Next-Offset"], headers["X-Log-Size"], headers["X-Job-State"]) == ("6", "6", "SUCCEEDED")
-        assert headers["Content-Type"] == "text/plain; charset=utf-8" and headers["X-Content-Type-Options"] == "nosniff"
-    # what anyone may see, as `rpycdl jobs` shows it: the row, not the log
+    for other in (bearer(), basic(SECRET), basic(SECRET, user=""), basic(SECRET, "bob")):  # the secret, not her name
+        status, _, body = get(url, other)
+        assert status == 403 and b"belongs to alice (unverified)" in body, other
+    status, headers, body = get(url, basic(SECRET, "alice"))
+    assert (status, body) == (200, b"hello\n")
+    assert (headers["X-Next-Offset"], headers["X-Log-Size"], headers["X-Job-State"]) == ("6", "6", "SUCCEEDED")
+    assert headers["Content-Type"] == "text/plain; charset=utf-8" and headers["X-Content-Type-Options"] == "nosniff"
+    row = api(monitor, f"/api/jobs/{job.id}", basic(SECRET, "alice"))
+    assert row["logs"] is True and row["viewer"] == "alice (unverified)" and row["job"]["log_size"] == 6
+    # what anyone may see, as `rpycdl jobs` shows it: that the job exists, not its command nor its log
     row = api(monitor, f"/api/jobs/{job.id}")
-    assert row["logs"] is True and row["job"]["state"] == "SUCCEEDED" and row["job"]["log_size"] == 6
+    assert row["logs"] is False and row["viewer"] is None and row["secret"] is True
+    assert row["job"]["state"] == "SUCCEEDED" and row["job"]["reduced"] is True
+    assert "what" not in row["job"] and "request" not in row["job"] and "log_size" not in row["job"]
 
 
 def test_without_a_secret_file_no_log_is_shown(cluster, connect, blind_monitor):
@@ -316,6 +343,7 @@ def test_without_a_secret_file_no_log_is_shown(cluster, connect, blind_monitor):
         status, _, body = get(f"{blind_monitor}/api/jobs/{job.id}/log", headers)
         assert status == 403 and b"--secret-file" in body and b"rpycdl logs" in body
     assert api(blind_monitor, f"/api/jobs/{job.id}")["logs"] is False
+    assert api(blind_monitor, f"/api/jobs/{job.id}")["secret"] is False
 
 
 def test_the_log_is_read_in_bounded_pieces(cluster, connect, monitor):
@@ -327,12 +355,13 @@ def test_the_log_is_read_in_bounded_pieces(cluster, connect, monitor):
 
     job = conn.root.submit(talk, 30_000, ngpus=1)
     assert job.wait(30).state is JobState.SUCCEEDED
+    owner = basic(SECRET, conn.identity["user"])
     expected = "".join(f"line {index:07d} \u00e9\u6f22 " + "x" * 80 + "\n" for index in range(30_000)).encode()
     assert len(expected) > 2 * LOG_CHUNK
 
     def piece(offset: Any, **query: Any) -> tuple[int, Message, bytes]:
         extra = "".join(f"&{key}={value}" for key, value in query.items())
-        return get(f"{monitor}/api/jobs/{job.id}/log?offset={offset}{extra}", bearer())
+        return get(f"{monitor}/api/jobs/{job.id}/log?offset={offset}{extra}", owner)
 
     read, offset = b"", 0
     while True:
@@ -356,7 +385,7 @@ def test_the_log_is_read_in_bounded_pieces(cluster, connect, monitor):
     assert conn.root.run_code(lambda x: x, 1) == 1
     attached_id = Ledger(state_dir(cluster.lock_dir)).query(limit=1)[0].job_id
     for job_id in (attached_id, "nosuchjob", "a.b", "x" * 65, "%2e%2e"):
-        assert get(f"{monitor}/api/jobs/{job_id}/log", bearer())[0] == 404, job_id
+        assert get(f"{monitor}/api/jobs/{job_id}/log", owner)[0] == 404, job_id
         assert get(f"{monitor}/api/jobs/{job_id}")[0] == (200 if job_id == attached_id else 404), job_id
 
 
@@ -369,10 +398,11 @@ def test_untrusted_text_is_data_and_the_pages_are_static(cluster, connect, monit
     running = conn.root.submit_command(["sh", "-c", f"until [ -e {shlex.quote(gate)} ]; do sleep 0.05; done",
                                         HOSTILE], ngpus=1)
     wait_until(lambda: running.status().state is JobState.RUNNING, 20, "the command to run")
-    host = api(monitor, "/api/host")
+    mallory = basic(SECRET, "mallory")
+    host = api(monitor, "/api/host", mallory)
     rows = {row["job_id"]: row for row in host["jobs"]}
     assert HOSTILE in rows[failed.id]["error"] and rows[running.id]["what"].endswith(shlex.quote(HOSTILE))
-    assert api(monitor, f"/api/jobs/{running.id}")["job"]["request"]["command"][-1] == HOSTILE
+    assert api(monitor, f"/api/jobs/{running.id}", mallory)["job"]["request"]["command"][-1] == HOSTILE
     pages = {}
     for path in ("/", f"/jobs/{failed.id}", f"/jobs/{running.id}", "/jobs/<script>"):
         status, headers, body = get(monitor + path)
@@ -409,10 +439,15 @@ def test_the_host_api_shows_holders_and_the_queue_in_order(cluster, connect, mon
     waiting = [conn.root.submit(gate_job(gate), index, ngpus=4) for index in range(2)]
     wait_until(lambda: waiting[1].status().ahead == 1, 20, "two requests to wait")
     time.sleep(1.1)  # past the answer the monitor may reuse
-    status, headers, body = get(monitor + "/api/host", {"Accept-Encoding": "gzip"})
+    alice = basic(SECRET, "alice")
+    status, headers, body = get(monitor + "/api/host", {"Accept-Encoding": "gzip", **alice})
     assert status == 200 and headers["Content-Encoding"] == "gzip" and headers["Vary"] == "Accept-Encoding"
     host = json.loads(gzip.decompress(body))
-    assert host == api(monitor, "/api/host")  # the same answer, reused within a second
+    assert host == api(monitor, "/api/host", alice)  # the same answer, reused within a second
+    assert host["viewer"] == "alice (unverified)" and host["secret"] is True
+    anyone = api(monitor, "/api/host")  # nobody signed in: the same jobs and holders, without their names
+    assert [row["job_id"] for row in anyone["jobs"]] == [row["job_id"] for row in host["jobs"]]
+    assert all(row["reduced"] and "name" not in row for row in anyone["jobs"]) and anyone["viewer"] is None
     assert abs(host["now"] - time.time()) < 5 and host["jobs_limit"] == 1000
     gpus = {gpu["index"]: gpu for gpu in host["gpus"]}
     assert sorted(gpus) == [0, 1, 2, 3] and all(gpu["memory_total"] == 16 * GiB for gpu in gpus.values())
@@ -429,7 +464,7 @@ def test_the_host_api_shows_holders_and_the_queue_in_order(cluster, connect, mon
     assert all(time.time() - 30 < entry["since"] <= time.time() for entry in host["queue"])
     assert [row["job_id"] for row in host["jobs"]] == [waiting[1].id, waiting[0].id, share.id, whole.id]  # newest first
     assert [row["state"] for row in host["jobs"]] == ["PENDING", "PENDING", "RUNNING", "RUNNING"]
-    row = api(monitor, f"/api/jobs/{waiting[1].id}")["job"]
+    row = api(monitor, f"/api/jobs/{waiting[1].id}", alice)["job"]
     assert row["position"] == 2 and row["state"] == "PENDING" and row["what"] == "a function"
     open_gate(gate)
     for job in (whole, share, *waiting):

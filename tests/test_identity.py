@@ -34,7 +34,7 @@ def test_only_the_owner_or_an_admin_cancels_a_job(tls_server, team, tmp_path, ca
             in capsys.readouterr().err)
 
     assert cli.main(["status", *flags, *bob_flags]) == 0
-    assert f"job {first.job_id} of alice from" in capsys.readouterr().out
+    assert f"job {first.job_id} of alice on pytorch since" in capsys.readouterr().out  # not where she is
     assert tls_server("alice").root.cancel(second.job_id) == "RUNNING"
     assert tls_server("root").root.cancel(first.job_id) == "RUNNING"  # an admin
     for job in (first, second):

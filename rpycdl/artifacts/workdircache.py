@@ -7,19 +7,27 @@ copy is made from them file by file with rpycdl.artifacts.files.clone: on a file
 (XFS, btrfs) it shares the cache's blocks until the job writes, and costs milliseconds whatever the size;
 elsewhere (ext4) it is a copy in the kernel. A copy holds its entry with a shared flock, which an
 eviction must take exclusively, so an entry is never removed under a copy; a receiver holds its
-temporary entry exclusively, so that the next eviction removes what a killed receiver left."""
+temporary entry exclusively, so that the next eviction removes what a killed receiver left.
+
+An entry serves only the users who sent its content: each receiver's user leaves a marker beside the cache,
+in `<root>.senders/` (`<digest>.<hash of the user>`), and `has` answers for one user. A digest alone (anyone
+can guess at one, or see one go by) opens nobody else's files; another user with the same content sends it
+once too (it is unpacked again, and the entry kept as it was). A marker whose entry is gone is removed after
+SENDER_KEEP."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,6 +40,12 @@ from rpycdl.scheduler.lockdir import shared_dir
 DIGEST = re.compile(r"[0-9a-f]{64}")
 
 MEMBERS = "members.json"
+
+SENDERS = ".senders"
+"""The suffix of the folder beside the cache where a marker says who sent an entry's content."""
+
+SENDER_KEEP = 24 * 3600.0
+"""Seconds a marker outlives its entry (an entry evicted and sent again soon finds its senders still there)."""
 
 Sink = Callable[[memoryview], None]
 
@@ -50,33 +64,36 @@ class WorkdirCache:
     def __init__(self, root: str | os.PathLike[str], max_bytes: int) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.senders = self.root.with_name(self.root.name + SENDERS)
         shared_dir(self.root)
+        shared_dir(self.senders)
 
     def _path(self, digest: str) -> Path:
         if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
             raise InvalidRequestError(f"not a working directory's content hash: {digest!r}")
         return self.root / digest
 
-    def has(self, digest: str) -> bool:
-        """Whether the working directory `digest` is here (then marked used); False for anything not a
-        digest."""
+    def has(self, digest: str, sender: str) -> bool:
+        """Whether the working directory `digest` is here and `sender` (a user, as the server names them) sent
+        its content (then both are marked used); False for anything not a digest."""
         try:
-            listed = self._path(digest) / MEMBERS
-            os.utime(listed)
-        except (InvalidRequestError, FileNotFoundError, NotADirectoryError):  # no entry, or an older rpycdl's
+            self._path(digest)
+        except InvalidRequestError:
             return False
-        except PermissionError:  # another user's entry: it is there all the same
-            return listed.exists()
-        return True
+        return _touch(self._marker(digest, sender)) and _touch(self.root / digest / MEMBERS)
 
-    def put(self, digest: str, data: bytes | memoryview, limit: int) -> None:
-        """Keep the archive `data`, checked against `digest`; see receive()."""
-        self.receive(lambda sink: sink(memoryview(data)), limit, digest)
+    def _marker(self, digest: str, sender: str) -> Path:
+        return self.senders / f"{digest}.{hashlib.sha256(sender.encode()).hexdigest()[:32]}"
 
-    def receive(self, fill: Callable[[Sink], None], limit: int, digest: str | None = None) -> str:
+    def put(self, digest: str, data: bytes | memoryview, limit: int, sender: str | None = None) -> None:
+        """Keep the archive `data`, checked against `digest`, as sent by `sender`; see receive()."""
+        self.receive(lambda sink: sink(memoryview(data)), limit, digest, sender)
+
+    def receive(self, fill: Callable[[Sink], None], limit: int, digest: str | None = None,
+                sender: str | None = None) -> str:
         """Keep the archive that `fill(sink)` hands to `sink` piece by piece, hashed and unpacked as it
-        comes (one pass, bounded memory; at most `limit` bytes of files), then evict the least recently
-        used beyond max_bytes. Returns its digest.
+        comes (one pass, bounded memory; at most `limit` bytes of files), as sent by `sender` (None: by
+        nobody `has` answers for), then evict the least recently used beyond max_bytes. Returns its digest.
 
         Raises:
             InvalidRequestError: `digest` was given and is not a content hash, or not that of the archive; the
@@ -100,17 +117,33 @@ class WorkdirCache:
                                           "again")
             path = self._path(hashed.hexdigest())
             (temporary / MEMBERS).write_text(json.dumps([vars(member) for member in members]))
-            try:
-                os.rename(temporary, path)
-            except OSError as exc:  # a concurrent receiver of the same digest was first: the same files
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
+            self._place(temporary, path, sender)
         finally:
             unpacker.close()
             shutil.rmtree(temporary, ignore_errors=True)
             os.close(held)
         self._evict(keep=path)
         return path.name
+
+    def _place(self, temporary: Path, path: Path, sender: str | None) -> None:
+        """Put the filled entry `temporary` in place as `path`, unless an entry of the same content is there
+        already (the same files), and mark `sender` as one who sent it while the entry is there."""
+        while True:
+            try:
+                os.rename(temporary, path)
+            except OSError as exc:  # another receiver of the same digest was first
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                try:
+                    with self._held(path.name):  # not evicted while it is marked
+                        if sender is not None:
+                            _mark(self._marker(path.name, sender))
+                    return
+                except KeyError:
+                    continue  # evicted in the meantime: ours takes its place
+            if sender is not None:
+                _mark(self._marker(path.name, sender))
+            return
 
     def _new_entry(self) -> tuple[Path, int]:
         """A new temporary entry and a descriptor holding it exclusively while it is filled: an eviction
@@ -186,6 +219,15 @@ class WorkdirCache:
                 break
             if entry != keep and self._remove(entry):
                 total -= size
+        self._forget_senders()
+
+    def _forget_senders(self) -> None:
+        """Remove the markers of entries gone for SENDER_KEEP."""
+        old = time.time() - SENDER_KEEP
+        for marker in self.senders.iterdir():
+            with contextlib.suppress(OSError):
+                if marker.stat().st_mtime < old and not (self.root / marker.name.partition(".")[0]).exists():
+                    marker.unlink()
 
     def _remove(self, entry: Path) -> bool:
         """Remove `entry` unless a copy or its receiver holds it; whether it went."""
@@ -203,6 +245,23 @@ class WorkdirCache:
             os.close(fd)
         shutil.rmtree(gone, ignore_errors=True)
         return True
+
+
+def _touch(path: Path) -> bool:
+    """Mark the file `path` used now; whether it is there."""
+    try:
+        os.utime(path)
+    except (FileNotFoundError, NotADirectoryError):  # not there, or an older rpycdl's entry
+        return False
+    except PermissionError:  # another server account's: there all the same
+        return path.exists()
+    return True
+
+
+def _mark(path: Path) -> None:
+    """Create the marker `path`, or mark it used now (read-only: one another server account made is opened too)."""
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+    _touch(path)
 
 
 def _open_dir(path: Path) -> int:

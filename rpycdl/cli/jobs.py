@@ -197,9 +197,9 @@ def format_jobs(rows: list[dict[str, Any]], now: float) -> str:
         ran = format_duration((ended or now) - started) if started else "-"
         gpus = need_text(row["ngpus"], row["share_bytes"])
         user = Identity(row["user"], row["user_verified"]).label
-        info = row["error"] or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
+        info = row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
         if not row["detached"]:
-            info = f"attached from {row['client']}" + (f"; {info}" if info else "")
+            info = "attached" + (f" from {row['client']}" if "client" in row else "") + (f"; {info}" if info else "")
         submitted = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["submitted"]))
         lines.append(f"{row['job_id']:<13}{(row.get('name') or '-')[:15]:<16}{row['state']:<10}{user[:19]:<20}"
                      f"{row['service'][:11]:<12}{gpus:<18}{submitted:<17}{waited:<8}{ran:<8}{info[:80]}")

@@ -21,7 +21,9 @@ def add_commands(command: Command) -> None:
         "(by state; queue wait and run time histograms; requests refused). One per host. It reads only: it\n"
         "takes no lock a grant waits on, and never touches CUDA. Scrape it with Prometheus: see the README's\n"
         "metrics table. Open / in a browser for the dashboard: the GPUs, the queue and the recent jobs, live;\n"
-        "/jobs/ID for a job, and with --secret-file a detached job's live log, for whoever gives the secret.",
+        "/jobs/ID for a job. Everyone sees that a job exists (owner, state, GPUs, times); its command, name,\n"
+        "error and live log only its owner and admins, known by their client certificates (--tls-ca) or, on a\n"
+        "shared-secret site, by the user name given with the secret (--secret-file) as the servers know them.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     monitor.add_argument("--host", default="127.0.0.1",
                          help="address to listen on (default: %(default)s); another needs --tls-cert or --insecure")
@@ -33,16 +35,17 @@ def add_commands(command: Command) -> None:
                          help=f"the servers' lock directory (default: ${ENV_LOCK_DIR}, else {LOCK_DIR})")
     monitor.add_argument("--state-dir", default=None, help="the servers' state directory (default: as theirs)")
     monitor.add_argument("--secret-file", default=None, metavar="PATH",
-                         help="the site's shared secret (as `rpycdl serve --secret-file`, mode 600): the dashboard "
-                              "shows detached jobs' logs to whoever gives it; default "
-                              f"${ENV_SECRET_FILE}, else no logs")
+                         help="the site's shared secret (as `rpycdl serve --secret-file`, mode 600): whoever gives it "
+                              "with a user name is that user, unverified, as on the servers (sees that user's jobs "
+                              f"sent with the secret, their logs included); default ${ENV_SECRET_FILE}, else none")
     monitor.add_argument("--tls-cert", default=None, metavar="FILE",
                          help="serve HTTPS with this certificate (rpycdl certs server); then --host may be any "
                               "address without --insecure")
     monitor.add_argument("--tls-key", default=None, metavar="FILE", help="its key (mode 600)")
     monitor.add_argument("--tls-ca", default=None, metavar="FILE",
                          help="also require a client certificate signed by this CA (rpycdl certs user; for "
-                              "Prometheus' tls_config): only the team's clients read the metrics and the dashboard")
+                              "Prometheus' tls_config): only the team's clients read the metrics and the dashboard, "
+                              "each user their own jobs' details and logs, an admin everyone's")
     monitor.add_argument("--insecure", action="store_true",
                          help="listen on a non-loopback address over plain HTTP: anyone who reaches it reads the "
                               "metrics and the dashboard (and a secret given for logs crosses the network in clear)")
@@ -76,7 +79,7 @@ def _monitor(args: argparse.Namespace) -> int:
         raise RpycdlError(f"cannot listen on tcp {args.host}:{args.port}: {exc.strerror or exc}; choose another "
                           "--port") from None
     port = sock.getsockname()[1]
-    logs = "logs for the secret" if secret else "no logs: no --secret-file"
+    logs = "logs for their owners" if secret or args.tls_ca else "no logs: no --tls-ca nor --secret-file"
     clients = ", client certificates of " + args.tls_ca if args.tls_ca else ""
     print(f"rpycdl monitor on http{'s' if tls else ''}://{args.host}:{port}/metrics (health: /healthz; dashboard: "
           f"/, {logs}{clients}); lock directory {lock_dir}", flush=True)

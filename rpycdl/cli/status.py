@@ -69,7 +69,7 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
             wants = need_text(waiter["ngpus"], waiter["share_mib"] * MiB)
             waited = format_duration(now - waiter["since"])
             lines.append(f"    {place}. job {waiter['job_id']} of {waiter.get('user', 'unknown')} wants {wants}, "
-                         f"from {waiter['client']} ({waiter['server']}), waiting {waited}{_plan(waiter, place, now)}")
+                         f"{_source(waiter)}, waiting {waited}{_plan(waiter, place, now)}")
     else:
         lines.append("  nobody waiting")
     return "\n".join(lines) + "\n"
@@ -83,8 +83,14 @@ def _holder(holder: dict[str, Any], now: float) -> str:
     since = _clock(holder["since"])
     until = "" if holder.get("seconds") is None else f", until {_clock(holder['since'] + holder['seconds'])} at most"
     backfilled = ", backfilled" if holder.get("backfilled") else ""
-    return (f"job {holder['job_id']} of {holder.get('user', 'unknown')} from {holder['client']} ({holder['server']}) "
+    return (f"job {holder['job_id']} of {holder.get('user', 'unknown')} {_source(holder)} "
             f"since {since} ({format_duration(now - holder['since'])}{until}{backfilled})")
+
+
+def _source(entry: dict[str, Any]) -> str:
+    """Where a holder's or waiter's request came from: its client, which only its owner and admins see
+    (security.visibility), and its server."""
+    return f"from {entry['client']} ({entry['server']})" if "client" in entry else f"on {entry['server']}"
 
 
 def _plan(waiter: dict[str, Any], place: int, now: float) -> str:

@@ -6,7 +6,8 @@ nothing), the ledger (WAL readers never block a writer), the GPUs' inventory, an
 Times are seconds since the epoch; the answers carry the monitor's `now`, so that a browser with
 another clock computes waits and run times right. Users are shown as `rpycdl jobs` shows them
 (`alice (unverified)` for a declared name). Everything here is data, never markup: the pages put it
-in the DOM as text.
+in the DOM as text. Who asks sees what the servers would show them (rpycdl.security.visibility): others'
+jobs without their command, name, error or log.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import time
 from typing import Any
 
 from rpycdl.defaults import LOG_CHUNK, RECENT_JOBS
+from rpycdl.errors import NotAllowedError
 from rpycdl.gpu.inventory import Inventory
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.policyfiles import host_scheduling
+from rpycdl.security import visibility
 from rpycdl.security.auth import Identity
 from rpycdl.states import UNFINISHED
 
@@ -92,13 +95,15 @@ class HostView:
                 "jobs": [_row(record, index) for record in records], "jobs_limit": RECENT_LIMIT,
                 "recent_seconds": RECENT_JOBS}
 
-    def job(self, job_id: str) -> dict[str, Any] | None:
-        """One job's row, all of it that a user may see (None: no such job): the list's fields, its
-        request, full error, the server that accepted it, its GPUs' uuids, its log's size now (a
-        detached job's) and, while it waits, its place in the queue (1: next)."""
+    def job(self, job_id: str, viewer: Identity | None) -> dict[str, Any] | None:
+        """One job's row as `viewer` may see it (None: no such job); for its owner or an admin: the list's
+        fields, its request, full error, the server that accepted it, its GPUs' uuids, its log's size now (a
+        detached job's) and, while it waits, its place in the queue (1: next); "logs": whether the viewer
+        may read its log here."""
         record = self.ledger.get(job_id) if valid_job_id(job_id) else None
         if record is None:
             return None
+        owner = Identity(record.user, record.user_verified)
         index = {gpu.uuid: gpu.index for gpu in self.inventory.gpus()}
         row = _row(record, index, short=False)
         row.update(request=record.request, error_type=record.error_type, client=record.client, server=record.server,
@@ -110,20 +115,34 @@ class HostView:
                 queue = self._snapshot()["queue"]
             row["position"] = next((place for place, waiter in enumerate(queue, 1)
                                     if waiter.get("job_id") == job_id), None)
-        return {"now": time.time(), "job": row}
+        return {"now": time.time(), "job": visibility.shown(row, viewer, owner),
+                "logs": record.detached and visibility.sees_all(viewer, owner)}
 
-    def log(self, job_id: str, offset: int, size: int = LOG_CHUNK) -> dict[str, Any] | None:
+    def log(self, job_id: str, offset: int, size: int, viewer: Identity | None) -> dict[str, Any] | None:
         """Up to `size` bytes (at most LOG_CHUNK) of a detached job's log from `offset`: {"data", "next"
         (the offset to ask next), "size" (the log's size now), "state"}. An offset past the end gives
-        nothing, and the end as the next offset. None: no such detached job."""
+        nothing, and the end as the next offset. None: no such detached job.
+
+        Raises:
+            NotAllowedError: `viewer` is neither its owner nor an admin (security.visibility)."""
         record = self.ledger.get(job_id) if valid_job_id(job_id) else None
         if record is None or not record.detached:
             return None
+        owner = Identity(record.user, record.user_verified)
+        if not visibility.sees_all(viewer, owner):
+            raise NotAllowedError(visibility.refusal(job_id, owner, viewer))
         total = self.files.log_size(job_id)
         offset = min(offset, total)
         data = self.files.read_log(job_id, offset, max(0, min(size, LOG_CHUNK))) if offset < total else b""
         return {"data": data, "next": offset + len(data), "size": max(total, offset + len(data)),
                 "state": record.state.value}
+
+
+def for_viewer(host: dict[str, Any], viewer: Identity | None) -> dict[str, Any]:
+    """HostView.host()'s answer as `viewer` may see it: others' holders, waiters and jobs reduced."""
+    gpus = [{**gpu, "holders": [visibility.shown(holder, viewer) for holder in gpu["holders"]]} for gpu in host["gpus"]]
+    return {**host, "gpus": gpus, "queue": [visibility.shown(waiter, viewer) for waiter in host["queue"]],
+            "jobs": [visibility.shown(row, viewer) for row in host["jobs"]]}
 
 
 def _holder(holder: dict[str, Any], names: dict[str, str | None]) -> dict[str, Any]:

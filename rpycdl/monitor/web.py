@@ -23,6 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from rpycdl.monitor.host import SNAPSHOTS
+from rpycdl.security.auth import Identity
+from rpycdl.security.tls import peer_user
 
 SCRAPE_REUSE = 1.0
 """Seconds a collection is served again: a burst of scrapes costs one collection a second, not one each."""
@@ -45,13 +47,22 @@ larger ones get 431 or 400 as they arrive. A connection costs at most this and o
 (256 KiB), whatever it sends."""
 
 
+PEER = "rpycdl.peer"
+"""The key of a request's scope["state"] that holds the Identity its client certificate proves (absent without one)."""
+
+
 class DeadlineProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, closing a connection that does not send a request's headers within
-    REQUEST_DEADLINE of connecting or of its previous response. It relies on H11Protocol's `cycle`
-    (a new one per request) and its hooks; tests/test_monitor.py's slow clients fail if they change."""
+    REQUEST_DEADLINE of connecting or of its previous response; over TLS with client certificates, putting
+    the user a connection's certificate proves in each of its requests' scope["state"] (PEER). It relies on
+    H11Protocol's `cycle` (a new one per request), its hooks and its `app_state` (copied into each request's
+    scope); tests/test_monitor.py's slow clients and tests/test_visibility.py's monitor fail if they change."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        user, admin = peer_user(transport.get_extra_info("peercert"))  # the handshake is done: verified
+        if user:
+            self.app_state = {**self.app_state, PEER: Identity(user, verified=True, admin=admin)}
         self._deadline = self.loop.call_later(REQUEST_DEADLINE, self._expired)
 
     def _expired(self) -> None:

@@ -186,12 +186,14 @@ class Ledger:
         with self._db() as db:
             return _one(db, "job_id = ?", job_id)
 
-    def find(self, ref: str, user: str) -> JobRecord | None:
+    def find(self, ref: str, user: str, verified: bool | None = None) -> JobRecord | None:
         """The job whose id is `ref`, else `user`'s unfinished job named `ref`, else their latest one of
-        that name, else None."""
+        that name, else None; with `verified`, only among that user's jobs proven alike (a declared name
+        does not find the jobs of the verified user of that name, nor the other way round)."""
+        alike = "" if verified is None else f" AND user_verified = {int(verified)}"
         with self._db() as db:
             return _one(db, "job_id = ?", ref) or _one(
-                db, f"user = ? AND name = ? ORDER BY {LIVE} DESC, submitted DESC LIMIT 1", user, ref)
+                db, f"user = ? AND name = ?{alike} ORDER BY {LIVE} DESC, submitted DESC LIMIT 1", user, ref)
 
     def cancel_requested(self, job_id: str) -> bool:
         """Whether someone asked to cancel the job (cheap enough to poll)."""

@@ -109,11 +109,10 @@ class ServerHandshake:
                 yield
             except (ssl.SSLError, OSError) as exc:
                 yield from self._linger(AuthFailedError(f"TLS handshake failed: {_reason(exc)}"))
-        subject = dict(item for rdn in wrapped.getpeercert()["subject"] for item in rdn)
-        user = subject.get("commonName", "")
+        user, admin = tls.peer_user(wrapped.getpeercert())
         if not user:
             raise AuthFailedError("the client certificate names no user (no common name)")
-        self.identity = Identity(user, verified=True, admin=subject.get("organizationalUnitName") == tls.ADMIN_UNIT)
+        self.identity = Identity(user, verified=True, admin=admin)
 
     def _linger(self, failure: AuthFailedError) -> Steps:
         """After a failed TLS handshake, let the client read the alert that says why: close our side with a FIN

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+from typing import Any
 
 from rpycdl.defaults import HANDSHAKE_TIMEOUT
 from rpycdl.errors import AuthFailedError, ConnectionDroppedError, InvalidRequestError
@@ -91,6 +92,13 @@ def client_context(cert: str | None, key: str | None, ca: str | None) -> ssl.SSL
     context = _context(ssl.Purpose.SERVER_AUTH, *_check_files(cert, key, ca, "a client"))
     context.check_hostname = True
     return context
+
+
+def peer_user(cert: dict[str, Any] | None) -> tuple[str, bool]:
+    """The user a verified client certificate (SSLSocket.getpeercert()) names, its common name ("" if none),
+    and whether it is an admin's (ADMIN_UNIT)."""
+    subject = dict(item for rdn in (cert or {}).get("subject", ()) for item in rdn)
+    return subject.get("commonName", ""), subject.get("organizationalUnitName") == ADMIN_UNIT
 
 
 def connect(sock: socket.socket, context: ssl.SSLContext, host: str) -> ssl.SSLSocket:

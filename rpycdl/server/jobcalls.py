@@ -1,7 +1,8 @@
 """The service's calls about the jobs of the host's ledger: submitting detached jobs, and for any job
 (detached or attached, of any server sharing the state directory) its row, its log, waiting for its
 end, its result, cancelling and deleting it, and listing jobs. Everyone sees that a job exists and
-its state, as the queue shows; only its owner or an admin reads its log and result, cancels or
+its state, GPUs and times, as the queue shows; only its owner or an admin sees the rest of its row (its
+command, name, working directory, client, error: security.visibility), reads its log and result, cancels or
 deletes it. Every call answers outcome bytes (wire.codec), so that errors keep their types. The host's
 ledger counts the requests refused (Ledger.count_refusal): a run or submit request as its error is
 answered (`refused`), a call about another user's job where it is found (`_find`)."""
@@ -22,7 +23,7 @@ from rpycdl.errors import (
     RpycdlError,
 )
 from rpycdl.scheduler.ledger import JobRecord
-from rpycdl.security import auth
+from rpycdl.security import auth, visibility
 from rpycdl.server import jobdirs, request, status, supervisor
 from rpycdl.server.commands import run_command
 from rpycdl.server.context import ServerContext
@@ -86,7 +87,7 @@ class JobCalls:
             options["ngpus"] = 1 if options.get("ngpus") is None else options["ngpus"]
             name = request.check_name(options.pop("name", None))
             checked = self._request(options, container=spec, detached=True, name=name)
-            return _shown(self.context, supervisor.hand_over(self.context, checked, asked))
+            return _shown(self.context, supervisor.hand_over(self.context, checked, asked), self._identity)
 
         return _answer(submit, self.context)
 
@@ -94,13 +95,14 @@ class JobCalls:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
         name = request.check_name(options.pop("name", None))
         checked = self._request(options, detached=True, name=name, **job)
-        return _shown(self.context, supervisor.hand_over(self.context, checked))
+        return _shown(self.context, supervisor.hand_over(self.context, checked), self._identity)
 
     # -- any job of the ledger ---------------------------------------------------------
 
     def exposed_job(self, ref: Any) -> bytes:
-        """A job's row by id (or by name among the caller's jobs), with `ahead` while it waits."""
-        return _answer(lambda: _shown(self.context, self._find(ref)))
+        """A job's row by id (or by name among the caller's jobs), with `ahead` while it waits; another
+        user's job as security.visibility shows it."""
+        return _answer(lambda: _shown(self.context, self._find(ref), self._identity))
 
     def exposed_job_wait(self, ref: Any, timeout: Any = None) -> bytes:
         """A job's row once it has ended, or after `timeout` seconds (JOB_WAIT_MAX at most: call again)."""
@@ -111,7 +113,7 @@ class JobCalls:
             while not record.state.finished and time.monotonic() < deadline:
                 time.sleep(POLL)
                 record = self.context.ledger.get(record.job_id) or record
-            return _shown(self.context, record)
+            return _shown(self.context, record, self._identity)
 
         return _answer(wait)
 
@@ -203,8 +205,8 @@ class JobCalls:
         """The host's jobs, newest first: by default the unfinished ones and those that ended in the last
         RECENT_JOBS seconds, JOBS_SHOWN at most. `query` may give: all (every job kept), users, states,
         since (submitted in the last so many seconds, finished or not: instead of the default view),
-        limit (0: no limit)."""
-        return _answer(lambda: [_shown(self.context, record, ahead=False) for record in _query(
+        limit (0: no limit). Other users' jobs as security.visibility shows them."""
+        return _answer(lambda: [_shown(self.context, record, self._identity, ahead=False) for record in _query(
             self.context, netrefs.materialize(query or {}, self.context.limits.max_payload))])
 
     def _find(self, ref: Any, mine: bool = False) -> JobRecord:
@@ -213,14 +215,13 @@ class JobCalls:
         if not isinstance(ref, str) or not ref or not ref.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise InvalidRequestError(f"not a job id or name: {ref!r}")
         me = self._identity
-        record = self.context.ledger.find(ref, me.user)
+        record = self.context.ledger.find(ref, me.user, me.verified)
         if record is None:
             raise InvalidRequestError(f"no job {ref!r} here: see `rpycdl jobs --all` for the jobs this host keeps")
-        if mine and not me.admin and (record.user, record.user_verified) != (me.user, me.verified):
+        owner = auth.Identity(record.user, record.user_verified)
+        if mine and not visibility.sees_all(me, owner):
             self.context.ledger.count_refusal(self.context.name, "not_allowed")  # the one place it is refused
-            owner = auth.Identity(record.user, record.user_verified).label
-            raise NotAllowedError(f"job {record.job_id} belongs to {owner} and you are {me.label}: only its owner "
-                                  "or an admin can read its log, result and artifacts, cancel or delete it")
+            raise NotAllowedError(visibility.refusal(record.job_id, owner, me))
         return record
 
 
@@ -248,15 +249,15 @@ def _count(value: Any, name: str) -> int:
     return value
 
 
-def _shown(context: ServerContext, record: JobRecord, ahead: bool = True) -> dict[str, Any]:
-    """A row as clients see it: with `ahead` (requests before it in line) while it waits, and its
-    log's size while it runs."""
+def _shown(context: ServerContext, record: JobRecord, viewer: auth.Identity, ahead: bool = True) -> dict[str, Any]:
+    """A row as `viewer` sees it (security.visibility): with `ahead` (requests before it in line) while it
+    waits, and its log's size while it runs."""
     shown = record.to_dict()
     if ahead and record.state is JobState.PENDING:
         shown["ahead"] = status.ahead(context, record.job_id)
     if record.detached and not record.state.finished:
         shown["log_bytes"] = context.files.log_size(record.job_id)
-    return shown
+    return visibility.shown(shown, viewer, auth.Identity(record.user, record.user_verified))
 
 
 def _ended(record: JobRecord) -> RpycdlError:

@@ -181,7 +181,7 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         owner, client: who sent it, from where.
         ngpus, gpus, gpu_memory: the GPUs, as the client gave them (scheduler.shares.parse_request).
         timeout, queue_timeout: seconds, as the client gave them.
-        working_dir: the content hash of a working directory in the server's cache, or None.
+        working_dir: the content hash of a working directory in the server's cache that `owner` sent, or None.
         job: what to run and where its output goes: `body` and `buffers` (and `command`), or
             `container`; `output`; `detached` and `name`.
 
@@ -190,8 +190,9 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         NotAllowedError: its owner may not run jobs here, or has no account (security.accounts).
     """
     sizes = [gpu.memory_total for gpu in context.gpus]
-    if working_dir is not None and (not isinstance(working_dir, str) or not context.working_dirs.has(working_dir)):
-        raise InvalidRequestError(f"working_dir {working_dir!r} is not a working directory this server has: "
+    if working_dir is not None and (not isinstance(working_dir, str)
+                                    or not context.working_dirs.has(working_dir, owner.label)):
+        raise InvalidRequestError(f"working_dir {working_dir!r} is not a working directory you sent this server: "
                                   "rpycdl clients send it first (put_working_dir) and name it by its hash")
     return JobRequest(parse_request(ngpus, gpus, gpu_memory, sizes, context.shares), owner, client,
                       timeout=check_seconds(timeout, "timeout"),

@@ -173,7 +173,7 @@ class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
 
     def exposed_gpu_status(self) -> str:
         """JSON: this server, each GPU with its holders and memory use, and the queue (status.gpu_status)."""
-        return json.dumps(status.gpu_status(self.context))
+        return json.dumps(status.gpu_status(self.context, self._identity))
 
     def exposed_load(self) -> tuple[int, int, int]:
         """(free GPUs, waiting requests, GPUs): how soon a new job would run here."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rpycdl.security import visibility
+from rpycdl.security.auth import Identity
 from rpycdl.server.context import ServerContext
 
 
@@ -16,14 +18,16 @@ def _snapshot(ctx: ServerContext, plan: bool = False) -> tuple[dict[str, Any], l
     return snapshot["held"], [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
 
 
-def gpu_status(ctx: ServerContext) -> dict[str, Any]:
+def gpu_status(ctx: ServerContext, viewer: Identity) -> dict[str, Any]:
     """This server, each GPU with its holders (one whole-GPU job, or the jobs sharing it, each with its
-    `share_bytes`, 0 for the whole GPU) and memory use, and the waiting queue in order."""
+    `share_bytes`, 0 for the whole GPU) and memory use, and the waiting queue in order; the holders and
+    waiters of others than `viewer` as security.visibility shows them (no client address)."""
     held, queue = _snapshot(ctx, plan=True)
     used = ctx.inventory.memory_used()
-    gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid), "holders": held.get(gpu.uuid, [])}
-            for gpu in ctx.gpus]
-    return {"server": ctx.info(), "gpus": gpus, "queue": queue, "time": time.time()}
+    gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid),
+             "holders": [visibility.shown(holder, viewer) for holder in held.get(gpu.uuid, [])]} for gpu in ctx.gpus]
+    return {"server": ctx.info(), "gpus": gpus, "queue": [visibility.shown(waiter, viewer) for waiter in queue],
+            "time": time.time()}
 
 
 def load(ctx: ServerContext) -> tuple[int, int, int]:

@@ -10,6 +10,7 @@ import rpyc
 
 from rpycdl.artifacts import workdir, workdircache
 from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
+from rpycdl.security.auth import Identity
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import refused
 from rpycdl.wire import bulk, codec
@@ -17,15 +18,17 @@ from rpycdl.wire import bulk, codec
 
 class WorkdirCalls:
     """The exposed working-directory calls, mixed into the service (rpycdl.server.service.GPUService),
-    whose `context` and `_conn` they use."""
+    whose `context`, `_conn` and `_identity` they use. A working directory serves only the users who sent it
+    (rpycdl.artifacts.workdircache): a digest is not a key to another user's files."""
 
     context: ServerContext
     _conn: rpyc.Connection
+    _identity: Identity
 
     def exposed_has_working_dir(self, digest: Any) -> bool:
-        """Whether the working directory of content hash `digest` is in this server's cache (a job may
-        then name it without sending it)."""
-        return isinstance(digest, str) and self.context.working_dirs.has(digest)
+        """Whether the working directory of content hash `digest` is in this server's cache, sent by the caller
+        (a job of theirs may then name it without sending it again)."""
+        return isinstance(digest, str) and self.context.working_dirs.has(digest, self._identity.label)
 
     def exposed_put_working_dir(self, digest: Any, size: Any, send: Callable[[], None]) -> bytes:
         """Receive a working directory's archive (rpycdl.artifacts.workdir) of `size` bytes, which the
@@ -42,7 +45,7 @@ class WorkdirCalls:
             try:
                 received = self.context.working_dirs.receive(
                     lambda sink: bulk.pull_pieces(self._conn, send, size, sink), self.context.limits.max_working_dir,
-                    digest)
+                    digest, sender=self._identity.label)
             except OSError as exc:  # the cache's disk
                 raise LimitError(f"this server could not keep the working directory: {exc.strerror or exc}") from None
             return codec.encode_ok(received)

@@ -212,6 +212,30 @@ def test_damaged_and_bomb_archives_are_refused(tmp_path, data, why):
     assert not any(dest.iterdir()) and [entry.name for entry in (tmp_path / "cache").iterdir()] == []
 
 
+def test_an_entry_serves_only_the_users_who_sent_its_content(tmp_path):
+    cache = workdircache.WorkdirCache(tmp_path / "cache", max_bytes=8200)
+    packed = workdir.pack(project(tmp_path / "mine"), MiB)
+    (project(tmp_path / "other") / "more").write_bytes(b"x" * 8000)
+    other = workdir.pack(tmp_path / "other", MiB)
+    cache.put(packed.digest, packed.data, MiB, "alice")
+    assert cache.has(packed.digest, "alice")
+    assert not cache.has(packed.digest, "bob") and not cache.has(packed.digest, "alice (unverified)")
+    inode = (cache.root / packed.digest).stat().st_ino
+    cache.put(packed.digest, packed.data, MiB, "bob")  # the same content sent by bob: his too, the entry as it was
+    assert cache.has(packed.digest, "bob") and cache.has(packed.digest, "alice")
+    assert (cache.root / packed.digest).stat().st_ino == inode
+    os.utime(cache.root / packed.digest / "members.json", (1, 1))
+    cache.put(other.digest, other.data, MiB, "bob")  # evicts the first: its markers outlive it a while
+    assert not cache.has(packed.digest, "alice") and len(list(cache.senders.iterdir())) == 3
+    for marker in cache.senders.iterdir():
+        if marker.name.startswith(packed.digest):
+            os.utime(marker, (1, 1))  # gone with its entry longer than SENDER_KEEP
+    cache.put(other.digest, other.data, MiB, "bob")
+    assert [marker.name.partition(".")[0] for marker in cache.senders.iterdir()] == [other.digest]
+    cache.put(packed.digest, packed.data, MiB, "carol")
+    assert cache.has(packed.digest, "carol") and not cache.has(packed.digest, "alice")
+
+
 def test_the_cache_checks_evicts_and_copies(tmp_path):
     cache = workdircache.WorkdirCache(tmp_path / "cache", max_bytes=8200)
     packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(3)]
@@ -219,16 +243,16 @@ def test_the_cache_checks_evicts_and_copies(tmp_path):
     packs[1] = workdir.pack(tmp_path / "p1", MiB)
     (tmp_path / "p2" / "more").write_bytes(b"x" * 3000)
     packs[2] = workdir.pack(tmp_path / "p2", MiB)
-    assert not cache.has(packs[0].digest) and not cache.has("../../etc/passwd")
+    assert not cache.has(packs[0].digest, "alice") and not cache.has("../../etc/passwd", "alice")
     with pytest.raises(InvalidRequestError, match="damaged"):
-        cache.put(packs[0].digest, packs[1].data, MiB)
+        cache.put(packs[0].digest, packs[1].data, MiB, "alice")
     with pytest.raises(InvalidRequestError, match="content hash"):
-        cache.put("../x", packs[0].data, MiB)
-    cache.put(packs[0].digest, packs[0].data, MiB)
-    cache.put(packs[1].digest, packs[1].data, MiB)
+        cache.put("../x", packs[0].data, MiB, "alice")
+    cache.put(packs[0].digest, packs[0].data, MiB, "alice")
+    cache.put(packs[1].digest, packs[1].data, MiB, "alice")
     os.utime(cache.root / packs[0].digest / "members.json", (1, 1))  # the least recently used
-    cache.put(packs[2].digest, packs[2].data, MiB)
-    assert not cache.has(packs[0].digest) and cache.has(packs[1].digest) and cache.has(packs[2].digest)
+    cache.put(packs[2].digest, packs[2].data, MiB, "alice")
+    assert [cache.has(pack.digest, "alice") for pack in packs] == [False, True, True]
     dest = tmp_path / "dest"
     dest.mkdir()
     cache.unpack(packs[1].digest, dest, MiB)
@@ -244,7 +268,7 @@ def test_the_cache_checks_evicts_and_copies(tmp_path):
 def test_a_jobs_copy_is_its_own(tmp_path):
     cache = workdircache.WorkdirCache(tmp_path / "cache", MiB)
     packed = workdir.pack(project(tmp_path / "p"), MiB)
-    cache.put(packed.digest, packed.data, MiB)
+    cache.put(packed.digest, packed.data, MiB, "alice")
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
@@ -261,12 +285,12 @@ def test_an_entry_being_copied_is_not_evicted(tmp_path):
     packs = [workdir.pack(project(tmp_path / f"p{n}"), MiB) for n in range(2)]
     (tmp_path / "p1" / "extra").write_text("1")
     packs[1] = workdir.pack(tmp_path / "p1", MiB)
-    cache.put(packs[0].digest, packs[0].data, MiB)
+    cache.put(packs[0].digest, packs[0].data, MiB, "alice")
     with cache._held(packs[0].digest):  # as a copy holds it, from this process or another
-        cache.put(packs[1].digest, packs[1].data, MiB)
-        assert cache.has(packs[0].digest)
-    cache.put(packs[1].digest, packs[1].data, MiB)
-    assert not cache.has(packs[0].digest) and cache.has(packs[1].digest)
+        cache.put(packs[1].digest, packs[1].data, MiB, "alice")
+        assert cache.has(packs[0].digest, "alice")
+    cache.put(packs[1].digest, packs[1].data, MiB, "alice")
+    assert not cache.has(packs[0].digest, "alice") and cache.has(packs[1].digest, "alice")
 
 
 def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
@@ -277,7 +301,8 @@ def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
         for start in range(0, len(packed.data), 1000):
             sink(memoryview(packed.data)[start:start + 1000])
 
-    assert cache.receive(fill, MiB) == packed.digest and cache.has(packed.digest)  # named by what came
+    assert cache.receive(fill, MiB, sender="alice") == packed.digest  # named by what came
+    assert cache.has(packed.digest, "alice")
     with pytest.raises(InvalidRequestError, match="damaged"):
         cache.receive(fill, MiB, digest="0" * 64)
 
@@ -291,8 +316,8 @@ def test_the_cache_receives_in_pieces_and_keeps_nothing_half(tmp_path):
     (cache.root / ".dead.gone").mkdir()  # and a remover
     older = cache.root / ("a" * 64)  # an archive an older rpycdl kept: not an entry
     older.write_bytes(packed.data)
-    assert not cache.has(older.name)
-    cache.put(packed.digest, packed.data, MiB)
+    assert not cache.has(older.name, "alice")
+    cache.put(packed.digest, packed.data, MiB, "alice")
     assert [path.name for path in cache.root.iterdir()] == [packed.digest]
 
 
@@ -317,12 +342,12 @@ def test_a_receivers_half_entry_stays_while_it_lives_and_goes_once_it_is_killed(
         while not (half := [entry for entry in cache.root.iterdir() if (entry / "tree").is_dir()]):
             assert time.monotonic() < deadline, "the receiver made no entry"
             time.sleep(0.01)
-        cache.put(packs[1].digest, packs[1].data, MiB)  # an eviction runs: a live receiver's entry stays
+        cache.put(packs[1].digest, packs[1].data, MiB, "alice")  # an eviction runs: a live receiver's entry stays
         assert all(entry.is_dir() for entry in half)
     finally:
         os.kill(receiver.pid, signal.SIGKILL)
         receiver.join()
-    cache.put(packs[0].digest, packs[0].data, MiB)  # the next eviction: at once, not after an hour
+    cache.put(packs[0].digest, packs[0].data, MiB, "alice")  # the next eviction: at once, not after an hour
     assert sorted(path.name for path in cache.root.iterdir()) == sorted(pack.digest for pack in packs)
 
 

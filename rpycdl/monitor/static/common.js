@@ -1,6 +1,8 @@
 // rpycdl monitor: helpers shared by the dashboard's pages. Everything shown is data from the host
 // (user names, commands, errors, logs: untrusted), so it only ever enters the DOM as text
-// (textContent, text nodes, properties); nothing here parses HTML.
+// (textContent, text nodes, properties); nothing here parses HTML. Who looks is who their client
+// certificate says (the browser sends it), or the user name they sign in with, with the site's shared
+// secret (kept for this tab only, in sessionStorage, and sent as HTTP Basic auth with every request).
 "use strict";
 
 const rpycdl = (() => {
@@ -93,13 +95,53 @@ const rpycdl = (() => {
     node.classList.toggle("error", Boolean(failed));
   }
 
+  const LOGIN = "rpycdl-monitor-login";  // {user, secret} in sessionStorage
+
+  /** The headers that say who looks: HTTP Basic auth of the user name and secret signed in with ({}: none). */
+  function credentials() {
+    const login = JSON.parse(sessionStorage.getItem(LOGIN) || "null");
+    if (!login) return {};
+    const encoded = new TextEncoder().encode(`${login.user}:${login.secret}`);  // UTF-8, whatever the characters
+    return {Authorization: `Basic ${btoa(String.fromCharCode(...encoded))}`};
+  }
+
+  /** Show who looks (`data.viewer`) in the header, with the sign-in form where the monitor takes the site's
+   *  secret (`data.secret`) and nobody is signed in, or a button to sign out. */
+  function account(data) {
+    const signedIn = Boolean(sessionStorage.getItem(LOGIN));
+    document.getElementById("viewer").textContent = data.viewer ? `you are ${data.viewer}` : "";
+    document.getElementById("login").hidden = signedIn || !data.secret || Boolean(data.viewer);
+    document.getElementById("logout").hidden = !signedIn;
+  }
+
+  function signIn(event) {
+    event.preventDefault();
+    const user = document.getElementById("login-user").value.trim();
+    const secret = document.getElementById("login-secret").value.trim();
+    if (!user || !secret) return;
+    sessionStorage.setItem(LOGIN, JSON.stringify({user, secret}));
+    location.reload();  // everything again, as that user sees it
+  }
+
+  function signOut() {
+    sessionStorage.removeItem(LOGIN);
+    location.reload();
+  }
+
+  document.getElementById("login").addEventListener("submit", signIn);
+  document.getElementById("logout").addEventListener("click", signOut);
+
   /** Fetch `url` as JSON every `every` ms (one request at a time; slower while the tab is hidden), and give
    *  each answer to `onData`. Returns a function that stops it. */
   function poll(url, every, onData) {
     let stopped = false, timer = null;
     async function once() {
       try {
-        const response = await fetch(url, {cache: "no-store"});
+        const response = await fetch(url, {cache: "no-store", headers: credentials()});
+        if ((response.status === 401 || response.status === 403) && sessionStorage.getItem(LOGIN)) {
+          sessionStorage.removeItem(LOGIN);  // a wrong secret: looked at as nobody, the next time
+          document.getElementById("logout").hidden = true;
+        }
         if (!response.ok) throw new Error(`${response.status} ${(await response.text()).trim()}`);
         const data = await response.json();
         if (!stopped) {
@@ -157,5 +199,6 @@ const rpycdl = (() => {
 
   const FINISHED = new Set(["SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT", "LOST"]);
 
-  return {el, bytes, duration, need, gpuList, when, clock, times, jobHref, status, poll, syncRows, FINISHED};
+  return {el, bytes, duration, need, gpuList, when, clock, times, jobHref, status, poll, syncRows, credentials, account,
+          FINISHED};
 })();

@@ -1,5 +1,6 @@
 // rpycdl monitor: the host's page. Polls /api/host and shows its GPUs (memory granted and used, holders),
-// the queue in order, and the recent jobs; everything as text (see common.js).
+// the queue in order, and the recent jobs; everything as text (see common.js). Others' jobs come reduced
+// (`reduced`: no name, command or error, which only their owners and admins see): shown as "-".
 "use strict";
 
 (() => {
@@ -10,8 +11,14 @@
     return total ? Math.max(0, Math.min(100, (100 * part) / total)) : 0;
   }
 
+  const HIDDEN = "-";  // what a reduced row shows of a field only its owner and admins see
+
   function holderText(holder) {
     return holder.name ? `${holder.job_id} (${holder.name})` : holder.job_id;
+  }
+
+  function named(row) {
+    return row.reduced ? HIDDEN : row.name || "";
   }
 
   function gpuCard(gpu) {
@@ -67,7 +74,7 @@
     syncRows(document.querySelector("#queue tbody"), queue, (entry) => entry.job_id, (entry) => [
       String(entry.position),
       {text: entry.job_id, href: jobHref(entry.job_id), className: "id"},
-      entry.name || "",
+      named(entry),
       entry.user,
       entry.service,
       need(entry.ngpus, entry.share_bytes),
@@ -77,6 +84,7 @@
   }
 
   function info(job) {
+    if (job.reduced) return job.detached ? HIDDEN : "attached";
     const parts = [];
     if (job.error) parts.push(job.error);
     else if (job.exit_code !== null && job.exit_code !== undefined) parts.push(`exit ${job.exit_code}`);
@@ -93,11 +101,11 @@
       const [waited, ran] = times(job);
       return [
         {text: job.job_id, href: jobHref(job.job_id), className: "id"},
-        job.name || "",
+        named(job),
         {text: job.state, className: `state state-${job.state}`},
         job.user,
         job.service,
-        {text: job.what, className: "wide", title: job.what},
+        {text: job.reduced ? HIDDEN : job.what, className: "wide", title: job.reduced ? "" : job.what},
         need(job.ngpus, job.share_bytes),
         gpuList(job.gpus),
         when(job.submitted),
@@ -111,6 +119,7 @@
   poll("/api/host", EVERY, (data) => {
     const started = performance.now();
     clock.set(data.now);
+    rpycdl.account(data);
     document.getElementById("host").textContent = data.host;
     document.title = `rpycdl: ${data.host}`;
     renderGpus(data.gpus);

@@ -1,23 +1,23 @@
-// rpycdl monitor: a job's page. Polls /api/jobs/<id> for its row until it ends, and follows a detached
-// job's log through /api/jobs/<id>/log?offset=N with the site's secret (kept for this tab only, in
-// sessionStorage). The log is bytes: decoded as a stream (a character cut between two reads stays whole)
-// and added as text nodes; the oldest are dropped past KEEP characters.
+// rpycdl monitor: a job's page. Polls /api/jobs/<id> for its row until it ends, and, for its owner or an
+// admin (signed in: common.js), follows a detached job's log through /api/jobs/<id>/log?offset=N. Anyone
+// else gets the row reduced (`reduced`: no command, name, error) and no log. The log is bytes: decoded as a
+// stream (a character cut between two reads stays whole) and added as text nodes; the oldest are dropped
+// past KEEP characters.
 "use strict";
 
 (() => {
-  const {el, bytes, duration, need, gpuList, when, clock, times, poll, FINISHED} = rpycdl;
+  const {el, bytes, duration, need, gpuList, when, clock, times, poll, credentials, FINISHED} = rpycdl;
   const EVERY = 1500;  // ms between two readings of the job's row
   const LOG_EVERY = 1000;  // ms between two readings of its log, once read to its end
   const TAIL = 1024 * 1024;  // bytes of a long log shown at first: its end
   const KEEP = 4 * 1024 * 1024;  // characters of log kept on the page
-  const SECRET = "rpycdl-monitor-secret";
 
   const jobId = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop() || "");
   const $ = (id) => document.getElementById(id);
   $("job-id").textContent = jobId;
   document.title = `rpycdl job ${jobId}`;
 
-  let job = null, logs = false, following = false, stopRow = null;
+  let job = null, answer = null, following = false, stopRow = null;
 
   function row(label, value, id) {
     if (value === null || value === undefined || value === "") return [];
@@ -26,8 +26,9 @@
 
   function renderJob(data) {
     clock.set(data.now);
+    rpycdl.account(data);
     job = data.job;
-    logs = data.logs;
+    answer = data;
     const state = $("job-state");
     state.textContent = job.state;
     state.className = `state state-${job.state}`;
@@ -42,7 +43,9 @@
       ...row("user", job.user),
       ...row("service", `${job.service}, on the server at ${job.server}`),
       ...row("kind", `${job.kind === "call" ? "a function" : job.kind}, ` +
-                     (job.detached ? "detached" : `attached (from ${job.client})`)),
+                     (job.detached ? "detached" : "attached" + (job.client ? ` (from ${job.client})` : ""))),
+      ...row("details", job.reduced ? `only its owner (${job.user}) and admins see what it runs, its name, ` +
+                                      "its error and its log" : null, "reduced"),
       ...row("runs", job.what, "command"),
       ...row("asked for", need(job.ngpus, job.share_bytes) + (timeouts.length ? `; ${timeouts.join(", ")}` : "")),
       ...row("place in the queue", job.position ? `${job.position} (1: next)` : null),
@@ -53,11 +56,11 @@
       ...row("ended", job.ended ? when(job.ended) : null),
       ...row("waited", waited),
       ...row("ran", job.started ? ran : null),
-      ...row("exit code", job.exit_code === null ? null : String(job.exit_code), "exit-code"),
+      ...row("exit code", job.exit_code == null ? null : String(job.exit_code), "exit-code"),
       ...row("error", job.error ? (job.error_type ? `${job.error_type}: ${job.error}` : job.error) : null, "error"),
-      ...row("result", job.result_bytes === null ? null : bytes(job.result_bytes)),
+      ...row("result", job.result_bytes == null ? null : bytes(job.result_bytes)),
     );
-    if (job.log_size !== null) $("log-size").textContent = bytes(job.log_size);
+    if (job.log_size != null) $("log-size").textContent = bytes(job.log_size);
     if (FINISHED.has(job.state) && stopRow) {
       stopRow();  // a finished row never changes
       stopRow = null;
@@ -74,27 +77,22 @@
     if (following) return;
     if (!job.detached) {
       message("An attached job's output went to its client: there is no log here.");
-    } else if (!logs) {
-      message("Logs are shown only when the monitor runs with --secret-file (the site's shared secret); " +
-              `otherwise read them with: rpycdl logs ${jobId}`);
-    } else if (sessionStorage.getItem(SECRET)) {
-      follow(sessionStorage.getItem(SECRET));
+    } else if (answer.logs) {
+      follow();
+    } else if (answer.viewer) {
+      message(`Only its owner (${job.user}) and admins read its log; you are ${answer.viewer}.`);
+    } else if (answer.secret) {
+      message("Only its owner and admins read its log: sign in with your user name and the site's shared secret " +
+              `(for a job sent with the secret), or come with your client certificate; or: rpycdl logs ${jobId}`);
     } else {
-      message("The log is shown to whoever gives the site's shared secret.");
-      $("secret-form").hidden = false;
+      message("Only its owner and admins read its log, and this monitor cannot tell who you are (it takes neither " +
+              `client certificates, --tls-ca, nor the site's secret, --secret-file): rpycdl logs ${jobId}`);
     }
   }
 
-  function authorization(secret) {
-    // HTTP Basic, any user name: the secret's UTF-8 bytes, whatever characters it has
-    const encoded = new TextEncoder().encode(`rpycdl:${secret}`);
-    return `Basic ${btoa(String.fromCharCode(...encoded))}`;
-  }
-
-  async function follow(secret) {
+  async function follow() {
     following = true;
-    $("secret-form").hidden = true;
-    const pre = $("log"), header = authorization(secret);
+    const pre = $("log"), headers = credentials();
     const decoder = new TextDecoder("utf-8");
     let offset = Math.max(0, (job.log_size || 0) - TAIL), kept = 0;
     const partial = offset > 0;
@@ -103,19 +101,16 @@
       let response;
       try {
         response = await fetch(`/api/jobs/${encodeURIComponent(jobId)}/log?offset=${offset}`,
-                               {headers: {Authorization: header}, cache: "no-store"});
+                               {headers, cache: "no-store"});
       } catch (error) {
         message(`cannot read the log: ${error.message}; trying again`);
         await sleep(LOG_EVERY * 3);
         continue;
       }
       if (response.status === 401 || response.status === 403) {
-        sessionStorage.removeItem(SECRET);
-        following = false;
         pre.hidden = true;
         $("log-controls").hidden = true;
         message(`The log was refused: ${(await response.text()).trim()}`);
-        $("secret-form").hidden = !logs;
         return;
       }
       if (!response.ok) {
@@ -157,20 +152,6 @@
   function sleep(ms) {
     return new Promise((resolve) => setTimeout(resolve, ms));
   }
-
-  $("secret-form").addEventListener("submit", (event) => {
-    event.preventDefault();
-    const secret = $("secret").value.trim();
-    if (!secret || !job) return;
-    sessionStorage.setItem(SECRET, secret);
-    $("secret").value = "";
-    follow(secret);
-  });
-
-  $("forget").addEventListener("click", () => {
-    sessionStorage.removeItem(SECRET);
-    location.reload();
-  });
 
   stopRow = poll(`/api/jobs/${encodeURIComponent(jobId)}`, EVERY, renderJob);
 })();
