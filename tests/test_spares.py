@@ -36,17 +36,18 @@ from rpycdl.wire import codec
 
 
 def _ready_jobs(pid: int) -> set[int]:
-    """The job processes the server's spares hold ready (children of its forkserver), once every spare
-    has one that runs its own code (named rpycdl-job: right after the fork it still has the forkserver's
-    name), and no other job runs."""
+    """The job processes held ready (children of the server's forkserver), once there is one for each spare
+    and each idle connection, each running its own code (named rpycdl-job: right after the fork it still has
+    the forkserver's name), and no other job runs."""
     def jobs() -> set[int] | None:
         held = children(forkserver(pid))
-        if len(spare_processes(pid)) != SPARE_CONNECTIONS or len(held) != SPARE_CONNECTIONS or any(
+        spares = spare_processes(pid)
+        if len(spares) != SPARE_CONNECTIONS or len(held) != len(spares) + len(connection_processes(pid)) or any(
                 comm(job) != "rpycdl-job" for job in held):
             return None
         return set(held)
 
-    return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares, each with its job process")
+    return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares, and every spare and connection with its job process")
 
 
 def _bindable(port: int) -> bool:
@@ -93,7 +94,8 @@ def test_the_first_job_of_a_connection_runs_in_a_job_process_forked_before_it_co
     assert second not in ready and second != first  # later jobs of the connection: forked as they come
     [serving] = connection_processes(pid)
     assert comm(serving) == "rpycdl-conn"
-    assert len(_ready_jobs(pid) - ready) == 1, "the spare that took the client was replaced"
+    # The spare that took the client was replaced, with its job; the connection holds its next job's process.
+    assert len(_ready_jobs(pid) - ready) == 2
 
 
 def test_a_payload_with_out_of_band_buffers_runs_in_the_spare_too(server, cluster, connect):
@@ -250,7 +252,9 @@ def test_a_connection_whose_job_cannot_be_forked_refuses_the_call_clearly_and_go
     assert conn.root.run_code(lambda x: x, "in the spare job") == "in the spare job"
     (serving,) = wait_until(lambda: connection_processes(pid), what="the connection process")
     wait_until(lambda: idle(conn), what="the first job's end")
-    with _forks_fail(forkserver(pid)) as lift:  # a later job is forked as its request comes
+    with _forks_fail(forkserver(pid)) as lift:  # the next job takes the process started after the first
+        assert conn.root.run_code(lambda x: x, "in the one made ready") == "in the one made ready"
+        wait_until(lambda: idle(conn), what="the second job's end")
         descriptors = len(os.listdir(f"/proc/{serving}/fd"))
         error, _ = quick_error(lambda: conn.root.run_code(lambda x: x, "refused", ngpus=2))
         assert isinstance(error, rpycdl.LimitError) and "could not start a process for the job" in str(error), \

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import select
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -22,17 +21,18 @@ from rpycdl.server import request, runner, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import JobCalls, refused
 from rpycdl.server.jobflow import JobFlow, decode_bounded
+from rpycdl.server.link import ConnectionLink
 from rpycdl.server.workdircalls import WorkdirCalls
 from rpycdl.wire import bulk, codec, netrefs
 
 
-class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
+class GPUService(ConnectionLink, JobCalls, WorkdirCalls, rpyc.Service):
     """One client connection of a server. `context` is set on the subclass the server builds.
 
     Its user is the one its client certificate names, else the one the client declares
     (`identify`, unverified), else auth.ANONYMOUS. Its first payload runs in `spare`, a job
-    process forked with the connection process (runner.JobProcess), unless that payload
-    brought out-of-band buffers. The spare belongs to the connection process, which closes it."""
+    process started with the connection process (runner.JobProcess); what a job's flow needs of the
+    connection is its ConnectionLink."""
 
     context: ServerContext
 
@@ -48,40 +48,6 @@ class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
         self._busy = False  # one job at a time per connection: a second would be served inside the first
         self._after_reply: list[Callable[[], None]] = []
 
-    # -- what a job's flow needs of its connection (jobflow.Link) ---------------------
-
-    def socket_fds(self) -> list[int]:
-        try:
-            return [self._conn.fileno()]
-        except Exception:
-            return []
-
-    def serve_client(self) -> None:
-        fds = self.socket_fds()
-        if not fds:
-            raise EOFError("client connection closed")
-        while select.select(fds, [], [], 0)[0]:
-            self._conn.serve(0)
-
-    def push(self, receive: Callable[[Any], None], layout: codec.Layout, fd: int) -> int:
-        return bulk.push(self._conn, receive, layout, fd)
-
-    def take_spare(self) -> runner.JobProcess | None:
-        spare, self._spare = self._spare, None
-        return spare
-
-    def defer(self, end: Callable[[], None]) -> None:
-        self._after_reply.append(end)
-
-    def keep(self, outcome: bytes) -> None:
-        return None  # an attached job's outcome goes to its client only
-
-    def after_reply(self) -> None:
-        """Finish what the last call left for after its reply (the end of its job: jobflow). The
-        server calls this once each request is answered, and when the client has gone."""
-        while self._after_reply:
-            self._after_reply.pop(0)()
-
     # -- running a job ----------------------------------------------------------------
 
     def _request(self, options: dict[str, Any], **job: Any) -> request.JobRequest:
@@ -94,9 +60,6 @@ class GPUService(JobCalls, WorkdirCalls, rpyc.Service):
                                       "concurrent job (rpycdl.connect() again)")
         self._busy = True
         return JobFlow(self.context, checked, self, on_end=self._ended).run()
-
-    def _ended(self) -> None:
-        self._busy = False
 
     # -- exposed API ---------------------------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""What a job's flow needs of the client connection it runs for (jobflow.Link), as the RPyC service of that
+connection provides it: the client's socket, serving the client while the job runs, large results beside
+RPyC, the connection's spare job process (one ready for the next job, started as each job ends), and the
+end of a job left for after its reply."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+from collections.abc import Callable
+from typing import Any
+
+import rpyc
+
+from rpycdl.errors import LimitError
+from rpycdl.server import runner
+from rpycdl.server.context import ServerContext
+from rpycdl.wire import bulk, codec
+
+
+class ConnectionLink:
+    """jobflow.Link for GPUService: its `_conn`, `_spare`, `_busy` and `_after_reply` are the service's."""
+
+    context: ServerContext
+    _conn: rpyc.Connection
+    _spare: runner.JobProcess | None
+    _busy: bool
+    _after_reply: list[Callable[[], None]]
+
+    def socket_fds(self) -> list[int]:
+        try:
+            return [self._conn.fileno()]
+        except Exception:
+            return []
+
+    def serve_client(self) -> None:
+        fds = self.socket_fds()
+        if not fds:
+            raise EOFError("client connection closed")
+        while select.select(fds, [], [], 0)[0]:
+            self._conn.serve(0)
+
+    def push(self, receive: Callable[[Any], None], layout: codec.Layout, fd: int) -> int:
+        return bulk.push(self._conn, receive, layout, fd)
+
+    def take_spare(self) -> runner.JobProcess | None:
+        spare, self._spare = self._spare, None
+        return spare
+
+    def defer(self, end: Callable[[], None]) -> None:
+        self._after_reply.append(end)
+
+    def keep(self, outcome: bytes) -> None:
+        return None  # an attached job's outcome goes to its client only
+
+    def after_reply(self) -> None:
+        """Finish what the last call left for after its reply (the end of its job: jobflow). The
+        server calls this once each request is answered, and when the client has gone."""
+        while self._after_reply:
+            self._after_reply.pop(0)()
+
+    def _ended(self) -> None:
+        """A job of this connection ended: the next one's process is started now, while the client reads the
+        reply, so that it is ready when the next request comes."""
+        self._busy = False
+        if self._spare is None:
+            with contextlib.suppress(LimitError):  # none to spare: the next job starts one as its request comes
+                self._spare = runner.JobProcess(self.context.launcher)
+
+    def on_disconnect(self, conn: rpyc.Connection) -> None:
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+
