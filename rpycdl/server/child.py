@@ -19,7 +19,7 @@ import socket
 import struct
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,8 @@ PR_SET_NAME = 15
 PR_SET_DUMPABLE = 4
 GO = struct.Struct("<IQ?")  # go pipe header: length of its JSON, length of the payload, out-of-band results
 COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
-ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each
+ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each,
+SIZE = struct.Struct("<Q")  # then the outcome's size, and the outcome
 
 
 def gpu_environment(indices: Sequence[int], uuids: Sequence[str]) -> dict[str, str]:
@@ -100,12 +101,13 @@ class Go:
     body: bytes
     layout: codec.Layout = ()
     out_of_band: bool = False
+    session: bool = False
 
     def header(self, files: Sequence[int] = ()) -> bytes:
         """The message up to the buffers: GO, the JSON of the rest, the body. `files`: the buffers (by index)
         whose files come on the files socket instead of their bytes on the pipe (bulk.Spooled)."""
         text = json.dumps({"env": self.env, "account": None if self.account is None else self.account.to_dict(),
-                           "layout": self.layout, "files": list(files)}).encode()
+                           "layout": self.layout, "files": list(files), "session": self.session}).encode()
         return GO.pack(len(text), len(self.body), self.out_of_band) + text + self.body
 
 
@@ -140,7 +142,7 @@ def read_go(fd: int, files: int) -> tuple[Go, list[Any]] | None:
         del cells
         buffers.append(buffer)
     account = None if told["account"] is None else Account.from_dict(told["account"])
-    return Go(told["env"], account, body, layout, out_of_band), buffers
+    return Go(told["env"], account, body, layout, out_of_band, told.get("session", False)), buffers
 
 
 def _read_exactly(fd: int, count: int) -> bytes | None:
@@ -201,38 +203,67 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         told = read_go(go_r, files)
-        os.close(go_r)
-        os.close(files)
         if told is None:  # closed before its GPUs came: nothing to run
             os._exit(0)
-        go, buffers = told
-        _become(go, parent)
+        _become(told[0], parent)
         caps.install_caps()
-        try:
-            fn, args = codec.load_call(go.body, buffers)
-        except BaseException as exc:  # noqa: BLE001 - told as what it is: a request this server cannot run
-            fn, args = None, None
-            outcome, result = codec.encode_error(cannot_load(exc), "".join(traceback.format_exception(exc))), []
-        if fn is not None:
-            try:
-                outcome, result = codec.encode_value(fn(args), go.out_of_band)
-            except BaseException as exc:  # noqa: BLE001 - the job's exception is its outcome
-                outcome, result = codec.encode_error(exc, "".join(traceback.format_exception(exc))), []
-        sys.stdout.flush()
-        sys.stderr.flush()
-        layout = codec.layout(result)
-        write_all(res_w, COUNT.pack(len(layout)) + b"".join(ENTRY.pack(*entry) for entry in layout))
-        for buffer in result:
-            with buffer.raw() as view:
-                bulk.lend_to_pipe(res_w, view)
-        write_all(res_w, outcome)
-        os.close(res_w)  # end of file tells the parent the outcome is complete
+        if told[0].session:  # Ctrl-C of a call (SIGINT, held back between calls) raises KeyboardInterrupt in it
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        while told is not None:  # a job's one call; a session's calls, one Go each, until its pipe closes
+            go, buffers = told
+            told = None
+            if go.body:
+                _answer(go, buffers, res_w)
+            del buffers  # a session's next call does not keep this one's arguments alive
+            told = read_go(go_r, files) if go.session else None
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child: said on its stderr
         with contextlib.suppress(BaseException):
             traceback.print_exc()
             sys.stderr.flush()
         os._exit(2)
     os._exit(0)
+
+
+@contextlib.contextmanager
+def _interruptible(session: bool) -> Iterator[None]:
+    """In a session, let SIGINT through while the call runs, and drop one that came too late for it."""
+    if not session:
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        while signal.sigtimedwait({signal.SIGINT}, 0) is not None:
+            pass
+
+
+def _answer(go: Go, buffers: list[Any], res_w: int) -> None:
+    """Run the call of `go` and write its outcome to the result pipe: a header (how many out-of-band buffers,
+    then the size and read-only flag of each), the buffers, the outcome's size, the outcome."""
+    try:
+        fn, args = codec.load_call(go.body, buffers)
+    except BaseException as exc:  # noqa: BLE001 - told as what it is: a request this server cannot run
+        fn, args = None, None
+        outcome, result = codec.encode_error(cannot_load(exc), "".join(traceback.format_exception(exc))), []
+    if fn is not None:
+        try:
+            with _interruptible(go.session):
+                value = fn(args)
+            outcome, result = codec.encode_value(value, go.out_of_band)
+        except BaseException as exc:  # noqa: BLE001 - the call's exception is its outcome (Ctrl-C's too)
+            outcome, result = codec.encode_error(exc, "".join(traceback.format_exception(exc))), []
+    del fn, args, buffers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    layout = codec.layout(result)
+    write_all(res_w, COUNT.pack(len(layout)) + b"".join(ENTRY.pack(*entry) for entry in layout))
+    for buffer in result:
+        with buffer.raw() as view:
+            bulk.lend_to_pipe(res_w, view)
+    write_all(res_w, SIZE.pack(len(outcome)) + outcome)
 
 
 def run_check(*, go_r: int, res_w: int, files: int, parent: int) -> None:

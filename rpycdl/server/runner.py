@@ -35,7 +35,7 @@ from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import procs
 from rpycdl.security.accounts import Account
 from rpycdl.server import child, orphans
-from rpycdl.server.child import COUNT, ENTRY, write_all
+from rpycdl.server.child import COUNT, ENTRY, SIZE, write_all
 from rpycdl.wire import bulk, codec
 
 _READ = 1 << 20
@@ -67,15 +67,16 @@ class Result:
 
 
 class _ResultPipe:
-    """The connection process's end of the result pipe: the header, then the out-of-band buffers
-    (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the outcome.
-    A result of more than `limit` bytes is not read: `over` then says why."""
+    """The connection process's end of the result pipe, for one call: the header, then the out-of-band
+    buffers (`on_buffers(layout)` reads them from the pipe and says how many bytes it got), then the
+    outcome's size and the outcome. A result of more than `limit` bytes is not read: `over` then says why."""
 
     def __init__(self, fd: int, on_buffers: Callable[[codec.Layout], int] | None,
                  limit: tuple[int, str] | None) -> None:
         self.fd = fd
         self.header = bytearray()
         self.layout: codec.Layout | None = None
+        self.size: int | None = None  # the outcome's, once read
         self.outcome = bytearray()
         self.complete = True  # False: the buffers ended early, or the header made no sense
         self.over = ""
@@ -89,8 +90,13 @@ class _ResultPipe:
                      "return less, or save it to a file and return its path")
         return True
 
+    @property
+    def done(self) -> bool:
+        """Whether the whole outcome has been read."""
+        return self.size is not None and len(self.outcome) == self.size
+
     def read(self) -> bool:
-        """Read what is there; False at end of file."""
+        """Read what is there; False once the outcome is whole, or it never will be (end of file, too large)."""
         while self.layout is None:
             need = COUNT.size
             if len(self.header) >= COUNT.size:
@@ -106,16 +112,33 @@ class _ResultPipe:
                     return False
                 if self.layout:
                     self.complete = self._on_buffers(self.layout) == codec.layout_bytes(self.layout)  # type: ignore[misc]
+                self.header.clear()
                 break
+            if not self._read(self.header, need):
+                return False
+        if self.size is None:
+            if not self._read(self.header, SIZE.size):
+                return False
+            if len(self.header) < SIZE.size:
+                return True
+            self.size = SIZE.unpack(self.header)[0]
+            if self._too_large(self.size):
+                return False
+        if not self._read(self.outcome, self.size):
+            return False
+        return not self.done
+
+    def _read(self, into: bytearray, size: int) -> bool:
+        """Read into `into` up to `size` bytes of what is there; False at end of file."""
+        while len(into) < size:
             try:
-                chunk = os.read(self.fd, need - len(self.header))
+                chunk = os.read(self.fd, min(size - len(into), _READ))
             except BlockingIOError:
                 return True
             if not chunk:
                 return False
-            self.header += chunk
-        more = _read_into(self.fd, self.outcome, self._limit)
-        return more and not self._too_large(len(self.outcome))
+            into += chunk
+        return True
 
 
 class Launched(Protocol):
@@ -166,9 +189,10 @@ def _files_socket() -> tuple[socket.socket, int]:
     return ours, theirs.detach()
 
 
-def _send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any]) -> None:
+def _send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any], close: bool = True) -> None:
     """Write `go` and its buffers down the go pipe `fd` (blocking), the files of spooled ones on `files`,
-    then close both; a process that died meanwhile has its end told by its wait."""
+    then close both (unless not `close`: a session's next call comes the same way); a process that died
+    meanwhile has its end told by its wait."""
     spooled = [index for index, buffer in enumerate(buffers) if isinstance(buffer, bulk.Spooled)]
     with contextlib.suppress(BrokenPipeError, ConnectionError):
         for index in spooled:
@@ -178,8 +202,9 @@ def _send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any]) -
             if not isinstance(buffer, bulk.Spooled):
                 with memoryview(buffer) as raw, raw.cast("B") as view:
                     bulk.lend_to_pipe(fd, view)
-    os.close(fd)
-    files.close()
+    if close:
+        os.close(fd)
+        files.close()
 
 
 class LoadCheck:
@@ -293,35 +318,69 @@ class JobProcess:
         """
         if on_start is not None:
             on_start(self.pid)
-        self._start(env, account, on_buffers is not None)
+        if self._body is None:
+            raise RuntimeError("a job process runs only once give() named its payload")
+        buffers, self._buffers = self._buffers, []  # sent: this process lets go of their memory
+        self._send(child.Go(env, account, self._body, codec.layout(buffers), on_buffers is not None), buffers)
+        return self._follow(on_stdout, on_stderr, timeout=timeout, watch_fds=watch_fds, on_watch=on_watch, stop=stop,
+                            on_buffers=on_buffers, max_result=max_result)
+
+    def start_session(self, env: dict[str, str], account: Account | None = None) -> None:
+        """Make it a session's process (its GPUs granted): it takes `env`, becomes `account`, and then runs
+        one call() after another, keeping what each leaves in its globals, until close()."""
+        self._send(child.Go(env, account, b"", session=True), (), keep=True)
+
+    def call(self, body: bytes, buffers: list[Any], on_stdout: Callable[[str], None],
+             on_stderr: Callable[[str], None], **follow: Any) -> Result:
+        """A session's next call: the payload `body` (and its out-of-band `buffers`) run in its process; the
+        options are run()'s. The process is killed unless the call ran to its outcome (its exception too)."""
+        self._send(child.Go({}, None, body, codec.layout(buffers), follow.get("on_buffers") is not None, True),
+                   buffers, keep=True)
+        return self._follow(on_stdout, on_stderr, keep=True, **follow)
+
+    def interrupt(self) -> None:
+        """Send a session's call Ctrl-C: KeyboardInterrupt in the call, which ends it, not the session."""
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signal.SIGINT)
+
+    def _follow(self, on_stdout: Callable[[str], None], on_stderr: Callable[[str], None], *, keep: bool = False,
+                timeout: float | None = None, watch_fds: Sequence[int] = (),
+                on_watch: Callable[[], None] | None = None,
+                stop: Callable[[int], tuple[Ending, str] | None] | None = None,
+                on_buffers: Callable[[codec.Layout, int], int] | None = None,
+                max_result: tuple[int, str] | None = None) -> Result:
+        """Forward the output and read the outcome of what was sent (run's options); then kill the job's
+        group, unless `keep` and the call ran to its outcome."""
         streams: Streams = {self._out: (codecs.getincrementaldecoder("utf-8")("replace"), on_stdout),
                             self._err: (codecs.getincrementaldecoder("utf-8")("replace"), on_stderr)}
         handed = self._handing(streams, on_buffers) if on_buffers is not None else None
         result = _ResultPipe(self._res, handed, max_result)
+        ending = None
         try:
             ending, reason = self._wait(result, streams, timeout=timeout, watch_fds=watch_fds, on_watch=on_watch,
                                         stop=stop)
         finally:
-            procs.kill_group(self.pid)
-            with contextlib.suppress(ProcessLookupError):  # in case it died before it could lead its own group
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            if not (keep and ending is Ending.FINISHED and result.done and result.complete):
+                procs.kill_group(self.pid)
+                with contextlib.suppress(ProcessLookupError):  # in case it died before it could lead its own group
+                    signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             for fd in streams:
                 _forward(fd, *streams[fd])
         if result.over:
             return Result(Ending.FINISHED, codec.encode_error(LimitError(result.over), tb=""), result.over)
         if ending is Ending.FINISHED and not result.complete:
             ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} while sending its result"
-        elif ending is Ending.FINISHED and not result.outcome:
+        elif ending is Ending.FINISHED and not result.done:
             ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} before returning a result"
         return Result(ending, bytes(result.outcome), reason)
 
-    def _start(self, env: dict[str, str], account: Account | None, out_of_band: bool) -> None:
-        """Send the job what to run down the go pipe (child.Go), and close it."""
-        if self._body is None:
-            raise RuntimeError("a job process runs only once give() named its payload")
-        buffers, self._buffers = self._buffers, []  # sent: this process lets go of their memory
-        _send(self._go_w, self._files, child.Go(env, account, self._body, codec.layout(buffers), out_of_band), buffers)
-        self._go_w = -1
+    def _send(self, go: child.Go, buffers: Sequence[Any], keep: bool = False) -> None:
+        """Send `go` and its buffers down the go pipe (closed after, unless `keep`: a session's)."""
+        if self._go_w < 0:
+            raise RuntimeError("this job process has been given what it runs already")
+        _send(self._go_w, self._files, go, buffers, close=not keep)
+        if not keep:
+            self._go_w = -1
 
     def _handing(self, streams: Streams,
                  on_buffers: Callable[[codec.Layout, int], int]) -> Callable[[codec.Layout], int]:
