@@ -205,6 +205,16 @@ CONNECT_TIMEOUT = 10.0
 """Seconds a client keeps connecting again when a busy server drops its connection before authenticating it
 (--max-startups, --per-source-startups)."""
 
+SESSION_IDLE_TIMEOUT = 600.0
+"""Seconds a session may stay without a call before it is closed and its GPUs go back (session(idle_timeout=))."""
+
+SESSION_INTERRUPT_GRACE = 3.0
+"""Seconds a session's call has to stop after Ctrl-C (KeyboardInterrupt in it) before the session is ended."""
+
+SESSION_TICK = 0.25
+"""Seconds between a connection's looks at its open session while no call runs (a dead process, a cancel,
+the idle timeout, the watchdog): what it finds ends the session within about that."""
+
 IDLE_TIMEOUT = 3600.0
 """Seconds a connection may stay idle (no request, no job) before the server closes it (`--idle-timeout`)."""
 

@@ -17,6 +17,7 @@ from rpyc.core import consts
 from rpycdl.artifacts import workdir
 from rpycdl.artifacts.manifest import Manifests
 from rpycdl.client.jobs import Job
+from rpycdl.client.session import Session, sink
 from rpycdl.defaults import MIN_MAX_PAYLOAD
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.security import auth
@@ -94,8 +95,8 @@ class RemoteRoot:
         self._check_size(len(payload) + codec.layout_bytes(layout))
         share = () if gpus is None and gpu_memory is None else (gpus, gpu_memory)  # servers before shares
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
-        options = (1 if ngpus is None and not share else ngpus, _sink(stdout or sys.stdout),
-                   _sink(stderr or sys.stderr), timeout, queue_timeout, state_cb)
+        options = (1 if ngpus is None and not share else ngpus, sink(stdout or sys.stdout),
+                   sink(stderr or sys.stderr), timeout, queue_timeout, state_cb)
         received: list[Any] = []
         digest = self._working_dir(working_dir)
         try:
@@ -159,12 +160,30 @@ class RemoteRoot:
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
         try:
-            outcome = call(self._conn, "run_container", image, command, ngpus, env, workdir, mounts, _sink(out),
-                            _sink(err), timeout, queue_timeout, state_cb)
+            outcome = call(self._conn, "run_container", image, command, ngpus, env, workdir, mounts, sink(out),
+                            sink(err), timeout, queue_timeout, state_cb)
         except KeyboardInterrupt:
             stream.close_now(self._conn)
             raise
         return codec.decode_outcome(outcome)
+
+    def session(self, ngpus: int | None = None, *, gpus: float | None = None, gpu_memory: str | int | None = None,
+                timeout: float | None = None, idle_timeout: float | None = None, queue_timeout: float | None = None,
+                on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None) -> Session:
+        """A session: it waits in line for `ngpus` GPUs (or a share: `gpus`, `gpu_memory`) like any job, then
+        holds them and one process on the server, in which `run()` calls one after another, so that what a
+        call leaves in module globals is there for the next. Opened by `with` (or open()), ended by leaving
+        it (or close()), by the client going away, after `idle_timeout` seconds without a call (default 600),
+        after `timeout` seconds in all, or by a cancel (rpycdl cancel ID).
+
+        Args:
+            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir: as for run_code.
+            timeout: seconds the session may last; idle_timeout: seconds it may wait for its next call.
+        """
+        options = {"ngpus": 1 if ngpus is None and gpus is None and gpu_memory is None else ngpus, "gpus": gpus,
+                   "gpu_memory": gpu_memory, "timeout": timeout, "idle_timeout": idle_timeout,
+                   "queue_timeout": queue_timeout, "on_state": on_state, "working_dir": self._working_dir(working_dir)}
+        return Session(self, {name: value for name, value in options.items() if value is not None})
 
     def gpu_status(self) -> dict[str, Any]:
         """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
@@ -342,11 +361,3 @@ class Connection:
 def call(conn: rpyc.Connection, name: str, *args: Any) -> Any:
     """`conn.root.<name>(*args)` in one request (RPyC's CALLATTR) instead of two (GETATTR, CALL)."""
     return conn.sync_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
-
-
-def _sink(out: IO[str]) -> Callable[[str], None]:
-    def write(text: str) -> None:
-        out.write(text)
-        out.flush()
-
-    return write

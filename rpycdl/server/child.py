@@ -8,6 +8,7 @@ the outcome bytes until the end. A load check (run_check) only unpickles the pay
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import json
@@ -19,6 +20,7 @@ import socket
 import struct
 import sys
 import traceback
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -210,11 +212,12 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
         if told[0].session:  # Ctrl-C of a call (SIGINT, held back between calls) raises KeyboardInterrupt in it
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        namespace = SessionGlobals() if told[0].session else None
         while told is not None:  # a job's one call; a session's calls, one Go each, until its pipe closes
             go, buffers = told
             told = None
             if go.body:
-                _answer(go, buffers, res_w)
+                _answer(go, buffers, res_w, namespace)
             del buffers  # a session's next call does not keep this one's arguments alive
             told = read_go(go_r, files) if go.session else None
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child: said on its stderr
@@ -240,18 +243,53 @@ def _interruptible(session: bool) -> Iterator[None]:
             pass
 
 
-def _answer(go: Go, buffers: list[Any], res_w: int) -> None:
+class SessionGlobals:
+    """The module globals of a session's calls: a function sent by value (defined in your script or inside
+    another function; dill sends it with the globals it uses) runs with one namespace that lasts the session,
+    so that what a call assigns (`global model`) is there for the next. A global a call assigned stays the
+    session's; the others come from the script as it is at each call. Functions of importable modules keep
+    their own module's globals, which last the session too."""
+
+    def __init__(self) -> None:
+        self.namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": "__main__"}
+        self._owned: set[str] = set()
+        self._sent: dict[str, Any] = {}
+
+    def bind(self, fn: Any) -> Any:
+        """`fn`, running in the session's namespace if it is a function of the script."""
+        module = sys.modules.get(fn.__module__ or "") if isinstance(fn, types.FunctionType) else None
+        if not isinstance(fn, types.FunctionType) or fn.__globals__ is getattr(module, "__dict__", None):
+            return fn  # sent by name: its module's globals are its own, and last
+        self._sent = {name: value for name, value in fn.__globals__.items() if name != "__builtins__"}
+        self.namespace.update((name, value) for name, value in self._sent.items() if name not in self._owned)
+        bound = types.FunctionType(fn.__code__, self.namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+        bound.__kwdefaults__, bound.__dict__ = fn.__kwdefaults__, fn.__dict__
+        return bound
+
+    def settle(self) -> None:
+        """After a call: what it assigned (a name the script did not send, or sent otherwise) is the session's."""
+        self._owned.update(name for name, value in self.namespace.items()
+                           if name not in self._sent or value is not self._sent[name])
+
+
+def _answer(go: Go, buffers: list[Any], res_w: int, namespace: SessionGlobals | None = None) -> None:
     """Run the call of `go` and write its outcome to the result pipe: a header (how many out-of-band buffers,
-    then the size and read-only flag of each), the buffers, the outcome's size, the outcome."""
+    then the size and read-only flag of each), the buffers, the outcome's size, the outcome. A session's calls
+    share `namespace`."""
     try:
         fn, args = codec.load_call(go.body, buffers)
+        fn = namespace.bind(fn) if namespace is not None else fn
     except BaseException as exc:  # noqa: BLE001 - told as what it is: a request this server cannot run
         fn, args = None, None
         outcome, result = codec.encode_error(cannot_load(exc), "".join(traceback.format_exception(exc))), []
     if fn is not None:
         try:
             with _interruptible(go.session):
-                value = fn(args)
+                try:
+                    value = fn(args)
+                finally:
+                    if namespace is not None:
+                        namespace.settle()
             outcome, result = codec.encode_value(value, go.out_of_band)
         except BaseException as exc:  # noqa: BLE001 - the call's exception is its outcome (Ctrl-C's too)
             outcome, result = codec.encode_error(exc, "".join(traceback.format_exception(exc))), []

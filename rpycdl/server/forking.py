@@ -321,7 +321,7 @@ class DLServer(ForkingServer):
         idle_since = time.monotonic()
         try:
             while not conn.closed:
-                if conn.serve(1.0):
+                if conn.serve(service.tick()):  # an open session is looked at between its calls
                     service.after_reply()
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > self.context.limits.idle_timeout:

@@ -44,7 +44,7 @@ from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.locks import Need, Place
 from rpycdl.server import child, commands, jobdirs, runner, saves
 from rpycdl.server.context import ServerContext
-from rpycdl.server.request import JobRequest
+from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState
 from rpycdl.wire import codec
 
@@ -245,29 +245,40 @@ class JobFlow:
         return self._run_container() if self.request.container is not None else self._run_payload()
 
     def _run_payload(self) -> runner.Result:
-        """The payload in its job process (rpycdl.server.runner). With the client's `receive`, a
-        large result's buffers go to it beside RPyC."""
-        output, job = self.request.output, self.job
+        """The payload in its job process (rpycdl.server.runner)."""
+        job = self.job
         assert job is not None  # run() forks it for every payload
-        receive = output.receive
+        self._start_saves()
+        return job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
+                       account=self.request.account, on_start=lambda _: self.context.ledger.save(self.record),
+                       **self._following(self.request.output, self.request.timeout))
+
+    def _start_saves(self) -> None:
+        """Take the job's saves (rpycdl.save_artifact) on a socket its environment names."""
+        assert self.job is not None
+        self._saver = saves.Saver(self.context, self.record, self.job.pid)  # after the last fork for the job
+        self._env[SAVE_SOCKET_VARIABLE] = self._saver.variable
+
+    def _following(self, output: Output, timeout: float | None) -> dict[str, Any]:
+        """How a call of the job is followed (runner.JobProcess._follow's options): the client's socket and the
+        saves watched, the job's Stop, its timeout, and with the client's `receive`, a large result's buffers
+        beside RPyC."""
+        receive, saver = output.receive, self._saver
+        assert saver is not None
 
         def send_result(layout: codec.Layout, fd: int) -> int:
             return self.link.push(receive, layout, fd)  # type: ignore[arg-type]
-
-        limits = self.context.limits
-        max_result = (limits.max_result, "--max-result") if self.request.detached else (limits.max_payload,
-                                                                                        "--max-payload")
-        saver = self._saver = saves.Saver(self.context, self.record, job.pid)  # after the last fork for the job
-        self._env[SAVE_SOCKET_VARIABLE] = saver.variable
 
         def watched() -> None:
             self.link.serve_client()
             saver.take()
 
-        return job.run(self._environment(), output.stdout, output.stderr, account=self.request.account,
-                       on_start=lambda _: self.context.ledger.save(self.record), timeout=self.request.timeout,
-                       watch_fds=[*self.link.socket_fds(), saver.fileno()], on_watch=watched, stop=self._stopper(),
-                       on_buffers=send_result if receive is not None else None, max_result=max_result)
+        limits = self.context.limits
+        max_result = (limits.max_result, "--max-result") if self.request.detached else (limits.max_payload,
+                                                                                        "--max-payload")
+        return {"timeout": timeout, "watch_fds": [*self.link.socket_fds(), saver.fileno()], "on_watch": watched,
+                "stop": self._stopper(), "on_buffers": send_result if receive is not None else None,
+                "max_result": max_result}
 
     def _run_container(self) -> runner.Result:
         """The request's command in a container of its own (rpycdl.server.containers)."""

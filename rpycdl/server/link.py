@@ -26,6 +26,7 @@ class ConnectionLink:
     _spare: runner.JobProcess | None
     _busy: bool
     _after_reply: list[Callable[[], None]]
+    end_session: Callable[[str], None]  # SessionCalls'
 
     def socket_fds(self) -> list[int]:
         try:
@@ -68,6 +69,7 @@ class ConnectionLink:
                 self._spare = runner.JobProcess(self.context.launcher)
 
     def on_disconnect(self, conn: rpyc.Connection) -> None:
+        self.end_session("its client went away")
         if self._spare is not None:
             self._spare.close()
             self._spare = None

@@ -36,6 +36,12 @@ SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "na
 SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name")
 """The options of `submit_container` after the image and the command."""
 
+SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "idle_timeout", "on_state", "working_dir")
+"""The options of `session_open`."""
+
+SESSION_CALL_OPTIONS = ("stdout", "stderr", "timeout")
+"""The options of `session_call` after the payload, its layout and the client's send and receive callbacks."""
+
 MAX_NAME = 64
 """The longest name a detached job may have."""
 
@@ -81,6 +87,8 @@ class JobRequest:
         working_dir: the content hash of the working directory the job runs in (in the server's
             cache: unpacked for the job alone), or None.
         account: the Unix account it runs as (a root server's: its owner's); None: the server's own.
+        session: a session (rpycdl.server.sessions): it holds its GPUs and its process between calls;
+            `timeout` bounds its life, `idle_timeout` the time between its calls.
     """
 
     gpu_request: GPURequest
@@ -97,10 +105,14 @@ class JobRequest:
     name: str | None = None
     working_dir: str | None = None
     account: Account | None = None
+    session: bool = False
+    idle_timeout: float | None = None
 
     @property
     def kind(self) -> str:
-        """"container", "command" or "call" (a Python callable)."""
+        """"container", "command", "session" or "call" (a Python callable)."""
+        if self.session:
+            return "session"
         return "container" if self.container is not None else "command" if self.command is not None else "call"
 
     def summary(self) -> dict[str, Any]:
@@ -112,6 +124,8 @@ class JobRequest:
             asked.update(image=self.container.image, command=list(self.container.command))
         if self.working_dir is not None:
             asked["working_dir"] = self.working_dir
+        if self.session:
+            asked.update(idle_timeout=self.idle_timeout, calls=0)
         return asked
 
 

@@ -288,6 +288,14 @@ class JobProcess:
         """Say which job it runs (its launcher knows what the job starts by that id too)."""
         self._process.name_job(job_id)
 
+    def ended(self) -> bool:
+        """Whether the process has exited (a session's, between its calls)."""
+        return self._pidfd < 0 or bool(select.select([self._pidfd], [], [], 0)[0])
+
+    def exit_status(self) -> int:
+        """Once it has ended: its wait status, when nothing of its job runs any more."""
+        return self._reap()
+
     def run(self, env: dict[str, str], on_stdout: Callable[[str], None], on_stderr: Callable[[str], None], *,
             account: Account | None = None, on_start: Callable[[int], None] | None = None, timeout: float | None = None,
             watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
@@ -369,9 +377,9 @@ class JobProcess:
         if result.over:
             return Result(Ending.FINISHED, codec.encode_error(LimitError(result.over), tb=""), result.over)
         if ending is Ending.FINISHED and not result.complete:
-            ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} while sending its result"
+            ending, reason = Ending.CRASHED, f"the job process {describe(self._reap())} while sending its result"
         elif ending is Ending.FINISHED and not result.done:
-            ending, reason = Ending.CRASHED, f"the job process {_describe(self._reap())} before returning a result"
+            ending, reason = Ending.CRASHED, f"the job process {describe(self._reap())} before returning a result"
         return Result(ending, bytes(result.outcome), reason)
 
     def _send(self, go: child.Go, buffers: Sequence[Any], keep: bool = False) -> None:
@@ -480,7 +488,7 @@ def _forward(fd: int, decoder: codecs.IncrementalDecoder, sink: Callable[[str], 
     return more
 
 
-def _describe(status: int) -> str:
+def describe(status: int) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         return f"was terminated by signal {sig} ({signal.Signals(sig).name})"

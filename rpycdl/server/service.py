@@ -22,11 +22,12 @@ from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import JobCalls, refused
 from rpycdl.server.jobflow import JobFlow, decode_bounded
 from rpycdl.server.link import ConnectionLink
+from rpycdl.server.sessions import SessionCalls
 from rpycdl.server.workdircalls import WorkdirCalls
 from rpycdl.wire import bulk, codec, netrefs
 
 
-class GPUService(ConnectionLink, JobCalls, WorkdirCalls, rpyc.Service):
+class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Service):
     """One client connection of a server. `context` is set on the subclass the server builds.
 
     Its user is the one its client certificate names, else the one the client declares
