@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from rpycdl.artifacts import saving
-from rpycdl.client import Connection, Job, JobStatus, connect, job
+from rpycdl.client import Connection, Job, JobStatus, Session, connect, job
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE
 from rpycdl.errors import (
     ArtifactStoreError,
@@ -44,7 +44,8 @@ __all__ = [
     "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError", "InvalidRequestError", "Job",
     "JobCancelledError", "JobCrashedError",
     "JobLostError", "JobNotFinishedError", "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError",
-    "NoInventoryError", "NotAllowedError", "QueueTimeoutError", "RemoteError", "RpycdlError", "VersionMismatchError",
+    "NoInventoryError", "NotAllowedError", "QueueTimeoutError", "RemoteError", "RpycdlError", "Session",
+    "VersionMismatchError",
     "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]
 

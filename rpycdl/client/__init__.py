@@ -4,5 +4,6 @@ runs a function on the server's GPUs."""
 from rpycdl.client.connection import Connection, RemoteRoot
 from rpycdl.client.discovery import connect, connect_to, job
 from rpycdl.client.jobs import Job, JobStatus
+from rpycdl.client.session import Session
 
-__all__ = ["Connection", "Job", "JobStatus", "RemoteRoot", "connect", "connect_to", "job"]
+__all__ = ["Connection", "Job", "JobStatus", "RemoteRoot", "Session", "connect", "connect_to", "job"]
