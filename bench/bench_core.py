@@ -72,11 +72,24 @@ server.start()
 def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
     """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method,
     close; the times, and CPU seconds per call (timed_cpu)."""
+    return _bare_rpyc(n, keep_open=False)
+
+
+def bare_rpyc_open_call(n: int) -> tuple[list[float], float]:
+    """Baseline: a trivial method of a plain RPyC ForkingServer called on a connection kept open."""
+    return _bare_rpyc(n, keep_open=True)
+
+
+def _bare_rpyc(n: int, keep_open: bool) -> tuple[list[float], float]:
     server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
     port = int(server.stdout.readline())
+    kept = rpyc.connect("127.0.0.1", port) if keep_open else None
 
     def call() -> None:
+        if kept is not None:
+            kept.root.echo(1)
+            return
         conn = rpyc.connect("127.0.0.1", port)
         conn.root.echo(1)
         conn.close()
@@ -84,8 +97,17 @@ def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
     try:
         return timed_cpu(call, n)
     finally:
+        if kept is not None:
+            kept.close()
         server.terminate()
         server.wait()
+
+
+def session_call(port: int, n: int) -> tuple[list[float], float]:
+    """A trivial function called on a session kept open (its GPU and process held between calls)."""
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn, conn.root.session(ngpus=1) as session:
+        session.run(trivial, 1)  # its first call is the same as any other's: measured from the second
+        return timed_cpu(lambda: session.run(trivial, 1), n)
 
 
 def _jobs() -> tuple[Callable[[int], int], Callable[[float], tuple[float, float]]]:
@@ -323,6 +345,9 @@ def main() -> None:
         rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
         kept, kept_cpu = open_connection_round_trip(port, n)
         rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
+        open_call, _ = bare_rpyc_open_call(n)
+        in_session, session_cpu = session_call(port, n)
+        rows.append(("call on an open session (ngpus=1)", in_session, open_call, "bare RPyC call, open connection"))
         if not args.round_trip:
             gaps = hand_off(port, 10 if args.quick else 40)
             rows.append(("hand-off (release to next job's start)", gaps, None, "original: 1 s polling"))
@@ -350,7 +375,8 @@ def main() -> None:
         print(f"mean hand-off {statistics.mean(gaps) * 1e3:.1f} ms over {len(gaps)} hand-offs")
     print(f"\nCPU per round trip, every process of the machine: rpycdl {ours_cpu * 1e3:.1f} ms, bare RPyC "
           f"{base_cpu * 1e3:.1f} ms ({ours_cpu / base_cpu:.2f}x), rpycdl on an open connection "
-          f"{kept_cpu * 1e3:.1f} ms; {multiprocessing.cpu_count()} cores")
+          f"{kept_cpu * 1e3:.1f} ms, a call on an open session {session_cpu * 1e3:.1f} ms; "
+          f"{multiprocessing.cpu_count()} cores")
     theirs = None if args.no_ray or args.round_trip else ray_benchmarks(n, 200, 8)
     if theirs is None:
         return
@@ -361,6 +387,10 @@ def main() -> None:
                       ("task num_gpus=1, max_calls=0 (workers reused), warm", "round_trip")):
         r50, r99 = percentile(theirs[key], 50) * 1e3, percentile(theirs[key], 99) * 1e3
         print(f"| {name} | {r50:.1f} ms | {r99:.1f} ms | {o50:.1f} ms | {r50 / o50:.2f}x p50, {r99 / o99:.2f}x p99 |")
+    s50 = percentile(in_session, 50) * 1e3
+    r50 = percentile(theirs["round_trip"], 50) * 1e3
+    print(f"| Ray's reused worker against a call on an open session | {r50:.1f} ms | | {s50:.1f} ms (session) "
+          f"| {r50 / s50:.2f}x |")
     first = theirs["first"] * 1e3
     print(f"| first task after ray.init | {first:.0f} ms | | {o50:.1f} ms | {first / o50:.0f}x |")
     print(f"| ray.init(num_gpus=4) | {theirs['init'] * 1e3:.0f} ms | | | |")

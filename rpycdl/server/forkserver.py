@@ -305,15 +305,21 @@ class _Server:
                     self.children[pid].status = status
 
     def _sweep(self) -> None:
-        """Kill what ended jobs left and what belongs to no live job; tell the ends of jobs now gone."""
+        """Kill what ended jobs left and what belongs to no live job; tell the ends of jobs now gone.
+
+        Everything a job started is in this process's subtree (it is a child subreaper): once a job process
+        has died, what it left is among this process's adopted children and their descendants, so no scan of
+        the whole of /proc is needed."""
+        adopted = [pid for pid in procs.children(os.getpid()) if pid not in self.children]
         live = {pid: each for pid, each in self.children.items() if each.status is None}
-        for pid in procs.children(os.getpid()):
-            if pid not in self.children and not any(_belongs(pid, job, each) for job, each in live.items()):
+        for pid in adopted:
+            if not any(_belongs(pid, job, each) for job, each in live.items()):
                 procs.kill([pid, *procs.subtree(pid)])
         for pid, each in list(self.children.items()):
             if each.status is None:
                 continue
-            left = procs.job_processes(each.job_id, (pid, each.start))
+            left = [found for stray in adopted if _belongs(stray, pid, each)
+                    for found in (stray, *procs.subtree(stray)) if procs.alive(found)]
             if left:
                 procs.kill(left)
                 continue
