@@ -15,6 +15,8 @@ from rpycdl.errors import (
     ArtifactStoreError,
     AuthFailedError,
     ConnectionDroppedError,
+    ConnectionFailedError,
+    ConnectionLostError,
     ContainerError,
     DiscoveryError,
     GPUMemoryExceededError,
@@ -32,6 +34,7 @@ from rpycdl.errors import (
     QueueTimeoutError,
     RemoteError,
     RpycdlError,
+    UploadTimeoutError,
     VersionMismatchError,
 )
 from rpycdl.gpu.inventory import simulate_memory
@@ -40,12 +43,11 @@ from rpycdl.states import JobState
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ContainerError",
-    "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError", "InvalidRequestError", "Job",
-    "JobCancelledError", "JobCrashedError",
-    "JobLostError", "JobNotFinishedError", "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError",
-    "NoInventoryError", "NotAllowedError", "QueueTimeoutError", "RemoteError", "RpycdlError", "Session",
-    "VersionMismatchError",
+    "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ConnectionFailedError",
+    "ConnectionLostError", "ContainerError", "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError",
+    "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
+    "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
+    "QueueTimeoutError", "RemoteError", "RpycdlError", "Session", "UploadTimeoutError", "VersionMismatchError",
     "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 
 class RpycdlError(Exception):
@@ -96,6 +97,62 @@ def require_extra(extra: str, *modules: str) -> None:
 
 class DiscoveryError(RpycdlError):
     """No live server of the requested service could be found."""
+
+
+class ConnectionFailedError(RpycdlError, ConnectionError):
+    """A server could not be reached (refused, unreachable, timed out, a host name that does not resolve),
+    or the connection to it broke: the message names its address. Also a ConnectionError (an OSError) whose
+    `errno` is the socket's, and the kind of OSError the socket raised where there was one
+    (ConnectionRefusedError, TimeoutError, socket.gaierror, ...: `connection_failed` makes it), so that code
+    catching those still does.
+
+    Attributes:
+        address: the server's (host, port).
+    """
+
+    _kind: type[OSError] | None = None  # the OSError subclass mixed in, by connection_failed
+
+    def __init__(self, message: str, address: tuple[str, int] | None = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.errno = errno  # without strerror: str() stays the message
+
+    def __str__(self) -> str:  # the message, whatever the kind mixed in says of its arguments
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        if self._kind is not None:
+            return connection_failed, (str(self), self.address, self._kind, self.errno)
+        return type(self), (str(self), self.address, self.errno)
+
+
+_KINDS: dict[type[OSError], type[ConnectionFailedError]] = {}
+
+
+def connection_failed(message: str, address: tuple[str, int] | None, kind: type[OSError] | None = None,
+                      errno: int | None = None) -> ConnectionFailedError:
+    """A ConnectionFailedError that is also a `kind` of OSError (the one a socket raised: ConnectionRefusedError,
+    TimeoutError, socket.gaierror, ...), so that code catching that kind still does."""
+    if kind is None or kind in (OSError, ConnectionError) or issubclass(kind, RpycdlError):
+        return ConnectionFailedError(message, address, errno)
+    if kind not in _KINDS:
+        try:
+            _KINDS[kind] = type("ConnectionFailedError", (ConnectionFailedError, kind),
+                                {"__module__": __name__, "__doc__": ConnectionFailedError.__doc__, "_kind": kind})
+        except TypeError:  # a kind whose layout does not mix: the plain one
+            return ConnectionFailedError(message, address, errno)
+    return _KINDS[kind](message, address, errno)
+
+
+class ConnectionLostError(ConnectionFailedError, EOFError):
+    """The connection to a server closed while a call waited for its answer (the server or its connection
+    process died, or the network dropped it): an attached job on it is cancelled with it. Also an EOFError,
+    as RPyC raises for a connection that ends."""
+
+
+class UploadTimeoutError(RpycdlError, TimeoutError):
+    """A job's outputs were still uploading to the artifact store when a download's timeout passed: try
+    again later (`rpycdl artifacts JOB` says where they stand)."""
 
 
 class RemoteError(RpycdlError):

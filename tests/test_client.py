@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import pickle
+import socket
 import time
 
 import pytest
-from helpers import Background, gate_job, open_gate
+from helpers import Background, gate_job, open_gate, wait_until
 
 import rpycdl
+from rpycdl.client import connect_to
 from rpycdl.registry import discover
 
 
@@ -111,11 +115,64 @@ def test_connect_direct_by_host_and_port(server):
     assert conn.closed
 
 
-def test_connect_direct_to_nothing_fails_with_oserror(tmp_path):
-    import socket
-
+def test_connect_direct_to_nothing_fails_naming_the_address_as_an_rpycdl_and_an_os_error():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, not listening: connections are refused
-        with pytest.raises(ConnectionRefusedError):
-            rpycdl.connect(host="127.0.0.1", port=port)
+        address = ("127.0.0.1", port)
+        for attempt in (lambda: rpycdl.connect(host="127.0.0.1", port=port),
+                        lambda: connect_to(address, None, None)):
+            with pytest.raises(ConnectionRefusedError) as info:  # what callers caught before, still caught
+                attempt()
+            error = info.value
+            assert isinstance(error, rpycdl.ConnectionFailedError) and isinstance(error, rpycdl.RpycdlError)
+            assert isinstance(error, ConnectionError) and error.errno == errno.ECONNREFUSED
+            assert error.address == address and str(error).startswith(f"cannot reach the server at 127.0.0.1:{port}: ")
+            assert "Connection refused" in str(error) and not isinstance(error, EOFError)
+            assert pickle.loads(pickle.dumps(error)).address == address  # as a worker process hands it back
+        with pytest.raises(rpycdl.InvalidRequestError, match=rf"no server knows job '0123456789ab'; could not ask "
+                                                             rf"127\.0\.0\.1:{port} \(cannot reach the server"):
+            rpycdl.job("0123456789ab", host="127.0.0.1", port=port)
+    with pytest.raises(rpycdl.ConnectionFailedError, match="cannot reach the server at no-such-host.invalid:18861") \
+            as unresolved:
+        rpycdl.connect(host="no-such-host.invalid")
+    assert isinstance(unresolved.value, socket.gaierror)
+
+
+def test_a_connection_that_drops_fails_naming_the_server_and_a_job_handle_whose_server_is_gone(cluster, connect):
+    process, port = cluster.add_server("pytorch", "fake:1")
+    conn = connect(port)
+
+    def kill_my_connection_process(_):
+        import os
+        import signal
+
+        os.kill(os.getppid(), signal.SIGKILL)
+
+    with pytest.raises(rpycdl.ConnectionLostError) as info:
+        conn.root.run_code(kill_my_connection_process)
+    lost = info.value
+    assert isinstance(lost, EOFError) and isinstance(lost, ConnectionError) and isinstance(lost, rpycdl.RpycdlError)
+    assert lost.address == ("127.0.0.1", port)
+    assert str(lost).startswith(f"the connection to the server at 127.0.0.1:{port} was lost while calling run_buffers")
+    with pytest.raises(rpycdl.ConnectionFailedError, match=f"127.0.0.1:{port}"):
+        conn.root.gpu_status()  # the same connection, closed
+
+    other = connect(port)
+    job = other.root.submit_command(["true"])
+    assert job.wait(30).finished
+    other.close()
+    process.popen.kill()
+    process.popen.wait()
+    wait_until(lambda: not _listening(port), 10, "the killed server's port to refuse connections")
+    for call in (job.status, job.wait, lambda: list(job.logs()), job.artifacts, job.download):
+        with pytest.raises(rpycdl.ConnectionFailedError, match=f"cannot reach the server at 127.0.0.1:{port}"):
+            call()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True

@@ -1,12 +1,15 @@
 """A client's connection to one server: the socket, the authentication the server asks for, and
-RPyC on top, with the server's first reply checked for a refusal or a greeting."""
+RPyC on top, with the server's first reply checked for a refusal or a greeting; the connection's
+failures (OSError, EOFError) as errors that name the server (`reported`)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import ssl
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import rpyc
@@ -14,7 +17,14 @@ from rpyc.core import netref
 from rpyc.core.channel import Channel
 
 from rpycdl.defaults import CONNECT_TIMEOUT
-from rpycdl.errors import AuthFailedError, ConnectionDroppedError
+from rpycdl.errors import (
+    AuthFailedError,
+    ConnectionDroppedError,
+    ConnectionFailedError,
+    ConnectionLostError,
+    RpycdlError,
+    connection_failed,
+)
 from rpycdl.security import auth, tls
 from rpycdl.wire.stream import BulkSocketStream
 
@@ -91,6 +101,7 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
         AuthFailedError: the server and this client could not authenticate each other.
         LimitError: the server refused the connection (--max-connections).
         ConnectionDroppedError: the server kept dropping it for `timeout` seconds.
+        ConnectionFailedError: the server could not be reached.
     """
     deadline, pause, tries = time.monotonic() + timeout, RETRY_PAUSE, 1
     while True:
@@ -98,27 +109,57 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
             return _connect(host, port, config, secret, tls_context)
         except ConnectionDroppedError as exc:
             if time.monotonic() + pause > deadline:
-                raise ConnectionDroppedError(f"{exc}; {tries} tries in {timeout:g} s: the server is busy with "
-                                             "connections still authenticating") from None
+                raise ConnectionDroppedError(f"{exc}; {tries} tries in {timeout:g} s: the server at {host}:{port} is "
+                                             "busy with connections still authenticating") from None
             time.sleep(pause * random.uniform(0.5, 1.5))
             pause, tries = min(2 * pause, RETRY_PAUSE_MAX), tries + 1
 
 
 def _connect(host: str, port: int, config: dict[str, Any], secret: bytes | None,
              tls_context: ssl.SSLContext | None) -> rpyc.Connection:
-    sock = BulkSocketStream._connect(host, port, nodelay=True)
-    try:
-        if secret is not None or tls_context is not None:
-            sock = _authenticate(sock, host, secret, tls_context)
-        conn = rpyc.connect_channel(Channel(ClientSocketStream(sock), compress=False), service=_ClientService,
-                                    config=config)
+    with reported((host, port), "connecting"):
+        sock = BulkSocketStream._connect(host, port, nodelay=True)
         try:
-            conn.root  # noqa: B018 - the first request: the server may still refuse our certificate
-        except EOFError as exc:
-            if isinstance(exc.__cause__, ssl.SSLError) and not isinstance(exc.__cause__, ssl.SSLEOFError):
-                raise tls.explain(exc.__cause__, host) from None
-            raise ConnectionDroppedError(f"the server closed the connection before its first answer ({exc})") from None
-    except BaseException:
-        sock.close()
-        raise
+            if secret is not None or tls_context is not None:
+                sock = _authenticate(sock, host, secret, tls_context)
+            conn = rpyc.connect_channel(Channel(ClientSocketStream(sock), compress=False), service=_ClientService,
+                                        config=config)
+            try:
+                conn.root  # noqa: B018 - the first request: the server may still refuse our certificate
+            except EOFError as exc:
+                if isinstance(exc.__cause__, ssl.SSLError) and not isinstance(exc.__cause__, ssl.SSLEOFError):
+                    raise tls.explain(exc.__cause__, host) from None
+                raise ConnectionDroppedError(f"the server closed the connection before its first answer ({exc})") \
+                    from None
+        except BaseException:
+            sock.close()
+            raise
     return conn
+
+
+@contextlib.contextmanager
+def reported(address: tuple[str, int], during: str) -> Iterator[None]:
+    """Raise the OSError or EOFError of the connection to `address` as ConnectionFailedError (an OSError too)
+    or ConnectionLostError (an EOFError too), naming the server and what the client was doing (`during`:
+    "connecting", or "calling NAME"). RpycdlErrors, and errors the server raised that RPyC re-raises here, pass
+    as they are."""
+    try:
+        yield
+    except (OSError, EOFError) as exc:
+        if isinstance(exc, RpycdlError) or hasattr(exc, "_remote_tb"):  # ours, or the server's own
+            raise
+        raise _failure(exc, address, during) from exc
+
+
+def _failure(exc: OSError | EOFError, address: tuple[str, int], during: str) -> ConnectionFailedError:
+    """What the client says of a connection's failure."""
+    where = f"{address[0]}:{address[1]}"
+    reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc) or "connection closed"
+    errno = exc.errno if isinstance(exc, OSError) else None
+    if during == "connecting" and isinstance(exc, OSError):
+        return connection_failed(f"cannot reach the server at {where}: {reason} (is it running, and is that its "
+                                 "address? `rpycdl status` lists the servers the registry knows)", address, type(exc),
+                                 errno)
+    return ConnectionLostError(f"the connection to the server at {where} was lost while {during}: {reason} (the "
+                               "server or its connection process ended, or the network dropped it: its log tells)",
+                               address, errno)

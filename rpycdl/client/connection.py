@@ -16,10 +16,11 @@ from rpyc.core import consts
 
 from rpycdl.artifacts import workdir
 from rpycdl.artifacts.manifest import Manifests
+from rpycdl.client import channel
 from rpycdl.client.jobs import Job
 from rpycdl.client.session import Session, sink
 from rpycdl.defaults import MIN_MAX_PAYLOAD
-from rpycdl.errors import InvalidRequestError, LimitError
+from rpycdl.errors import ConnectionFailedError, InvalidRequestError, LimitError
 from rpycdl.security import auth
 from rpycdl.wire import bulk, codec, stream
 
@@ -49,7 +50,7 @@ class RemoteRoot:
             return
         if self._max_payload is None:
             try:
-                self._max_payload = int(json.loads(call(self._conn, "limits"))["max_payload"])
+                self._max_payload = int(json.loads(self._connection.call("limits"))["max_payload"])
             except AttributeError:  # a server from before limits: it checks nothing either
                 self._max_payload = sys.maxsize
         if size > self._max_payload:
@@ -84,7 +85,8 @@ class RemoteRoot:
 
         Raises:
             The job's own exception (same type where it can be rebuilt here, else RemoteError),
-            with the remote traceback in `remote_traceback`; or an RpycdlError subclass.
+            with the remote traceback in `remote_traceback`; or an RpycdlError subclass: among them
+            ConnectionLostError (also an EOFError) when the connection drops, which cancels the job.
             KeyboardInterrupt cancels the job: the connection is closed.
 
         Large bytes, bytearrays and NumPy arrays, in `args` or in the value, travel beside the call
@@ -104,7 +106,7 @@ class RemoteRoot:
             if outcome is None:  # a server from before run_buffers: everything in band
                 if buffers:
                     payload = codec.encode_payload(fn, args)
-                outcome = call(self._conn, "run", payload, *options, *share)
+                outcome = self._connection.call("run", payload, *options, *share)
         except KeyboardInterrupt:
             stream.close_now(self._conn)  # the server sees the client go and cancels the job
             raise
@@ -118,7 +120,7 @@ class RemoteRoot:
             return None
         sock = bulk.bulk_socket(self._conn)
         try:
-            return call(self._conn, "run_buffers", payload, layout,
+            return self._connection.call("run_buffers", payload, layout,
                         (lambda: self._send(sock, buffers)) if buffers else None,
                         lambda result: received.extend(self._receive(sock, result)), *options)
         except AttributeError as exc:
@@ -160,8 +162,8 @@ class RemoteRoot:
         err = stderr if stderr is not None else sys.stderr
         state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
         try:
-            outcome = call(self._conn, "run_container", image, command, ngpus, env, workdir, mounts, sink(out),
-                            sink(err), timeout, queue_timeout, state_cb)
+            outcome = self._connection.call("run_container", image, command, ngpus, env, workdir, mounts, sink(out),
+                                            sink(err), timeout, queue_timeout, state_cb)
         except KeyboardInterrupt:
             stream.close_now(self._conn)
             raise
@@ -187,7 +189,7 @@ class RemoteRoot:
 
     def gpu_status(self) -> dict[str, Any]:
         """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
-        return json.loads(call(self._conn, "gpu_status"))
+        return json.loads(self._connection.call("gpu_status"))
 
     # -- detached jobs, and the host's ledger ------------------------------------------
 
@@ -211,7 +213,7 @@ class RemoteRoot:
         payload = codec.encode_payload(fn, args)
         self._check_size(len(payload))
         digest = self._working_dir(working_dir)
-        return self._submitted(call(self._conn, "submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
+        return self._submitted(self._connection.call("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
                                     name, digest))
 
     def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
@@ -220,7 +222,7 @@ class RemoteRoot:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         digest = self._working_dir(working_dir)
-        return self._submitted(call(self._conn, "submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
+        return self._submitted(self._connection.call("submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
                                     queue_timeout, name, digest))
 
     def _working_dir(self, directory: str | os.PathLike[str] | None) -> str | None:
@@ -230,13 +232,13 @@ class RemoteRoot:
         that content hash, which the job's request names; None for none."""
         if directory is None:
             return None
-        limits = json.loads(call(self._conn, "limits"))
+        limits = json.loads(self._connection.call("limits"))
         if "max_working_dir" not in limits:
             raise InvalidRequestError("this server predates working directories: upgrade it, or run without one")
         scanned = workdir.scan(directory, limits["max_working_dir"])
         manifests, server = Manifests(), "{}:{}".format(*self._connection.address)
         known = manifests.known(scanned, server)
-        if known is not None and call(self._conn, "has_working_dir", known):
+        if known is not None and self._connection.call("has_working_dir", known):
             return known
         sock, sent = bulk.bulk_socket(self._conn), {}
         racy = manifests.racy(scanned)
@@ -248,7 +250,7 @@ class RemoteRoot:
                 except InvalidRequestError as exc:
                     sent["error"] = exc
 
-        digest = codec.decode_outcome(call(self._conn, "put_working_dir", None, scanned.size, send))
+        digest = codec.decode_outcome(self._connection.call("put_working_dir", None, scanned.size, send))
         if "error" in sent:
             raise sent["error"]
         manifests.remember(scanned, server, digest, sent["racy"])
@@ -260,7 +262,7 @@ class RemoteRoot:
                          queue_timeout: float | None = None) -> Job:
         """Submit a command in a container of `image` as a detached job (the generic `deeplearning`
         server only); arguments as for run_container, and `name` as for submit."""
-        return self._submitted(call(self._conn, "submit_container", image, list(command), ngpus, env, workdir,
+        return self._submitted(self._connection.call("submit_container", image, list(command), ngpus, env, workdir,
                                     mounts, timeout, queue_timeout, name))
 
     def _submitted(self, outcome: bytes) -> Job:
@@ -272,7 +274,7 @@ class RemoteRoot:
         Raises:
             InvalidRequestError: no such job.
         """
-        return Job(codec.decode_outcome(call(self._conn, "job", ref)), self._connection)
+        return Job(codec.decode_outcome(self._connection.call("job", ref)), self._connection)
 
     def jobs(self, *, all: bool = False, users: list[str] | None = None, states: list[str] | None = None,
              since: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -289,7 +291,7 @@ class RemoteRoot:
         query = {key: value for key, value in
                  {"all": all, "users": users, "states": states, "since": since, "limit": limit}.items()
                  if value is not None}
-        return codec.decode_outcome(call(self._conn, "jobs", query))
+        return codec.decode_outcome(self._connection.call("jobs", query))
 
     def cancel(self, ref: str) -> str:
         """Cancel a pending or running job by id or name; returns its state when the request was made.
@@ -298,7 +300,7 @@ class RemoteRoot:
             NotAllowedError: the job is another user's, and this user is no admin.
             InvalidRequestError: the server's host has no such job.
         """
-        return codec.decode_outcome(call(self._conn, "cancel", ref))
+        return codec.decode_outcome(self._connection.call("cancel", ref))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn.root, name)
@@ -321,13 +323,15 @@ class Connection:
         user = getpass.getuser()
         user = user if auth.is_user_name(user) else "unknown"
         # Not waited for: the server handles it before any request sent after it.
-        self._identity: rpyc.AsyncResult | dict[str, Any] = conn.async_request(
-            consts.HANDLE_CALLATTR, conn.root, "identify", (user,), ())
+        with channel.reported(address, "calling identify"):
+            self._identity: rpyc.AsyncResult | dict[str, Any] = conn.async_request(
+                consts.HANDLE_CALLATTR, conn.root, "identify", (user,), ())
 
     @property
     def identity(self) -> dict[str, Any]:
         if not isinstance(self._identity, dict):
-            self._identity = json.loads(self._identity.value)
+            with channel.reported(self.address, "calling identify"):
+                self._identity = json.loads(self._identity.value)
         return self._identity
 
     @property
@@ -339,13 +343,24 @@ class Connection:
         stream.close_now(self._conn)
 
     def call(self, name: str, *args: Any) -> Any:
-        """The server's answer to `conn.root.<name>(*args)`, as it sent it."""
-        return call(self._conn, name, *args)
+        """The server's answer to `conn.root.<name>(*args)`, as it sent it.
+
+        Raises:
+            ConnectionLostError: the connection closed before the answer came (also an EOFError).
+            ConnectionFailedError: the connection failed otherwise (also an OSError).
+        """
+        with channel.reported(self.address, f"calling {name}"):
+            return call(self._conn, name, *args)
 
     def reopen(self) -> Connection:
-        """A new connection to the same server, with the same credentials."""
+        """A new connection to the same server, with the same credentials.
+
+        Raises:
+            ConnectionFailedError: the server cannot be reached, or this connection cannot be reopened.
+        """
         if self._reopen is None:
-            raise OSError(f"the connection to {self.address[0]}:{self.address[1]} is closed")
+            raise ConnectionFailedError(f"the connection to the server at {self.address[0]}:{self.address[1]} is "
+                                        "closed", self.address)
         return self._reopen()
 
     def __enter__(self) -> Connection:

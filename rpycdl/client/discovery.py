@@ -43,6 +43,8 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
             server of the service, or none of them answered.
         AuthFailedError: client and server could not authenticate each other.
         LimitError: the server refused the connection (--max-connections).
+        ConnectionFailedError: with host=, the server could not be reached (also a ConnectionError); the
+            message names its address.
         InvalidRequestError: neither a service nor a host was given, or unusable credentials.
     """
     settings = credentials.resolve(secret_file=secret_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
@@ -57,7 +59,11 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
 
 def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.SSLContext | None) -> Connection:
     """Connect to the server at `address` with credentials already loaded (connect() loads them;
-    a command talking to many servers loads them once)."""
+    a command talking to many servers loads them once).
+
+    Raises:
+        ConnectionFailedError, AuthFailedError, LimitError: as for connect(host=...).
+    """
     return Connection(channel.connect(*address, CLIENT_CONFIG, secret, tls_context), address,
                       functools.partial(connect_to, address, secret, tls_context))
 
@@ -92,14 +98,17 @@ def _discover(service: str, registry_address: str | None, secret: bytes | None,
                              "lists every server the registry knows)")
     best: tuple[tuple[int, int], rpyc.Connection, tuple[str, int]] | None = None
     refused: list[tuple[tuple[str, int], AuthFailedError | LimitError]] = []
+    down: list[str] = []
     for address in addresses:
         try:
             conn = channel.connect(*address, CLIENT_CONFIG, secret, tls_context)
-            free, waiting, _ = call(conn, "load")
+            with channel.reported(address, "calling load"):
+                free, waiting, _ = call(conn, "load")
         except (AuthFailedError, LimitError) as exc:  # a server that cannot prove itself gets nothing
             refused.append((address, exc))
             continue
-        except (OSError, EOFError):
+        except (OSError, EOFError) as exc:
+            down.append(str(exc))
             continue
         score = (-free, waiting)
         if best is None or score < best[0]:
@@ -113,7 +122,7 @@ def _discover(service: str, registry_address: str | None, secret: bytes | None,
         raise error(f"no server of {service.upper()!r} let us in: "
                     + "; ".join(f"{host}:{port}: {exc}" for (host, port), exc in refused))
     if best is None:
-        raise DiscoveryError(f"every server of {service.upper()!r} is down: {list(addresses)}")
+        raise DiscoveryError(f"every server of {service.upper()!r} the registry knows is down: {'; '.join(down)}")
     return Connection(best[1], best[2], functools.partial(connect_to, best[2], secret, tls_context))
 
 
