@@ -30,8 +30,10 @@ def train(seconds: float) -> dict:
 
 def submit(name: str, results: dict) -> None:
     def on_state(state: str, info: dict) -> None:
-        if state == "pending":
-            print(f"[{name}] waiting for a free GPU ({info['ahead']} request(s) ahead of it)")
+        if state == "pending":  # behind the jobs holding the GPUs, and the requests before it in line
+            running = {holder["job_id"] for holder in info.get("holders", [])}
+            print(f"[{name}] waiting for a free GPU, behind {len(running)} running job(s) and {info['ahead']} "
+                  "queued request(s)")
         elif state == "running":
             print(f"[{name}] running on GPU {info['gpus']}")
 

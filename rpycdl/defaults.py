@@ -113,8 +113,12 @@ JOBS_SHOWN = 100
 """Jobs `rpycdl jobs` shows at most (the newest), unless given --limit."""
 
 JOB_WAIT_MAX = 10.0
-"""Seconds a server waits at most within one call for a job to end or its log to grow; clients
-call again (so a client that went away frees its connection soon)."""
+"""Seconds a server waits at most within one call for a job to end, its log to grow or its outputs to be
+uploaded; clients call again (so a client that went away frees its connection soon)."""
+
+UPLOAD_WAIT = 600.0
+"""Seconds `job.download()` and `rpycdl download` wait at most, by default, for a job's outputs still
+uploading to the artifact store after its end."""
 
 LOG_CHUNK = 1024**2
 """Bytes of a job's log one call reads at most."""

@@ -6,7 +6,11 @@ Real registry and servers on loopback; only the GPUs are simulated."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,11 +19,13 @@ from typing import Any
 
 import boto3
 import pytest
-from helpers import wait_until
+from helpers import cli_env, rpycdl_cli, wait_until
 from s3 import CREDENTIALS, moto_server
 
 import rpycdl
 from rpycdl import JobState
+from rpycdl.cli.common import EXIT_QUEUE_TIMEOUT
+from rpycdl.scheduler import procs
 
 
 def _make_leaver() -> Callable[[dict[str, Any]], str]:
@@ -162,3 +168,109 @@ def test_an_upload_that_fails_midway_lists_what_went_up(server, connect, lock_di
     retried = job.artifacts(retry=True)
     assert retried["state"] == "uploaded" and {"name": "sub/b.bin", "size": 9} in retried["files"]
     assert (prefix / "a.bin").read_text() == "a.bin" and (prefix / "sub" / "b.bin").read_text() == "sub/b.bin"
+
+
+def _make_one_file_leaver() -> Callable[[int], int]:
+    """A job that leaves one file, out-N.txt, in its output directory, and returns N."""
+
+    def leave_one(number: int) -> int:
+        import os
+
+        import rpycdl
+
+        with open(os.path.join(rpycdl.output_dir(), f"out-{number}.txt"), "w") as out:
+            out.write(f"job {number}")
+        return number
+
+    return leave_one
+
+
+leave_one = _make_one_file_leaver()
+
+
+def test_a_download_straight_after_the_jobs_end_waits_for_its_upload(server, connect, tmp_path):
+    port = server("pytorch", "fake:2")
+    conn = connect(port)
+    errors, downloaded = [], []
+    for number in range(20):  # the README's sequence: wait() (or result()), then download()
+        job = conn.root.submit(leave_one, number)
+        if number % 2:
+            assert job.result(timeout=30) == number
+        else:
+            assert job.wait(30).state is JobState.SUCCEEDED
+        try:
+            written = job.download(tmp_path / str(number))
+        except rpycdl.RpycdlError as exc:
+            errors.append(f"job {job.id}: {exc!r}")
+            continue
+        downloaded.append([path.read_text() for path in written])
+    assert errors == []
+    assert downloaded == [[f"job {number}"] for number in range(20)]
+
+    where = ["--host", "127.0.0.1", "--port", str(port)]  # and on the command line: wait, then download
+    for number in range(3):
+        submitted = rpycdl_cli("submit", "pytorch", "-q", *where, "--", "sh", "-c",
+                               f'echo cli {number} > "$RPYCDL_OUTPUT_DIR/out.txt"')
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip()
+        waited = rpycdl_cli("wait", job_id, *where)
+        assert waited.returncode == 0, waited.stderr
+        fetched = rpycdl_cli("download", job_id, str(tmp_path / f"cli-{number}"), *where)
+        assert fetched.returncode == 0, fetched.stderr
+        assert (tmp_path / f"cli-{number}" / "out.txt").read_text() == f"cli {number}\n"
+
+
+def _owned_by(lock_dir: str, job_id: str, pid: int, start: int) -> None:
+    """Make `pid` (started at `start`) the owner of a finished job's row, in its host's ledger file."""
+    with contextlib.closing(sqlite3.connect(Path(lock_dir) / "state" / "ledger.sqlite3")) as db, db:
+        db.execute("UPDATE jobs SET owner_pid = ?, owner_start = ? WHERE job_id = ?", (pid, start, job_id))
+
+
+def test_a_download_waits_while_the_outputs_upload_up_to_its_timeout(server, connect, lock_dir, tmp_path):
+    port = server("pytorch", "fake:2")
+    conn = connect(port)
+    job = conn.root.submit(leave_one, 7)
+    assert job.wait(30).state is JobState.SUCCEEDED and uploaded(job)["state"] == "uploaded"
+    # As between a job's end and the end of its upload: its owner (this process, here) alive, its output
+    # directory there with what it left.
+    output = Path(lock_dir) / "state" / "jobs" / job.id / "output"
+    output.mkdir()
+    (output / "late.txt").write_text("late")
+    me = procs.stat(os.getpid())
+    assert me is not None
+    _owned_by(lock_dir, job.id, os.getpid(), me.start)
+    assert job.artifacts()["state"] == "uploading"
+    with pytest.raises(rpycdl.UploadTimeoutError, match=rf"job {job.id}'s outputs are still uploading to the artifact "
+                                                        r"store after 0\.5 s: try again later") as info:
+        job.download(tmp_path / "early", timeout=0.5)
+    assert isinstance(info.value, TimeoutError)
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    late = rpycdl_cli("download", job.id, str(tmp_path / "late"), "--timeout", "1", *where)
+    assert late.returncode == EXIT_QUEUE_TIMEOUT, late.stderr
+    said = late.stderr.splitlines()
+    assert said[0] == (f"rpycdl download: job {job.id}'s outputs are still uploading to the artifact store: waiting "
+                       "for them (up to 1 s)")
+    assert said[-1].startswith(f"rpycdl download: job {job.id}'s outputs are still uploading to the artifact store "
+                               "after 1 s"), late.stderr
+
+    waiting = subprocess.Popen([sys.executable, "-m", "rpycdl", "download", job.id, str(tmp_path / "cli"), *where],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        assert "waiting for them" in waiting.stderr.readline()  # it said so, then waits
+        shutil.rmtree(output)  # what the end of an upload does with the directory: it downloads now
+        out, err = waiting.communicate(timeout=60)
+    finally:
+        waiting.kill()
+        waiting.wait()
+    assert waiting.returncode == 0, err
+    assert (tmp_path / "cli" / "out-7.txt").read_text() == "job 7" and "1 file(s)" in out
+
+    output.mkdir()  # an owner that died before uploading: failed, and a retry sends what it left
+    (output / "late.txt").write_text("late")
+    child = subprocess.Popen(["true"])
+    child.wait()
+    _owned_by(lock_dir, job.id, child.pid, 1)
+    entry = job.artifacts()
+    assert entry["state"] == "failed" and f"rpycdl artifacts {job.id} --retry" in entry["error"]
+    retried = job.artifacts(retry=True)
+    assert retried["state"] == "uploaded" and [f["name"] for f in retried["files"]] == ["late.txt", "out-7.txt"]

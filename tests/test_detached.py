@@ -172,7 +172,7 @@ def test_bad_requests_get_clear_errors_and_change_nothing(two, tmp_path):
             conn.root.job(ref)
     with pytest.raises(rpycdl.InvalidRequestError, match="asked for 3 GPUs but this server has 2"):
         conn.root.submit(TALKER, {}, ngpus=3)
-    with pytest.raises(rpycdl.InvalidRequestError, match="timeout must be a positive number"):
+    with pytest.raises(rpycdl.InvalidRequestError, match="timeout=-1: must be a positive number"):
         conn.root.submit(TALKER, {}, timeout=-1)
     with pytest.raises(rpycdl.InvalidRequestError, match="a command is a non-empty list of strings"):
         conn.root.submit_command([])
@@ -209,7 +209,8 @@ def test_cancel_of_a_waiting_and_a_running_job(two, tmp_path):
     waiting = conn.root.submit(TALKER, {"dir": str(tmp_path)}, ngpus=1)
     wait_state(holder, JobState.RUNNING)
     status = wait_state(waiting, JobState.PENDING)
-    assert status.ahead == 0 and str(status) == "PENDING (0 ahead)"
+    assert status.ahead == 0 and str(status) == "PENDING (behind 1 running job and 0 queued requests)"
+    assert {(holder["job_id"], holder["gpu"]) for holder in status.holders} == {(holder.id, 0), (holder.id, 1)}
     assert waiting.cancel().state is JobState.PENDING
     assert waiting.wait(5).state is JobState.CANCELLED
     with pytest.raises(rpycdl.JobCancelledError):

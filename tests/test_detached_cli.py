@@ -97,7 +97,7 @@ def test_submit_with_a_name_and_a_share_then_logs_follow_to_the_end_and_tail(hos
                            sys.executable, "-c", script)
     assert submitted.returncode == 0, submitted.stderr
     shown = re.fullmatch(rf"job ([0-9a-f]{{12}}) \(follow-me\) submitted to pytorch on 127\.0\.0\.1:{conn.address[1]}: "
-                         r"(PENDING \(0 ahead\)|RUNNING)\n", submitted.stdout)
+                         r"(PENDING \(behind \d running jobs? and 0 queued requests\)|RUNNING)\n", submitted.stdout)
     assert shown, submitted.stdout
     job = conn.root.job("follow-me")
     assert job.id == shown.group(1) and job.name == "follow-me"

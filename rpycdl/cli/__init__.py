@@ -13,8 +13,8 @@ from typing import Any
 
 from rpycdl import __version__
 from rpycdl.cli import jobs, monitor, run, serving, status
-from rpycdl.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, exit_code, os_error
-from rpycdl.errors import RpycdlError
+from rpycdl.cli.common import EXIT_FAILED, EXIT_INTERRUPTED, exit_code, in_flags, os_error
+from rpycdl.errors import InvalidRequestError, RpycdlError
 from rpycdl.site import cli as site_cli
 
 COMMANDS = {**serving.COMMANDS, **monitor.COMMANDS, **status.COMMANDS, **run.COMMANDS, **jobs.COMMANDS,
@@ -40,7 +40,9 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str, description: str, **options: Any) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=text, description=description, parents=[verbose], **options)
+        sub = commands.add_parser(name, help=text, description=description, parents=[verbose], **options)
+        sub.set_defaults(subparser=sub)  # for main's word on arguments it does not know
+        return sub
 
     serving.add_commands(command)
     monitor.add_commands(command)
@@ -55,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the rpycdl command; returns the exit code (rpycdl.cli.common)."""
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    args = parser().parse_args(argv[:split])
+    args, unknown = parser().parse_known_args(argv[:split])
     args.argv = argv[split + 1:]  # `rpycdl run`'s and `rpycdl submit`'s command
+    if unknown:
+        _unrecognized(args, unknown)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
@@ -66,13 +70,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rpycdl {args.command}: {INTERRUPTED.get(args.command, 'interrupted')}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except RpycdlError as exc:
-        print(f"rpycdl {args.command}: {exc}", file=sys.stderr)
+        print(f"rpycdl {args.command}: {in_flags(str(exc)) if isinstance(exc, InvalidRequestError) else exc}",
+              file=sys.stderr)
         return exit_code(exc)
     except (OSError, EOFError) as exc:  # the network or the machine, not a bug of ours: one line
         if args.verbose:
             logging.getLogger("rpycdl.cli").exception("rpycdl %s failed", args.command)
         print(f"rpycdl {args.command}: {os_error(exc)}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _unrecognized(args: argparse.Namespace, unknown: list[str]) -> None:
+    """Exit with the usage of the subcommand given arguments it does not know (argparse's exit code 2); for run
+    and submit without `--`, saying that the command goes after one."""
+    words = " ".join(unknown)
+    if args.command in ("run", "submit") and not args.argv:
+        args.subparser.error(f"unrecognized arguments: {words}; put -- before the command to run: "
+                             f"rpycdl {args.command} {args.service} [options] -- {words}")
+    args.subparser.error(f"unrecognized arguments: {words}")
 
 
 def _terminate(*_: Any) -> None:

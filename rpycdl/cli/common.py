@@ -1,12 +1,14 @@
 """What the `rpycdl` subcommands share: exit codes, the flags of the commands that talk to servers,
-and finding those servers (registry or --host) with the command's credentials."""
+finding those servers (registry or --host) with the command's credentials, servers' refusals in the
+words of flags, and tables."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rpycdl.client import Connection, connect_to, credentials
@@ -29,6 +31,7 @@ from rpycdl.errors import (
     LimitError,
     QueueTimeoutError,
     RpycdlError,
+    UploadTimeoutError,
 )
 from rpycdl.units import format_size
 
@@ -40,8 +43,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 """Bad arguments, or a request no server can ever serve (InvalidRequestError); argparse's own code."""
 EXIT_QUEUE_TIMEOUT = 75
-"""The GPUs were not granted within --queue-timeout, or a job has not ended yet (sysexits' EX_TEMPFAIL:
-try again later)."""
+"""The GPUs were not granted within --queue-timeout, a job has not ended yet, or its outputs are still
+uploading (sysexits' EX_TEMPFAIL: try again later)."""
 EXIT_JOB_TIMEOUT = 124
 """`rpycdl run`: the command ran past --timeout and was stopped (what timeout(1) exits with)."""
 EXIT_INTERRUPTED = 130
@@ -128,9 +131,42 @@ def exit_code(exc: RpycdlError) -> int:
     """The exit code of a command that failed with `exc` (RUN_EXIT_CODES)."""
     if isinstance(exc, JobTimeoutError):
         return EXIT_JOB_TIMEOUT
-    if isinstance(exc, (QueueTimeoutError, JobNotFinishedError)):
+    if isinstance(exc, (QueueTimeoutError, JobNotFinishedError, UploadTimeoutError)):
         return EXIT_QUEUE_TIMEOUT
     return EXIT_USAGE if isinstance(exc, InvalidRequestError) else EXIT_FAILED
+
+
+FLAGS = {"ngpus": "--ngpus", "gpus": "--gpus", "gpu_memory": "--gpu-memory", "timeout": "--timeout",
+         "queue_timeout": "--queue-timeout", "working_dir": "--working-dir", "name": "--name"}
+"""The flag of each request argument that a server's refusal may name (shares, request: as `gpu_memory='6GiB'`)."""
+
+_ARGUMENT = re.compile(r"(?<![\w.-])(" + "|".join(FLAGS) + r")=('[^']*'|\"[^\"]*\"|[^\s,;:()]+)?")
+
+
+def in_flags(message: str) -> str:
+    """A refusal's words for a command line: each request argument it names as Python's `name=value` (or
+    `name=`) named by its flag instead, `gpu_memory='6GiB'` as `--gpu-memory 6GiB`, `ngpus=` as `--ngpus`."""
+    def flag(match: re.Match[str]) -> str:
+        value = match.group(2) or ""
+        if value[:1] in ("'", '"') and not any(space in value for space in " \t"):
+            value = value[1:-1]
+        return FLAGS[match.group(1)] + (f" {value}" if value else "")
+
+    return _ARGUMENT.sub(flag, message)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], widest: Sequence[int | None] = (),
+          indent: str = "") -> list[str]:
+    """Rows as lines of columns as wide as their widest cell, two spaces apart (the last one unpadded); a
+    cell over its column's `widest` (None: no limit) is cut to it, ending with '~'."""
+    def cut(cell: str, column: int) -> str:
+        limit = widest[column] if column < len(widest) else None
+        return cell if limit is None or len(cell) <= limit else cell[:limit - 1] + "~"
+
+    cells = [[cut(str(cell), column) for column, cell in enumerate(row)] for row in [header, *rows]]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(header) - 1)] + [0]
+    return [(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))).rstrip()
+            for row in cells]
 
 
 def os_error(exc: OSError | EOFError) -> str:

@@ -19,26 +19,38 @@ from rpycdl.cli.common import (
     EXIT_FAILED,
     EXIT_JOB_TIMEOUT,
     EXIT_QUEUE_TIMEOUT,
+    EXIT_USAGE,
     Command,
     each_server,
     need_text,
     report_unreached,
     server_flags,
     size_flags,
+    table,
     working_dir_flag,
 )
 from rpycdl.client import Job, connect, job
-from rpycdl.errors import InvalidRequestError, JobNotFinishedError, RpycdlError
+from rpycdl.client.jobs import waiting_behind
+from rpycdl.defaults import UPLOAD_WAIT
+from rpycdl.errors import ContainerError, InvalidRequestError, JobNotFinishedError, RpycdlError
 from rpycdl.security.auth import Identity
 from rpycdl.states import JobState
 from rpycdl.units import format_duration, format_size, parse_duration
 
-WAIT_EXIT_CODES = f"""exit codes:
+WAIT_EXIT_CODES = f"""exit codes (of wait, and of result once it has the job's outcome):
   0     the job succeeded
   N     a command's own exit code (128+N when signal N killed it)
-  {EXIT_FAILED}     the job failed, was cancelled or was lost, or no server knows it
-  {EXIT_QUEUE_TIMEOUT}    its GPUs were not granted within its queue timeout
+  {EXIT_FAILED}     the job failed, was cancelled or was lost, or no server could be reached
+  {EXIT_USAGE}     no server knows the job, or bad arguments
+  {EXIT_QUEUE_TIMEOUT}    its GPUs were not granted within its queue timeout, or it has not ended yet (wait
+        --timeout passed first; result --no-wait)
   {EXIT_JOB_TIMEOUT}   it ran past its timeout and was stopped"""
+
+DOWNLOAD_EXIT_CODES = f"""exit codes:
+  0     the files were downloaded
+  {EXIT_FAILED}     the download failed, or no server could be reached
+  {EXIT_USAGE}     no server knows the job, it has no uploaded artifacts, or bad arguments
+  {EXIT_QUEUE_TIMEOUT}    its outputs were still uploading when --timeout passed: try again later"""
 
 
 def add_commands(command: Command) -> None:
@@ -52,7 +64,8 @@ def add_commands(command: Command) -> None:
             ("wait", "wait for a job to end; exit with its exit code", "Wait until a job has ended, print how it "
              "ended, and exit with its exit code (see below)."),
             ("result", "print or save a job's returned value", "Print what a job returned (its exit code, for a "
-             "command), or save it with --output; for a job that raised, print its exception and exit with "
+             "command), or save it with --output, and exit as rpycdl wait does (below): with a command's exit code, "
+             f"so non-zero for one that failed; for a job that raised, print its exception and exit with "
              f"{EXIT_FAILED}. Waits for the job to end unless --no-wait."),
             ("cancel", "cancel a pending or running job", "Cancel a job that has not ended: your own job, or "
              "anyone's with an admin certificate. A waiting job leaves the queue; a running one is stopped."),
@@ -64,13 +77,17 @@ def add_commands(command: Command) -> None:
              "--retry tries again."),
             ("download", "download a job's artifacts", "Download a job's artifacts into DEST (default: the current "
              "directory), keeping their names, through its server (the store's credentials stay there); a "
-             "progress bar on a terminal.")):
-        sub = command(name, text, description, epilog=WAIT_EXIT_CODES if name == "wait" else None,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+             "progress bar on a terminal. Right after the job's end its outputs are still uploading to the store: "
+             "it says so on stderr and waits for them, up to --timeout.")):
+        epilog = {"wait": WAIT_EXIT_CODES, "result": WAIT_EXIT_CODES, "download": DOWNLOAD_EXIT_CODES}.get(name)
+        sub = command(name, text, description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("job", help="the job's id, or the name you gave it")
         if name == "download":
             sub.add_argument("dest", nargs="?", default=".", help="where the files go (default: here)")
             sub.add_argument("--pattern", default=None, metavar="GLOB", help="only names matching, such as '*.pt'")
+            sub.add_argument("--timeout", type=float, default=UPLOAD_WAIT, metavar="SECONDS",
+                             help="wait this long at most for outputs still uploading (default: %(default)g; exit "
+                                  f"code {EXIT_QUEUE_TIMEOUT} after it)")
             sub.add_argument("--service", default=None, help="ask only servers of this service")
         else:
             sub.add_argument("service", nargs="?", default=None, help="ask only servers of this service")
@@ -187,25 +204,24 @@ def _jobs(args: argparse.Namespace) -> int:
 
 def format_jobs(rows: list[dict[str, Any]], now: float) -> str:
     """Jobs as a table: id, name, state, owner, service, what they asked for, when, how long they waited
-    and ran, and why they ended."""
-    header = (f"{'ID':<13}{'NAME':<16}{'STATE':<10}{'USER':<20}{'SERVICE':<12}{'GPUS':<18}{'SUBMITTED':<17}"
-              f"{'WAITED':<8}{'RAN':<8}INFO")
-    lines = [header]
+    and ran, and why they ended (or, waiting, what they wait behind)."""
+    cells = []
     for row in rows:
         started, ended = row["started"], row["ended"]
         waited = format_duration((started or ended or now) - row["submitted"])
         ran = format_duration((ended or now) - started) if started else "-"
-        gpus = need_text(row["ngpus"], row["share_bytes"])
-        user = Identity(row["user"], row["user_verified"]).label
         info = row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
+        if row["state"] == JobState.PENDING.value and row.get("ahead") is not None:
+            info = waiting_behind(row["ahead"], row.get("holders"))
         if not row["detached"]:
             info = "attached" + (f" from {row['client']}" if "client" in row else "") + (f"; {info}" if info else "")
-        submitted = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["submitted"]))
-        lines.append(f"{row['job_id']:<13}{(row.get('name') or '-')[:15]:<16}{row['state']:<10}{user[:19]:<20}"
-                     f"{row['service'][:11]:<12}{gpus:<18}{submitted:<17}{waited:<8}{ran:<8}{info[:80]}")
-    if not rows:
-        lines.append("(no jobs)")
-    return "\n".join(lines)
+        user = Identity(row["user"], row["user_verified"]).label
+        cells.append([row["job_id"], row.get("name") or "-", row["state"], user, row["service"],
+                      need_text(row["ngpus"], row["share_bytes"]),
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(row["submitted"])), waited, ran, info])
+    header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN", "INFO"]
+    return "\n".join(table(header, cells, widest=[None, 24, None, 24, 16, None, None, None, None, 100])
+                     + ([] if rows else ["(no jobs)"]))
 
 
 def _find(args: argparse.Namespace) -> Job:
@@ -251,6 +267,9 @@ def _result(args: argparse.Namespace) -> int:
     except JobNotFinishedError as exc:
         print(f"rpycdl result: {exc}: wait for it with rpycdl wait {found.id}", file=sys.stderr)
         return EXIT_QUEUE_TIMEOUT
+    except ContainerError as exc:  # a container's non-zero exit: its code, as wait exits
+        print(f"rpycdl result: {exc}", file=sys.stderr)
+        return wait_exit_code(_ended(found))
     except RpycdlError:
         raise
     except Exception as exc:  # the job's own exception: its traceback, then one line
@@ -266,7 +285,12 @@ def _result(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(value)
     else:
         print(value if isinstance(value, str) else repr(value))
-    return 0
+    return wait_exit_code(_ended(found))  # a command's value is its exit code: non-zero, it failed
+
+
+def _ended(found: Job) -> dict[str, Any]:
+    """The row of a job known to have ended (its outcome came): the handle's, unless from before its end."""
+    return found.info if JobState(found.info["state"]).finished else found.refresh()
 
 
 def _cancel(args: argparse.Namespace) -> int:
@@ -299,11 +323,15 @@ def _artifacts(args: argparse.Namespace) -> int:
 def _download(args: argparse.Namespace) -> int:
     found = _find(args)
     entry = found.artifacts()
+    if entry["state"] == "uploading":  # the job has just ended
+        print(f"rpycdl download: job {found.id}'s outputs are still uploading to the artifact store: waiting for "
+              f"them (up to {args.timeout:g} s)", file=sys.stderr, flush=True)
+        entry = found.wait_artifacts(args.timeout)
     total = sum(artifact["size"] for artifact in entry["files"]
                 if args.pattern is None or fnmatch.fnmatch(artifact["name"], args.pattern))
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
               desc=f"job {found.id}") as bar:
-        written = found.download(args.dest, pattern=args.pattern, on_progress=bar.update)
+        written = found.download(args.dest, pattern=args.pattern, on_progress=bar.update, timeout=args.timeout)
     print(f"job {found.id}: {len(written)} file(s), {format_size(total)}, in {args.dest}")
     return 0
 

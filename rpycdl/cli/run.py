@@ -18,6 +18,7 @@ from rpycdl.cli.common import (
     working_dir_flag,
 )
 from rpycdl.client import connect
+from rpycdl.client.jobs import waiting_behind
 from rpycdl.errors import InvalidRequestError, RpycdlError
 from rpycdl.server.commands import run_command
 
@@ -60,19 +61,15 @@ def _run(args: argparse.Namespace) -> int:
 
     def on_state(state: str, info: dict[str, Any]) -> None:
         if state == "pending":
-            print(f"rpycdl run: job {info['job_id']} waits for its GPUs ({info['ahead']} request(s) ahead)",
-                  file=sys.stderr, flush=True)
+            print(f"rpycdl run: job {info['job_id']} waits for its GPUs, "
+                  f"{waiting_behind(info['ahead'], info.get('holders'))}", file=sys.stderr, flush=True)
         else:
             print(f"rpycdl run: job {info['job_id']} runs on GPU {','.join(map(str, info['gpus']))}",
                   file=sys.stderr, flush=True)
 
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
-    try:
-        conn = connect(**target, registry_address=args.registry, secret_file=args.secret_file,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
-    except OSError as exc:  # --host: a server that is not there (discovery says so itself)
-        raise RpycdlError(f"cannot reach the server at {args.host}:{args.port}: {exc.strerror or exc}") from None
-    with conn:
+    with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
+                 tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
         try:
             code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                       timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state,

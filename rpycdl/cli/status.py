@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from rpycdl.cli.common import EXIT_FAILED, Command, each_server, need_text, report_unreached, server_flags
+from rpycdl.cli.common import EXIT_FAILED, Command, each_server, need_text, report_unreached, server_flags, table
 from rpycdl.errors import RpycdlError
 from rpycdl.units import MiB, format_duration, format_size
 
@@ -48,10 +48,9 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
     lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}  "
              f"policy {scheduling['policy']}, placement {scheduling['placement']}, isolation: {isolation}, "
              f"preloaded: {preloaded}"]
-    lines.append(f"  {'GPU':<4}{'UUID':<42}{'NAME':<24}{'MEMORY USED':<22}HELD BY")
+    rows = []
     for gpu in status["gpus"]:
         used = "?" if gpu["memory_used"] is None else format_size(gpu["memory_used"])
-        memory = f"{used} / {format_size(gpu['memory_total'])}"
         holders = gpu["holders"]
         if not holders:
             who = "free"
@@ -60,9 +59,14 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
         else:
             granted = format_size(sum(holder["share_bytes"] for holder in holders))
             who = f"shared: {granted} of {format_size(gpu['memory_total'])} granted to {len(holders)} job(s)"
-        lines.append(f"  {gpu['index']:<4}{gpu['uuid']:<42}{gpu['name'][:23]:<24}{memory:<22}{who}")
-        if holders and holders[0]["share_bytes"]:
-            lines.extend(f"      {format_size(holder['share_bytes'])}: {_holder(holder, now)}" for holder in holders)
+        rows.append([str(gpu["index"]), gpu["uuid"], gpu["name"], f"{used} / {format_size(gpu['memory_total'])}", who])
+    header, *shown = table(["GPU", "UUID", "NAME", "MEMORY USED", "HELD BY"], rows, indent="  ")
+    lines.append(header)
+    for gpu, line in zip(status["gpus"], shown, strict=True):
+        lines.append(line)
+        if gpu["holders"] and gpu["holders"][0]["share_bytes"]:
+            lines.extend(f"      {format_size(holder['share_bytes'])}: {_holder(holder, now)}"
+                         for holder in gpu["holders"])
     if status["queue"]:
         lines.append(f"  waiting ({len(status['queue'])}), {ORDERS.get(scheduling['policy'], 'in order')}:")
         for place, waiter in enumerate(status["queue"], 1):
@@ -112,7 +116,8 @@ def _clock(when: float) -> str:
 
 
 def _unreachable(exc: Exception) -> str:
-    return f"{'REFUSED' if isinstance(exc, RpycdlError) else 'UNREACHABLE'} ({exc})"
+    refused = isinstance(exc, RpycdlError) and not isinstance(exc, (OSError, EOFError))  # not ConnectionFailedError
+    return f"{'REFUSED' if refused else 'UNREACHABLE'} ({exc})"
 
 
 COMMANDS = {"status": _status}

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import codecs
 import fnmatch
+import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rpycdl.defaults import JOB_WAIT_MAX
-from rpycdl.errors import InvalidRequestError, JobNotFinishedError
+from rpycdl.defaults import JOB_WAIT_MAX, UPLOAD_WAIT
+from rpycdl.errors import InvalidRequestError, JobNotFinishedError, UploadTimeoutError
 from rpycdl.states import JobState
 from rpycdl.wire import codec
 
@@ -23,13 +24,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class JobStatus:
-    """Where a job is: its state, and while it waits how many requests are ahead of it in line; once it
-    has ended, why (`error`) and a command's or container's exit code."""
+    """Where a job is: its state; while it waits, how many waiting requests are ahead of it in line (`ahead`)
+    and which jobs hold the GPUs it waits for (`holders`: one dict per GPU held, {"gpu": its index, "uuid",
+    "job_id", "user", "share_bytes": 0 for the whole GPU, "since"}; None from a server that does not say);
+    once it has ended, why (`error`) and a command's or container's exit code."""
 
     state: JobState
     ahead: int | None = None
     error: str = ""
     exit_code: int | None = None
+    holders: tuple[dict[str, Any], ...] | None = field(default=None, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -37,8 +41,19 @@ class JobStatus:
 
     def __str__(self) -> str:
         if self.state is JobState.PENDING and self.ahead is not None:
-            return f"PENDING ({self.ahead} ahead)"
+            return f"PENDING ({waiting_behind(self.ahead, self.holders)})"
         return f"{self.state.value}: {self.error}" if self.error else self.state.value
+
+
+def waiting_behind(ahead: int, holders: Iterable[Mapping[str, Any]] | None) -> str:
+    """What a waiting job waits for, in words: 'behind 1 running job and 2 queued requests' (`ahead` and
+    `holders` as a waiting job's row and on_state's "pending" info give them; holders None: a server from
+    before they were told)."""
+    if holders is None:
+        return f"{ahead} queued request(s) ahead"
+    jobs = len({holder["job_id"] for holder in holders})
+    return (f"behind {jobs} running job{'' if jobs == 1 else 's'} and {ahead} queued "
+            f"request{'' if ahead == 1 else 's'}")
 
 
 class Job:
@@ -116,20 +131,48 @@ class Job:
             yield pending
 
     def artifacts(self, retry: bool = False) -> dict[str, Any]:
-        """Where the job's outputs stand: {"state": "none", "uploading", "uploaded" or "failed", "files":
-        [{"name", "size"}], "error", "store"}. With `retry`, a failed upload is tried again first."""
+        """Where the job's outputs stand: {"state": "none", "uploading" (from the job's end until they are in
+        the store), "uploaded" or "failed", "files": [{"name", "size"}], "error", "store"}. With `retry`, a
+        failed upload is tried again first."""
         return self._call("job_artifacts", self.id, retry)
 
+    def wait_artifacts(self, timeout: float | None = UPLOAD_WAIT) -> dict[str, Any]:
+        """Where the job's outputs stand (as artifacts()) once they are no longer uploading, which they are
+        from the job's end until they are in the store: waits up to `timeout` seconds (None: as long as it
+        takes) on the server, which answers as soon as the upload is over.
+
+        Raises:
+            UploadTimeoutError: they were still uploading when `timeout` passed.
+        """
+        entry = self.artifacts()
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while entry["state"] == "uploading" and (left := deadline - time.monotonic()) > 0:
+            try:
+                entry = self._call("job_artifacts", self.id, False, min(left, JOB_WAIT_MAX))
+            except TypeError as exc:  # RPyC re-raises the server's own: one from before waiting for uploads
+                if "positional argument" not in str(exc):
+                    raise
+                where = "{}:{}".format(*self._connection.address)
+                raise InvalidRequestError(f"the server at {where} cannot wait for job {self.id}'s outputs (it "
+                                          "predates that): upgrade it, or try again later") from None
+        if entry["state"] == "uploading":
+            raise UploadTimeoutError(f"job {self.id}'s outputs are still uploading to the artifact store after "
+                                     f"{timeout:g} s: try again later (rpycdl artifacts {self.id} says where they "
+                                     "stand)")
+        return entry
+
     def download(self, dest: str | os.PathLike[str] = ".", pattern: str | None = None,
-                 on_progress: Callable[[int], None] | None = None) -> list[Path]:
+                 on_progress: Callable[[int], None] | None = None, timeout: float | None = UPLOAD_WAIT) -> list[Path]:
         """Download the job's uploaded artifacts (those whose name matches the glob `pattern`, if given)
         into `dest`, keeping their relative names, through the job's server; `on_progress` gets the bytes
-        as they come. Returns the files written.
+        as they come. Returns the files written. Outputs still uploading (right after the job's end, as
+        after wait() or result()) are waited for first, up to `timeout` seconds (None: as long as it takes).
 
         Raises:
             InvalidRequestError: the job has no uploaded artifacts (see artifacts()).
+            UploadTimeoutError: its outputs were still uploading when `timeout` passed.
         """
-        entry = self.artifacts()  # those listed are in the store, whatever the state of the others
+        entry = self.wait_artifacts(timeout)  # those listed are in the store, whatever the state of the others
         if not entry["files"]:
             raise InvalidRequestError(f"job {self.id} has no uploaded artifacts (artifacts {entry['state']}"
                                       f"{': ' + entry['error'] if entry['error'] else ''})")
@@ -164,4 +207,5 @@ class Job:
 
 
 def _status(info: dict[str, Any]) -> JobStatus:
-    return JobStatus(JobState(info["state"]), info.get("ahead"), info.get("error") or "", info.get("exit_code"))
+    return JobStatus(JobState(info["state"]), info.get("ahead"), info.get("error") or "", info.get("exit_code"),
+                     None if info.get("holders") is None else tuple(info["holders"]))

@@ -45,7 +45,7 @@ from typing import Any
 from rpycdl.defaults import KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 from rpycdl.scheduler import lockdir, planning, policies, policyfiles, procs
-from rpycdl.scheduler.holders import Grant, Holders, job_left
+from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
 from rpycdl.units import MiB, format_size
@@ -396,17 +396,21 @@ class GPULockManager:
         died are not reported. It takes no lock, so requests waiting in numbers never slow it:
         probes (F_GETLK) take nothing, records appear by rename after their locks are taken, and
         nothing is removed or killed here (granters and sweeps do that)."""
-        held: dict[str, list[dict[str, Any]]] = {}
         records = self._holders.records()
-        for uuid, entries in records.items():
+        return {"held": self.held(records), "queue": policyfiles.in_order(
+            self.root, self.scheduling, self._waiters(prune=False), records, plan)}
+
+    def held(self, records: Records | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Who holds which GPU, as snapshot()'s "held" (the held/ `records`, read now if not given); no lock."""
+        held: dict[str, list[dict[str, Any]]] = {}
+        for uuid, entries in (self._holders.records() if records is None else records).items():
             for _, record in entries:
                 if self._holders.holds(uuid, record):
                     held.setdefault(uuid, []).append(record)
                 elif self._holders.orphan_holds(record, kill=False):
                     held.setdefault(uuid, []).append({**record, "leftover": True})
-        for holders in held.values():
-            holders.sort(key=lambda holder: holder["sequence"])
-        return {"held": held, "queue": policyfiles.in_order(self.root, self.scheduling, self._waiters(prune=False),
-                                                             records, plan)}
+        for found in held.values():
+            found.sort(key=lambda holder: holder["sequence"])
+        return held
 
 

@@ -1,5 +1,6 @@
 """What a request asks for: whole GPUs (`ngpus`), or a share of one GPU (`gpus=0.25` or
-`gpu_memory="6GiB"`), rounded up to the server's unit (`--gpu-unit`)."""
+`gpu_memory="6GiB"`), rounded up to the server's unit (`--gpu-unit`). Refusals name an argument as
+Python's `name=value` (or `name=`), which the `rpycdl` command says as its flag (rpycdl.cli.common.in_flags)."""
 
 from __future__ import annotations
 
@@ -72,10 +73,10 @@ def parse_request(ngpus: Any, gpus: Any, gpu_memory: Any, sizes: Sequence[int], 
         raise InvalidRequestError("give gpus= (a fraction of one GPU) or gpu_memory=, not both")
     if ngpus is not None and (gpus is not None or gpu_memory is not None):
         raise InvalidRequestError("ngpus= asks for whole GPUs; for a share of one GPU give gpus= or gpu_memory= "
-                                  "without ngpus")
+                                  "without ngpus=")
     if gpus is not None:
         if isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or not math.isfinite(gpus) or gpus <= 0:
-            raise InvalidRequestError(f"gpus must be a positive number (0.25 for a quarter of one GPU), not {gpus!r}")
+            raise InvalidRequestError(f"gpus={gpus!r}: must be a positive number (0.25 for a quarter of one GPU)")
         if gpus >= 1:
             if gpus != int(gpus):
                 raise InvalidRequestError(f"gpus={gpus:g} is neither a share of one GPU (below 1) nor whole GPUs: "
@@ -88,9 +89,9 @@ def parse_request(ngpus: Any, gpus: Any, gpu_memory: Any, sizes: Sequence[int], 
         elif isinstance(gpu_memory, int) and not isinstance(gpu_memory, bool):
             size = gpu_memory
         else:
-            raise InvalidRequestError(f"gpu_memory must be a size like '6GiB' or a number of bytes, not {gpu_memory!r}")
+            raise InvalidRequestError(f"gpu_memory={gpu_memory!r}: must be a size like '6GiB' or a number of bytes")
         if size <= 0:
-            raise InvalidRequestError(f"gpu_memory must be positive, not {gpu_memory!r}")
+            raise InvalidRequestError(f"gpu_memory={gpu_memory!r}: must be positive")
         return _share(size, sizes, rules, f"gpu_memory={gpu_memory!r}")
     return GPURequest(check_ngpus(1 if ngpus is None else ngpus, len(sizes)))
 
@@ -108,11 +109,11 @@ def _share(size: int, sizes: Sequence[int], rules: ShareRules, asked: str) -> GP
 def check_ngpus(ngpus: Any, total: int) -> int:
     """Turn a request's ngpus into a GPU count, or raise InvalidRequestError at once."""
     if isinstance(ngpus, bool) or not isinstance(ngpus, int):
-        raise InvalidRequestError(f"ngpus must be an integer (or -1 for all GPUs), not {ngpus!r}")
+        raise InvalidRequestError(f"ngpus={ngpus!r}: must be an integer (or -1 for all GPUs)")
     if ngpus == -1:
         return total
     if ngpus < 1:
-        raise InvalidRequestError(f"ngpus must be at least 1, or -1 for all GPUs; got {ngpus}")
+        raise InvalidRequestError(f"ngpus={ngpus}: must be at least 1, or -1 for all GPUs")
     if ngpus > total:
         raise InvalidRequestError(f"asked for {ngpus} GPUs but this server has {total}")
     return ngpus

@@ -27,6 +27,9 @@ PUBLIC = frozenset({
     "ngpus", "share_bytes", "share_mib", "gpus", "gpu_uuids", "candidates", "sizes_mib", "ranges", "kind",
     "detached", "service", "server", "server_id", "ahead", "position", "ticket", "sequence", "planned_start",
     "usage", "backfilled", "leftover",
+    # while it waits, the jobs holding the GPUs it waits for: each of them by these public fields only
+    # (rpycdl.server.status.holders: gpu, uuid, job_id, user, share_bytes, since)
+    "holders",
 })
 """The fields of a job's row (the ledger's, a GPU's holder, a waiting request, the monitor's rows) that anyone
 may see. Everything else is its owner's: its command and arguments, name, working directory, client address,

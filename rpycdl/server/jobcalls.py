@@ -100,8 +100,8 @@ class JobCalls:
     # -- any job of the ledger ---------------------------------------------------------
 
     def exposed_job(self, ref: Any) -> bytes:
-        """A job's row by id (or by name among the caller's jobs), with `ahead` while it waits; another
-        user's job as security.visibility shows it."""
+        """A job's row by id (or by name among the caller's jobs), with `ahead` and `holders` while it waits;
+        another user's job as security.visibility shows it."""
         return _answer(lambda: _shown(self.context, self._find(ref), self._identity))
 
     def exposed_job_wait(self, ref: Any, timeout: Any = None) -> bytes:
@@ -149,20 +149,26 @@ class JobCalls:
         except RpycdlError as exc:
             return codec.encode_error(exc, tb="")
 
-    def exposed_job_artifacts(self, ref: Any, retry: Any = False) -> bytes:
+    def exposed_job_artifacts(self, ref: Any, retry: Any = False, wait: Any = None) -> bytes:
         """Where a job's outputs stand (its owner or an admin may ask): {"state": "none" (it left none),
-        "uploading", "uploaded" or "failed" (kept on the server), "files": [{"name", "size"}], "error",
-        "store"}; with `retry`, a failed upload of a finished job is tried again first."""
+        "uploading" (from its end until they are up), "uploaded" or "failed" (kept on the server), "files":
+        [{"name", "size"}], "error", "store"} (jobdirs.outputs); with `retry`, a failed upload of a finished job
+        is tried again first; with `wait`, waits up to so many seconds (JOB_WAIT_MAX at most: call again) while
+        they are uploading."""
         def artifacts() -> dict[str, Any]:
             record = self._find(ref, mine=True)
-            entry = self.context.ledger.artifacts(record.job_id)
+            entry = jobdirs.outputs(self.context, record)
             if retry:
-                now = entry["state"] if entry else "none"
-                if not record.state.finished or now not in ("failed", "none"):
+                if not record.state.finished or entry["state"] not in ("failed", "none"):
                     raise InvalidRequestError(f"job {record.job_id} has no failed upload to retry "
-                                              f"({record.state.value}, artifacts {now})")
-                entry = jobdirs.upload(self.context, record)
-            return {"state": "none", "files": [], "error": "", **(entry or {}), "store": self.context.artifact_store}
+                                              f"({record.state.value}, artifacts {entry['state']})")
+                jobdirs.upload(self.context, record)
+                entry = jobdirs.outputs(self.context, record)
+            deadline = time.monotonic() + min(request.check_seconds(wait, "wait") or 0.0, JOB_WAIT_MAX)
+            while entry["state"] == "uploading" and time.monotonic() < deadline:
+                time.sleep(POLL)
+                entry = jobdirs.outputs(self.context, record)
+            return {**entry, "store": self.context.artifact_store}
 
         return _answer(artifacts)
 
@@ -205,9 +211,15 @@ class JobCalls:
         """The host's jobs, newest first: by default the unfinished ones and those that ended in the last
         RECENT_JOBS seconds, JOBS_SHOWN at most. `query` may give: all (every job kept), users, states,
         since (submitted in the last so many seconds, finished or not: instead of the default view),
-        limit (0: no limit). Other users' jobs as security.visibility shows them."""
-        return _answer(lambda: [_shown(self.context, record, self._identity, ahead=False) for record in _query(
-            self.context, netrefs.materialize(query or {}, self.context.limits.max_payload))])
+        limit (0: no limit). A waiting job's row has `ahead` and `holders`, as job() answers; other users' jobs
+        as security.visibility shows them."""
+        def jobs() -> list[dict[str, Any]]:
+            records = _query(self.context, netrefs.materialize(query or {}, self.context.limits.max_payload))
+            waiting = any(record.state is JobState.PENDING for record in records)
+            snapshot = self.context.locks.snapshot() if waiting else None  # one for every waiting job's place
+            return [_shown(self.context, record, self._identity, snapshot) for record in records]
+
+        return _answer(jobs)
 
     def _find(self, ref: Any, mine: bool = False) -> JobRecord:
         """The job `ref` names (an id, or one of the caller's names); with `mine`, only for its owner
@@ -249,12 +261,14 @@ def _count(value: Any, name: str) -> int:
     return value
 
 
-def _shown(context: ServerContext, record: JobRecord, viewer: auth.Identity, ahead: bool = True) -> dict[str, Any]:
-    """A row as `viewer` sees it (security.visibility): with `ahead` (requests before it in line) while it
-    waits, and its log's size while it runs."""
+def _shown(context: ServerContext, record: JobRecord, viewer: auth.Identity,
+           snapshot: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A row as `viewer` sees it (security.visibility): while it waits, with `ahead` (requests before it in
+    line) and `holders` (the jobs holding the GPUs it waits for: status.in_line, in the lock manager's
+    `snapshot` if given), and its log's size while it runs."""
     shown = record.to_dict()
-    if ahead and record.state is JobState.PENDING:
-        shown["ahead"] = status.ahead(context, record.job_id)
+    if record.state is JobState.PENDING:
+        shown.update(status.in_line(context, record.job_id, snapshot))
     if record.detached and not record.state.finished:
         shown["log_bytes"] = context.files.log_size(record.job_id)
     return visibility.shown(shown, viewer, auth.Identity(record.user, record.user_verified))

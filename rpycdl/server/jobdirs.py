@@ -1,6 +1,7 @@
 """A job's directories on the server: its working directory in (unpacked from the cache before it waits
 for GPUs), its output directory out (uploaded to the artifact store once its GPUs are back and its end is
-recorded). An upload that fails keeps the outputs on the server, the ledger saying why, until retried."""
+recorded). An upload that fails keeps the outputs on the server, the ledger saying why, until retried.
+What clients see of the outputs (`outputs`) says "uploading" from the job's end until they are up."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from rpycdl.artifacts.files import Identity
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
+from rpycdl.scheduler import procs
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.security.accounts import Account
@@ -92,3 +95,21 @@ def upload(context: ServerContext, record: JobRecord,
         ledger.set_artifacts(job_id, "uploaded", [artifact.listed() for artifact in uploaded])
         shutil.rmtree(output, ignore_errors=True)
     return ledger.artifacts(job_id)
+
+
+def outputs(context: ServerContext, record: JobRecord) -> dict[str, Any]:
+    """Where the job's outputs stand, as clients see them: the ledger's entry ({"state": "none", "uploading",
+    "uploaded" or "failed", "files", "error"}), but "uploading" from the job's end until its owner has dealt
+    with its output directory (the entry may not say so yet: the row ends first), and "failed" if the owner
+    died meanwhile leaving files there (they stay on the server, for a retry)."""
+    pending = record.state.finished and context.files.output_dir(record.job_id).is_dir()  # before the entry:
+    entry: dict[str, Any] = {"state": "none", "files": [], "error": "",  # read once the directory is gone, final
+                             **(context.ledger.artifacts(record.job_id) or {})}
+    if not pending or entry["state"] == "failed":
+        return entry
+    if procs.alive(record.owner_pid, record.owner_start):
+        return {**entry, "state": "uploading"}
+    if any(context.files.output_dir(record.job_id).glob("*")):  # gone meanwhile: none
+        return {**entry, "state": "failed", "error": f"the job's owner (pid {record.owner_pid}) died before its "
+                f"outputs were uploaded: they stay on the server: rpycdl artifacts {record.job_id} --retry"}
+    return entry

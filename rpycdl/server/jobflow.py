@@ -42,7 +42,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.locks import Need, Place
-from rpycdl.server import child, commands, jobdirs, runner, saves
+from rpycdl.server import child, commands, jobdirs, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState
@@ -183,7 +183,9 @@ class JobFlow:
                 check_queue_limits(self.context, self.request, self.record.job_id)
             self._waiting_since = time.monotonic()
             self.context.ledger.save(self.record)
-        self._tell("pending", ahead=ahead, ngpus=self.record.ngpus, share_bytes=self.record.share_bytes)
+        if self.request.output.on_state is not None:  # the GPUs' holders are read only for a client listening
+            self._tell("pending", ahead=ahead, holders=status.holders(self.context), ngpus=self.record.ngpus,
+                       share_bytes=self.record.share_bytes)
 
     def _on_wake(self) -> None:
         """Between waits: the client still there? the payload loadable (once it has waited

@@ -148,7 +148,7 @@ def check_seconds(value: Any, name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not 0 < value <= MAX_TIMEOUT:
-        raise InvalidRequestError(f"{name} must be a positive number of seconds (at most a year), not {value!r}")
+        raise InvalidRequestError(f"{name}={value!r}: must be a positive number of seconds (at most a year)")
     return float(value)
 
 
@@ -172,7 +172,7 @@ def check_name(name: Any) -> str | None:
         return None
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or name.isdigit() \
             or not name.replace(".", "").replace("_", "").replace("-", "").isalnum() or not name.isascii():
-        raise InvalidRequestError(f"not a job name: {name!r} (1 to {MAX_NAME} letters, digits, '.', '_' or '-', "
+        raise InvalidRequestError(f"name={name!r}: not a job name (1 to {MAX_NAME} letters, digits, '.', '_' or '-', "
                                   "not only digits)")
     return name
 

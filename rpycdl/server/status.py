@@ -36,12 +36,28 @@ def load(ctx: ServerContext) -> tuple[int, int, int]:
     return sum(1 for gpu in ctx.gpus if gpu.uuid not in held), len(queue), len(ctx.gpus)
 
 
-def ahead(ctx: ServerContext, job_id: str) -> int | None:
-    """How many waiting requests are before a job's in line, in the order of the host's policy, and compete
-    for its GPUs (None if it does not wait)."""
-    queue = ctx.locks.snapshot()["queue"]
+def in_line(ctx: ServerContext, job_id: str, snapshot: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Where a waiting job stands (in the lock manager's `snapshot`, taken now if not given): `ahead`, how many
+    waiting requests are before it in line (in the order of the host's policy) and compete for its GPUs, and
+    `holders`, the jobs holding the GPUs it may use (holders()); `ahead` None and no holders if it does not wait."""
+    snapshot = ctx.locks.snapshot() if snapshot is None else snapshot
+    queue = snapshot["queue"]
     place = next((place for place, waiter in enumerate(queue) if waiter["job_id"] == job_id), None)
     if place is None:
-        return None
+        return {"ahead": None, "holders": []}
     mine = set(queue[place]["candidates"])
-    return sum(1 for waiter in queue[:place] if mine & set(waiter["candidates"]))
+    return {"ahead": sum(1 for waiter in queue[:place] if mine & set(waiter["candidates"])),
+            "holders": holders(ctx, snapshot["held"], queue[place]["candidates"])}
+
+
+def holders(ctx: ServerContext, held: dict[str, list[dict[str, Any]]] | None = None,
+            candidates: list[str] | None = None) -> list[dict[str, Any]]:
+    """The jobs holding the GPUs `candidates` (UUIDs; default: this server's), which a request for them waits
+    for (`held`: the lock manager's, read now if not given): for each GPU in order, each holder's job id, user,
+    share (0: the whole GPU) and since when, with the GPU's UUID and its index on this server (None for a GPU
+    of another server of the host). A job on two GPUs is there twice."""
+    held = ctx.locks.held() if held is None else held
+    index = {gpu.uuid: gpu.index for gpu in ctx.gpus}
+    return [{"gpu": index.get(uuid), "uuid": uuid, "job_id": holder["job_id"], "user": holder.get("user", "unknown"),
+             "share_bytes": holder.get("share_bytes", 0), "since": holder["since"]}
+            for uuid in (list(index) if candidates is None else candidates) for holder in held.get(uuid, [])]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -22,7 +23,7 @@ def context(tmp_path) -> ServerContext:
 
 @pytest.mark.parametrize("value", [-1, 0, math.nan, math.inf, "3", True, 367 * 24 * 3600])
 def test_bad_timeouts_are_refused_by_name(value):
-    with pytest.raises(InvalidRequestError, match=f"timeout must be a positive number.*{value!r}"):
+    with pytest.raises(InvalidRequestError, match=re.escape(f"timeout={value!r}: must be a positive number")):
         request.check_seconds(value, "timeout")
 
 
