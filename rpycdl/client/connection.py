@@ -77,8 +77,9 @@ class RemoteRoot:
             timeout: seconds the job may run; past it, JobTimeoutError.
             queue_timeout: seconds to wait for the GPUs; past it, QueueTimeoutError.
             stdout, stderr: where the job's output goes, live (default: this process's).
-            on_state: called as on_state(state, info) when the job waits ("pending", with
-                info["ahead"]) and when it starts ("running", with info["gpus"]).
+            on_state: called as on_state(state, info) when the job waits ("pending", with info["ahead"],
+                the waiting requests before it, and info["holders"], the jobs holding the GPUs it waits for:
+                see JobStatus) and when it starts ("running", with info["gpus"]).
             working_dir: a local directory the job runs in on the server: packed here (leaving out
                 what its .rpycdlignore names), sent unless the server has it already (by content
                 hash), unpacked for this job alone; its current directory and first on its sys.path.
