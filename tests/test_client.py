@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import os
 import pickle
+import signal
 import socket
 import time
 
@@ -139,19 +141,16 @@ def test_connect_direct_to_nothing_fails_naming_the_address_as_an_rpycdl_and_an_
     assert isinstance(unresolved.value, socket.gaierror)
 
 
-def test_a_connection_that_drops_fails_naming_the_server_and_a_job_handle_whose_server_is_gone(cluster, connect):
+def test_a_connection_that_drops_fails_naming_the_server_and_a_job_handle_whose_server_is_gone(cluster, connect,
+                                                                                                tmp_path):
     process, port = cluster.add_server("pytorch", "fake:1")
     conn = connect(port)
-
-    def kill_my_connection_process(_):
-        import os
-        import signal
-
-        os.kill(os.getppid(), signal.SIGKILL)
-
-    with pytest.raises(rpycdl.ConnectionLostError) as info:
-        conn.root.run_code(kill_my_connection_process)
-    lost = info.value
+    running = Background(conn, gate_job(str(tmp_path / "gate")), None)
+    job_id = running.wait_state("running")["job_id"]
+    os.kill(connect(port).root.job(job_id).info["owner_pid"], signal.SIGKILL)  # its connection process
+    running.join()
+    lost = running.error
+    assert isinstance(lost, rpycdl.ConnectionLostError), repr(lost)
     assert isinstance(lost, EOFError) and isinstance(lost, ConnectionError) and isinstance(lost, rpycdl.RpycdlError)
     assert lost.address == ("127.0.0.1", port)
     assert str(lost).startswith(f"the connection to the server at 127.0.0.1:{port} was lost while calling run_buffers")
