@@ -1,6 +1,7 @@
 """`conn.root.session(...)`: a session, which waits in the queue like any job, then holds its GPUs and one
 process on the server between calls, so that what a call leaves in that process's globals (a model loaded,
-a dataset on the GPU) is there for the next (rpycdl.server.sessions)."""
+a dataset on the GPU) is there for the next (rpycdl.server.sessions). A connection that drops raises
+ConnectionLostError naming the server, as every call of the client does (rpycdl.client.channel.reported)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import IO, TYPE_CHECKING, Any
 import rpyc
 from rpyc.core import consts
 
+from rpycdl.client import channel
 from rpycdl.defaults import SESSION_INTERRUPT_GRACE
 from rpycdl.wire import bulk, codec, stream
 
@@ -81,18 +83,19 @@ class Session:
         """A call of the server that Ctrl-C interrupts on the server, not here: the interrupt is sent, then its
         answer waited for (SESSION_INTERRUPT_GRACE and a second more), then the connection closed."""
         conn = self._root._conn
-        reply = conn.async_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
-        try:
-            reply.wait()
-        except KeyboardInterrupt:
+        with channel.reported(self._root._connection.address, f"calling {name}"):
+            reply = conn.async_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
             try:
-                conn.async_request(consts.HANDLE_CALLATTR, conn.root, "session_interrupt", (), ())
-                reply.set_expiry(SESSION_INTERRUPT_GRACE + 1.0)
                 reply.wait()
-            except (KeyboardInterrupt, rpyc.AsyncResultTimeout):
-                stream.close_now(conn)
-            raise
-        return reply.value
+            except KeyboardInterrupt:
+                try:
+                    conn.async_request(consts.HANDLE_CALLATTR, conn.root, "session_interrupt", (), ())
+                    reply.set_expiry(SESSION_INTERRUPT_GRACE + 1.0)
+                    reply.wait()
+                except (KeyboardInterrupt, rpyc.AsyncResultTimeout):
+                    stream.close_now(conn)
+                raise
+            return reply.value
 
     def _call(self, name: str, **options: Any) -> bytes:
         """`conn.root.<name>(**options)`; Ctrl-C closes the connection, which ends the session (or its wait)."""
@@ -101,7 +104,8 @@ class Session:
             options["on_state"] = lambda what, info: state(what, json.loads(info))
         conn = self._root._conn
         try:
-            return conn.sync_request(consts.HANDLE_CALLATTR, conn.root, name, (), tuple(options.items()))
+            with channel.reported(self._root._connection.address, f"calling {name}"):
+                return conn.sync_request(consts.HANDLE_CALLATTR, conn.root, name, (), tuple(options.items()))
         except KeyboardInterrupt:
             stream.close_now(conn)
             raise
