@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import TALKER, Background, gate_job, open_gate, rpycdl_cli
+from helpers import TALKER, Background, cli_env, gate_job, open_gate, rpycdl_cli
 
 import rpycdl
 from rpycdl import JobState
@@ -79,12 +79,13 @@ def columns_apart(lines: list[str]) -> None:
 
 def test_the_columns_of_jobs_and_status_never_run_together(host, tmp_path):
     flags, conn = host
-    long_name = "a-name-longer-than-its-column-" + "x" * 20
-    conn.root.identify("a-user-with-a-long-name-" + "y" * 20)
+    long_name, long_user = "a-name-longer-than-its-column-" + "x" * 20, "a-user-with-a-long-name-" + "y" * 20
+    conn.root.identify(long_user)
+    as_user = cli_env(USER=long_user, LOGNAME=long_user)  # the command as the same user: it sees the jobs' names
     shared = conn.root.submit(TALKER, {"dir": str(tmp_path)}, gpu_memory="5.8GiB", name=long_name)
     whole = conn.root.submit(TALKER, {"dir": str(tmp_path)}, ngpus=2)
     assert shared.wait(30).finished and whole.wait(30).finished
-    listed = rpycdl_cli("jobs", "--all", *flags)
+    listed = rpycdl_cli("jobs", "--all", *flags, env=as_user)
     assert listed.returncode == 0, listed.stderr
     lines = listed.stdout.splitlines()
     columns_apart(lines)
