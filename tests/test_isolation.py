@@ -271,8 +271,11 @@ def test_refusals_name_the_identity_and_what_to_do(site, tmp_path):
     with site.connect("root") as root:  # an admin certificate, whose account would be root
         with pytest.raises(rpycdl.NotAllowedError, match="jobs never run as root"):
             root.root.run_code(abs, -1)
-    assert cli.main(["certs", "user", site.team.dir, "carol"]) == 0
-    with site.connect("carol") as carol:
+    own = tmp_path / "ca"  # the team's CA, copied: carol's certificate is not left in the session's directory
+    shutil.copytree(site.team.dir, own)
+    assert cli.main(["certs", "user", str(own), "carol"]) == 0
+    with rpycdl.connect(host="127.0.0.1", port=site.port_a, secret_file=str(site.secret_file),
+                        **Team(str(own)).user("carol")) as carol:
         with pytest.raises(rpycdl.NotAllowedError, match="'carol', does not exist on this server"):
             carol.root.submit(abs, -1)
 
