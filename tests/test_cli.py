@@ -23,6 +23,7 @@ from helpers import Background, children, cli_env, comm, gate_job, open_gate, rp
 import rpycdl
 from rpycdl import cli
 from rpycdl.cli.common import EXIT_JOB_TIMEOUT, EXIT_QUEUE_TIMEOUT
+from rpycdl.site.local import one_account
 
 SUBCOMMANDS = ["registry", "serve", "monitor", "status", "jobs", "cancel", "run", "submit", "logs", "wait", "result",
                "delete", "demo", "selftest", "certs"]
@@ -501,7 +502,7 @@ def test_ctrl_c_prints_one_line_in_every_long_running_subcommand(server, connect
     assert status.returncode == 130 and status.stdout.strip() == "rpycdl status: interrupted", status.stdout
 
     served = _interrupt(["serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none",
-                         "--lock-dir", lock_dir], lambda _, pid: _spares_ready(pid))
+                         "--lock-dir", lock_dir, *one_account()], lambda _, pid: _spares_ready(pid))
     assert served.returncode == 0 and "Traceback" not in served.stdout and "interrupt" not in served.stdout
     assert served.stdout.strip().splitlines()[-1] == "rpycdl serve: stopped", served.stdout
 
