@@ -59,6 +59,7 @@ def test_a_session_keeps_its_globals_and_process_between_calls_and_survives_an_e
         assert row["kind"] == "session" and row["state"] == "RUNNING" and len(session.uuids) == 1
         held = [gpu["holders"] for gpu in conn.root.gpu_status()["gpus"]]
         assert sorted(len(holders) for holders in held) == [0, 1]
+        assert session.close() == 5 and session.close() == 5  # closing again, and on leaving the block, is nothing
     row = conn.root.job(session.id).info
     assert row["state"] == "SUCCEEDED" and row["request"]["calls"] == 5
     wait_until(lambda: idle(conn), GRACE, "the GPUs to be free")

@@ -5,6 +5,7 @@ ConnectionLostError naming the server, as every call of the client does (rpycdl.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -34,6 +35,7 @@ class Session:
         self._root, self._options = root, options
         self.id: str | None = None
         self.uuids: list[str] = []
+        self._calls: int | None = None  # once closed: how many calls it ran
 
     def open(self) -> Session:
         """Wait in line for the GPUs, then hold them and a process. Returns the session.
@@ -74,10 +76,11 @@ class Session:
         return codec.decode_outcome(outcome, received)
 
     def close(self) -> int:
-        """End the session: its process goes, then its GPUs. Returns how many calls it ran."""
-        if self._root._conn.closed:
-            return 0
-        return codec.decode_outcome(self._call("session_close"))
+        """End the session: its process goes, then its GPUs. Returns how many calls it ran. Closing again
+        does nothing (and returns the same)."""
+        if self._calls is None:
+            self._calls = 0 if self._root._conn.closed else codec.decode_outcome(self._call("session_close"))
+        return self._calls
 
     def _interruptible(self, name: str, *args: Any) -> bytes:
         """A call of the server that Ctrl-C interrupts on the server, not here: the interrupt is sent, then its
@@ -113,8 +116,12 @@ class Session:
     def __enter__(self) -> Session:
         return self.open()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error that left the block is the one to see
+            self.close()
 
     def __repr__(self) -> str:
         return f"<rpycdl.Session {self.id or '(not open)'} on {', '.join(self.uuids) or 'no GPU yet'}>"
