@@ -131,7 +131,7 @@ def test_backfill_never_starts_a_whole_gpu_request_later_than_strict_order(workl
 
 
 def test_a_share_that_backfilled_may_leave_a_later_request_a_different_place():
-    """The limit of the promise (README, Scheduling policies): a share that ran early is not where strict
+    """The limit of the promise (docs/scheduling.md): a share that ran early is not where strict
     order would have put it later, and a request that arrives afterwards may find the GPUs packed otherwise.
     Here ticket 8, arriving at 1, starts at 3 instead of 2."""
     three = _uuids(3)
