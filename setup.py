@@ -35,7 +35,12 @@ setup(
         "site": SITE,
         "all": SERVER + SITE,
         "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22", "selenium>=4",
-                                   "moto[server]>=5", "kubernetes-validate>=1.33"],
+                                   "moto[server]>=5", "kubernetes-validate>=1.33",
+                                   # the docs site (docs/, mkdocs.yml), built by tests/test_docs.py
+                                   "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26",
+                                   # mkdocstrings 1.0.6, the last for Python 3.10, does not give pymdown-extensions
+                                   # 12.2's highlighter the `md` it requires (1.0.8 does)
+                                   "pymdown-extensions<12.2; python_version < '3.11'"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 from helpers import Team
+from hypothesis import settings
 
 import rpycdl
 from rpycdl import cli
 from rpycdl.site.local import LocalCluster, start
+
+settings.register_profile("ci", max_examples=100)  # hypothesis' own default: the full count
+settings.register_profile("quick", max_examples=10)
+settings.load_profile("ci" if os.environ.get("CI") else "quick")
+"""Property tests run the full count of examples in CI (.ci/run sets CI) and a tenth of it elsewhere, so that
+the unit tier stays quick to run while working. A test that wants another count than the profile's says it as
+a multiple of `settings.default.max_examples`, so that it scales with the profile."""
 
 
 @pytest.fixture(autouse=True)

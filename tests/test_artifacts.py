@@ -192,7 +192,7 @@ def test_a_download_straight_after_the_jobs_end_waits_for_its_upload(server, con
     port = server("pytorch", "fake:2")
     conn = connect(port)
     errors, downloaded = [], []
-    for number in range(20):  # the README's sequence: wait() (or result()), then download()
+    for number in range(20):  # docs/data.md's sequence: wait() (or result()), then download()
         job = conn.root.submit(leave_one, number)
         if number % 2:
             assert job.result(timeout=30) == number

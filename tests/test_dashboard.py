@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 STATIC = REPO / "rpycdl" / "monitor" / "static"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium and chromium-driver
 SCREENSHOT_TO = "RPYCDL_SCREENSHOT"
-"""Where the busy host's screenshot goes if set (docs/dashboard.png refreshes the README's); a temporary file if not."""
+"""Where the busy host's screenshot goes if set (docs/dashboard.png: docs/monitor.md's); a temporary file if not."""
 SECRET = "correct horse battery staple"
 HOSTILE = "<img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script><b>bold</b> & \u00e9"
 """Text a user controls (a command's arguments, an exception's message, a log): shown as it is, never run."""

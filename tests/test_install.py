@@ -77,7 +77,7 @@ with rpycdl.connect(host="127.0.0.1", port=int(sys.argv[1])) as conn:
 
 
 def test_a_function_using_the_scripts_top_level_import_of_an_editable_rpycdl_runs(beside_clone, server, tmp_path):
-    """The README's checkpoint example's shape, from a script beside the clone: `train` uses the module `rpycdl`
+    """The checkpoint example's shape (docs/data.md), from a script beside the clone: `train` uses the module `rpycdl`
     of the script's globals. dill copies a module whose file is outside the interpreter's prefix (an editable
     install's) by value, ctypes and all, and failed; rpycdl.wire.codec names every imported module."""
     ran = run_beside(beside_clone, CHECKPOINTING, str(server("pytorch", "fake:1")), str(tmp_path / "got"))

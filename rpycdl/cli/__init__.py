@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
                          help="log what rpycdl does (INFO)")
     top = argparse.ArgumentParser(
         prog="rpycdl", description="Run Python functions on shared GPU servers, first come, first served.",
-        epilog="`rpycdl COMMAND --help` tells more; the README tells everything.")
+        epilog="`rpycdl COMMAND --help` tells more; the docs tell everything (docs/, or `mkdocs serve`).")
     top.add_argument("-v", "--verbose", action="store_true", default=False, help="log what rpycdl does (INFO)")
     top.add_argument("--version", action="version",
                      version=f"rpycdl {__version__} (Python {platform.python_version()})")

@@ -19,8 +19,8 @@ def add_commands(command: Command) -> None:
         "Serve, over HTTP (HTTPS with --tls-cert), what every server and container of this host shares: its\n"
         "GPUs (memory total, used and granted, utilisation, holders), the queue, and the jobs of the ledger\n"
         "(by state; queue wait and run time histograms; requests refused). One per host. It reads only: it\n"
-        "takes no lock a grant waits on, and never touches CUDA. Scrape it with Prometheus: see the README's\n"
-        "metrics table. Open / in a browser for the dashboard: the GPUs, the queue and the recent jobs, live;\n"
+        "takes no lock a grant waits on, and never touches CUDA. Scrape it with Prometheus: docs/monitor.md\n"
+        "lists the metrics. Open / in a browser for the dashboard: the GPUs, the queue and the recent jobs, live;\n"
         "/jobs/ID for a job. Everyone sees that a job exists (owner, state, GPUs, times); its command, name,\n"
         "error and live log only its owner and admins, known by their client certificates (--tls-ca) or, on a\n"
         "shared-secret site, by the user name given with the secret (--secret-file) as the servers know them.",

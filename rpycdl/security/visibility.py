@@ -5,8 +5,8 @@ CLI and the dashboard, which show what those give.
 
 The owner is a user *as proven*: a job of verified `alice` (her client certificate) is not the job of a client
 that declares the name alice with the shared secret (`alice (unverified)`), so a declared name never unlocks a
-verified user's job. An admin is one by certificate (security.tls.ADMIN_UNIT). The README's "Who sees what"
-says this for users."""
+verified user's job. An admin is one by certificate (security.tls.ADMIN_UNIT). docs/authentication.md, "Who sees
+what", says this for users."""
 
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def next_steps() -> str:
               ("rpycdl demo --keep", "a server kept running for your own scripts and notebooks, until Ctrl-C")]
     width = max(len(command) for command, _ in steps)
     return "\n".join(["\nNext steps:", *(f"  {command:<{width}}  # {why}" for command, why in steps),
-                      "Read on: README.md (Client API, Detached jobs, Data in and out); operators: docs/deploy.md"])
+                      "Read on: docs/getting-started.md and the user guide beside it (or the site: mkdocs serve); "
+                      "operators: docs/servers.md"])
 
 
 def _activate() -> list[str]:

@@ -24,7 +24,7 @@ def test_usage_decays_by_half_every_half_life():
     assert fairshare.decayed(8, 0, 300, 100) == pytest.approx(1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=2 * settings.default.max_examples, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("ab"), st.floats(0, 90), st.floats(0, 30), st.sampled_from([0.25, 1, 2])),
                 max_size=12),
        st.lists(st.floats(0, 120), min_size=1, max_size=4))

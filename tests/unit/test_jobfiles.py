@@ -71,7 +71,7 @@ def test_a_log_keeps_its_limit_and_says_where_it_stopped(tmp_path):
     assert "never shown" not in text and log.size == len(text.encode())
 
 
-@settings(max_examples=200)
+@settings(max_examples=2 * settings.default.max_examples)
 @given(st.lists(st.text(alphabet="ab\n", max_size=5), max_size=30), st.integers(0, 12), st.booleans())
 def test_the_tail_is_the_last_lines(tmp_path_factory, pieces, lines, big):
     files = JobFiles(tmp_path_factory.mktemp("state"))

@@ -4,6 +4,7 @@ its first docstring line, and imports that never go in a circle (function-local 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import rpycdl
@@ -25,10 +26,17 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the tests of this file."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def _imports(path: Path) -> frozenset[str]:
     """The rpycdl modules `path` imports anywhere (but under `if TYPE_CHECKING:`): a package's name only
     for names it defines itself, its submodules' for those it imports from it."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
                    and getattr(block.test, "id", None) == "TYPE_CHECKING" for node in ast.walk(block)}
     found = set()
@@ -42,7 +50,7 @@ def _imports(path: Path) -> set[str]:
             found |= subs & MODULES.keys()
             if subs - MODULES.keys():
                 found.add(node.module)
-    return found & MODULES.keys()
+    return frozenset(found & MODULES.keys())
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -73,7 +81,7 @@ def test_the_folders_are_the_roles():
 
 def test_every_module_says_its_role_in_its_first_docstring_line():
     missing = [name for name, path in MODULES.items()
-               if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()]
+               if not (ast.get_docstring(_tree(path)) or "").strip()]
     assert not missing, f"modules without a docstring: {missing}"
 
 
@@ -107,7 +115,7 @@ def test_modules_and_functions_stay_short():
         limit = SERVICE_LINES - 1 if name == "rpycdl.server.service" else MODULE_LINES
         if len(source.splitlines()) > limit:
             too_long.append(f"{name}: {len(source.splitlines())} lines (at most {limit})")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = node.end_lineno - node.lineno + 1
                 if length > FUNCTION_LINES:

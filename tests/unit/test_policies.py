@@ -102,7 +102,8 @@ def workloads(draw, *, shares: bool = True, later: bool = True, servers: bool = 
     return gpus, jobs
 
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=3 * settings.default.max_examples, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 def _later_under_backfill(gpus: int, jobs: list[Job]) -> dict[int, tuple[int, int]]:
@@ -130,7 +131,7 @@ def test_backfill_never_starts_a_whole_gpu_request_later_than_strict_order(workl
 
 
 def test_a_share_that_backfilled_may_leave_a_later_request_a_different_place():
-    """The limit of the promise (README, Scheduling policies): a share that ran early is not where strict
+    """The limit of the promise (docs/scheduling.md): a share that ran early is not where strict
     order would have put it later, and a request that arrives afterwards may find the GPUs packed otherwise.
     Here ticket 8, arriving at 1, starts at 3 instead of 2."""
     three = _uuids(3)
@@ -211,7 +212,7 @@ def test_a_light_users_request_goes_before_a_heavy_users_queue():
     assert simulate(jobs, 2, Rules(FCFS))[100] == 500
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=settings.default.max_examples // 4, deadline=None)
 @given(st.integers(0, 40), st.sampled_from([600.0, 3600.0, 86400.0]), st.floats(0.5, 4.0))
 def test_a_heavy_user_waits_only_until_the_others_have_used_as_much(prior, half_life, weight):
     """carol used `prior` GPU-seconds before (decaying since); alice and bob keep 50 requests each queued on

@@ -377,7 +377,7 @@ def test_processes_putting_one_directory_at_once_leave_it_whole(tmp_path):
 names = st.text(alphabet="abcxyz_-.0", min_size=1, max_size=8).filter(lambda name: name not in (".", ".."))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=settings.default.max_examples * 2 // 5, deadline=None)
 @given(st.dictionaries(st.lists(names, min_size=1, max_size=3).map("/".join), st.binary(max_size=300),
                        max_size=8), st.integers(1, 1500))
 def test_random_trees_round_trip_in_any_pieces(files, piece):
