@@ -67,13 +67,33 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
 REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor")
 """The kinds of kill a run must have made to count (ChaosResult.tested): the killer tries those it has not made
 yet in a run's second half."""
+ENOUGH_JOBS, ENOUGH_DETACHED, ENOUGH_WORKING_DIRS = 50, 10, 10
+"""Jobs started, detached jobs submitted and jobs run in a working directory that a run must have made to count
+(with every kind of REQUIRED_KILLS, and two shares seen on one GPU at once): the chaos goes on past its least
+duration until it has (shortfall)."""
+
+
+def shortfall(jobs: int, kills: Counter[str], submitted: int, working_dirs: int, shared: bool) -> list[str]:
+    """What a run has not done yet of what it must to count; empty once it has done enough."""
+    missing = [f"only {jobs} jobs ran"] if jobs < ENOUGH_JOBS else []
+    missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not kills[kind]]
+    if submitted < ENOUGH_DETACHED:
+        missing.append(f"only {submitted} detached jobs were submitted")
+    if working_dirs < ENOUGH_WORKING_DIRS:
+        missing.append(f"only {working_dirs} jobs ran in a working directory")
+    if not shared:
+        missing.append("the observer never saw two shares on one GPU at once")
+    return missing
 
 
 @dataclass(frozen=True)
 class ChaosSettings:
-    """One chaos run. `server_args` go to every `rpycdl serve` (another scheduling policy, say)."""
+    """One chaos run. `server_args` go to every `rpycdl serve` (another scheduling policy, say). The chaos
+    lasts `duration` seconds, and goes on until the run has done enough (shortfall), for `deadline` seconds at
+    the most: a busy machine makes fewer jobs a second."""
 
     duration: float = 25.0
+    deadline: float = 300.0
     clients: int = 6
     servers: int = 2
     gpus: str = "fake:4"
@@ -486,8 +506,9 @@ class Observer:
     them was seen, so all lived at one instant (a process that died during the scan, its pid given
     to another, does not count)."""
 
-    def __init__(self, inbox: str, token: str, lock_dir: str) -> None:
+    def __init__(self, inbox: str, token: str, lock_dir: str, shared_mark: str | None = None) -> None:
         self.inbox = inbox
+        self.shared_mark = shared_mark  # a file made once two jobs were seen sharing a GPU (for the killer)
         self.token = token.encode()
         self.jobs: dict[str, Report] = {}
         self.by_pid: dict[int, list[Report]] = {}  # a job process's reports (several if its pid was reused)
@@ -574,6 +595,8 @@ class Observer:
             if self._over(users):
                 self._confirm(gpu, users)
             else:
+                if not self.shared_at_once and self.shared_mark:
+                    Path(self.shared_mark).touch()
                 self.shared_at_once += 1
 
     def _over(self, users: dict[str, Any]) -> bool:
@@ -634,7 +657,7 @@ def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
         os.nice(nice)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir)
+    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir, str(Path(run_dir, "observer.shared")))
     observer.run(stopping.is_set, lambda: Path(run_dir, "observer.ready").touch())
     out = Path(run_dir, "observer.json")
     out.with_suffix(".tmp").write_text(json.dumps(observer.summary()))
@@ -827,12 +850,13 @@ class Killer:
             "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client,
             "supervisor": self._supervisor}
 
-    def run(self, until: float) -> None:
+    def run(self, least: float, enough: Callable[[], bool], deadline: float) -> None:
+        """Kill until `least` (a time.monotonic()), then on until enough() or `deadline`."""
         kinds = [kind for kind, _ in self.settings.kills]
         weights = [weight for _, weight in self.settings.kills]
-        halfway = (time.monotonic() + until) / 2
+        halfway = (time.monotonic() + least) / 2
         next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
-        while time.monotonic() < until:
+        while time.monotonic() < least or (time.monotonic() < deadline and not enough()):
             time.sleep(self.rng.uniform(*self.settings.kill_every))
             self._fresh()
             if time.monotonic() >= next_restart and self.servers.kill_and_restart(self.rng):
@@ -1268,14 +1292,8 @@ class ChaosResult:
 
     def tested(self) -> list[str]:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
-        missing = [f"only {self.jobs} jobs ran"] if self.jobs < 50 else []
-        missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not self.kills[kind]]
-        if len(self.submitted) < 10:
-            missing.append(f"only {len(self.submitted)} detached jobs were submitted")
-        if len(self.working_dirs) < 10:
-            missing.append(f"only {len(self.working_dirs)} jobs ran in a working directory")
-        if not self.observer.get("shared_at_once"):
-            missing.append("the observer never saw two shares on one GPU at once")
+        missing = shortfall(self.jobs, self.kills, len(self.submitted), len(self.working_dirs),
+                            bool(self.observer.get("shared_at_once")))
         median = self.observer.get("period_ms", {}).get("p50", 0.0) / 1000
         if not self.observer.get("loops"):
             missing.append("the observer never looped")
@@ -1415,15 +1433,17 @@ class Chaos:
 
     def run(self) -> ChaosResult:
         """The chaos, then the end check; returns what happened."""
-        started = time.time()
-        self.killer.run(time.monotonic() + self.settings.duration)
+        started, now = time.time(), time.monotonic()
+        self.killer.run(now + self.settings.duration, lambda: not self.shortfall(), now + self.settings.deadline)
         self.servers.wait_restarts()
         seconds = time.time() - started
         self.clients.kill_all()  # the last kills
         reports = self.run_dir / "reports"
         after_kill = self._wait_clean("dead jobs' leftovers after the last kill", time.time(), functools.partial(
             dead_jobs_leftovers, self.lock_dir, reports, self.token.encode()))
-        deadline = time.monotonic() + self.settings.queue_timeout + 10  # detached jobs outlive their clients
+        # Detached jobs outlive their clients: wait for their rows to end (at most queue_timeout in the queue, a
+        # moment running; a minute allows for a busy machine), then look from that moment.
+        deadline = time.monotonic() + self.settings.queue_timeout + 60
         while live_records(self.lock_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
         check = EndCheck(self.lock_dir, self.servers, reports, self.token)
@@ -1440,6 +1460,13 @@ class Chaos:
                            set(os.listdir(self.run_dir / "submitted")), sorted(p.stem for p in reports.glob("*.twice")),
                            self.lock_dir / "state" / "jobs",
                            {path.stem: path.read_text() for path in reports.glob("*.workdir")})
+
+    def shortfall(self) -> list[str]:
+        """What the run has not done yet of what it must (shortfall), as its files tell so far."""
+        reports = os.listdir(self.run_dir / "reports")
+        jobs, working_dirs = (sum(name.endswith(suffix) for name in reports) for suffix in (".json", ".workdir"))
+        return shortfall(jobs, self.killer.kills, len(os.listdir(self.run_dir / "submitted")), working_dirs,
+                         (self.run_dir / "observer.shared").exists())
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:
