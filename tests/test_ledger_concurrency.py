@@ -15,6 +15,7 @@ import traceback
 
 import pytest
 
+from rpycdl.defaults import LEDGER_BUSY_TIMEOUT
 from rpycdl.errors import LedgerError
 from rpycdl.scheduler import jobrecord
 from rpycdl.scheduler import ledger as ledger_module
@@ -81,10 +82,21 @@ def test_a_reader_holding_a_snapshot_never_blocks_a_writer(tmp_path):
     reader = sqlite3.connect(ledger.path, isolation_level=None)
     reader.execute("BEGIN")
     assert reader.execute("SELECT count(*) FROM jobs").fetchone()[0] == 1  # holds its snapshot from here
-    writer = threading.Thread(target=lambda: [ledger.save(JobRecord(f"j{i}", "s", "c", 1)) for i in range(50)])
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i in range(50):
+                ledger.save(JobRecord(f"j{i}", "s", "c", 1))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            failed.append(exc)
+
+    # A write that waited for the reader (it holds its snapshot until after the join) would fail after the
+    # ledger's busy timeout: the join may last as long as a busy machine needs for the 50 writes.
+    writer = threading.Thread(target=write)
     writer.start()
-    writer.join(5)
-    assert not writer.is_alive(), "a write waited for a reader"
+    writer.join(LEDGER_BUSY_TIMEOUT * 2)
+    assert not writer.is_alive() and not failed, f"a write waited for a reader: {failed}"
     assert reader.execute("SELECT count(*) FROM jobs").fetchone()[0] == 1  # its snapshot, unchanged
     reader.execute("COMMIT")
     assert ledger.count() == 51
