@@ -42,13 +42,15 @@ def unavailable(reason: str, ci_needs: str) -> None:
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
+    """Poll `condition` until it returns something truthy; fail the test once a look begun `timeout` seconds
+    after the start still finds it false (a look that a busy machine made slow judges the moment it began)."""
     deadline = time.monotonic() + timeout
     while True:
+        began = time.monotonic()
         value = condition()
         if value:
             return value
-        if time.monotonic() > deadline:
+        if began > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
 

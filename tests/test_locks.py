@@ -12,11 +12,10 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import unavailable
+from helpers import unavailable, wait_until
 
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 from rpycdl.scheduler.ledger import JobRecord, Ledger
@@ -93,14 +92,6 @@ def _holder(lock_dir: str, count: int, held, release, die: bool) -> None:
 # -- helpers in the test process ------------------------------------------------------------
 
 
-def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-
-
 def _queue_names(locks: GPULockManager) -> list[str]:
     return [waiter.get("name", "?") for waiter in locks.snapshot()["queue"]]
 
@@ -135,7 +126,7 @@ def _enqueue(lock_dir: str, procs, out, name: str, count: int, hold: float = 0.0
     locks = GPULockManager(lock_dir)
     process = _start(_waiter, lock_dir, count, hold, name, out, **kwargs)
     procs.append(process)
-    _wait_until(lambda: name in _queue_names(locks), 10, f"{name} to join the queue")
+    wait_until(lambda: name in _queue_names(locks), 10, f"{name} to join the queue")
     return process
 
 
@@ -221,7 +212,7 @@ def test_dead_waiter_leaves_the_queue_and_does_not_block_the_next(lock_dir, proc
     assert (name, status) == ("next", "granted")
     assert granted - killed < 1.5, f"the next waiter waited {granted - killed:.2f} s after the dead one died"
     assert grant["uuids"] == [UUIDS[3]]
-    _wait_until(lambda: GPULockManager(lock_dir).snapshot()["queue"] == [], 2, "an empty queue")
+    wait_until(lambda: GPULockManager(lock_dir).snapshot()["queue"] == [], 2, "an empty queue")
     assert not list((Path(lock_dir) / "queue").iterdir()), "the dead waiter's files were left behind"
     release.set()
 
@@ -382,7 +373,7 @@ def test_a_whole_gpu_never_goes_to_a_job_while_shares_hold_it(lock_dir, procs):
     with pytest.raises(QueueTimeoutError):
         locks.acquire(_need(1), {"name": "whole"}, queue_timeout=0.5)
     release.set()
-    _wait_until(lambda: not locks.snapshot()["held"], 5, "the shares to be released")
+    wait_until(lambda: not locks.snapshot()["held"], 5, "the shares to be released")
     whole = locks.acquire(_need(4), {"name": "whole"})
     out = CTX.Queue()
     procs.append(_start(_share_waiter, lock_dir, 1024, "share", out))
@@ -399,9 +390,9 @@ def test_a_share_does_not_overtake_an_earlier_whole_gpu_request(lock_dir, procs)
     out = CTX.Queue()
     locks = GPULockManager(lock_dir)
     procs.append(_start(_share_waiter, lock_dir, 0, "all four", out))
-    _wait_until(lambda: "all four" in _queue_names(locks), 10, "the whole-GPU request to wait")
+    wait_until(lambda: "all four" in _queue_names(locks), 10, "the whole-GPU request to wait")
     procs.append(_start(_share_waiter, lock_dir, 4096, "small share", out))
-    _wait_until(lambda: "small share" in _queue_names(locks), 10, "the share to wait")
+    wait_until(lambda: "small share" in _queue_names(locks), 10, "the share to wait")
     # The share would fit beside the held one, but the earlier request for all four GPUs goes first.
     time.sleep(0.7)
     assert out.empty(), "a later share overtook an earlier whole-GPU request"
