@@ -6,7 +6,6 @@ import concurrent.futures
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -43,10 +42,12 @@ def test_a_full_queue_refuses_by_name(server, connect, tmp_path):
     assert holder.result() == "held" and waiter.result() == "waited"
 
 
-def test_an_idle_connection_is_closed_and_others_are_served(server, connect):
+def test_an_idle_connection_is_closed_and_others_are_served(server, cluster, connect):
     port = server("pytorch", "fake:1", "--idle-timeout", "1")
+    pid = server_pid(cluster, port)
     idle = connect(port)
-    time.sleep(3)
+    wait_until(lambda: len(connection_processes(pid)) == 1, what="the connection process")
+    wait_until(lambda: not connection_processes(pid), 30, "the server to close the idle connection")
     with pytest.raises(EOFError):
         idle.root.run_code(lambda x: x, 1)
     busy = connect(port)

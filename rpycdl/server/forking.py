@@ -333,7 +333,7 @@ class DLServer(ForkingServer):
                 elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
                     self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
                                      time.monotonic() - idle_since)
-                    conn.close()
+                    stream.close_now(conn)  # RPyC's close() would wait for an idle client to answer
         except EOFError:  # the client left: the usual end of a connection
             conn.close()
         finally:
