@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import rpycdl
+from rpycdl.scheduler.ledger import Ledger
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -66,6 +67,18 @@ def wait_idle(conn: rpycdl.Connection, timeout: float = 1.0) -> None:
     promise 3 bounds by a second, so a check made over another connection than the job's must
     allow for that."""
     wait_until(lambda: idle(conn), timeout, "every GPU to be free and the queue empty")
+
+
+def granted_at(lock_dir: str, job_id: str) -> float:
+    """When a job was granted its GPUs, by its server's clock (time.time(): its ledger row's start), for
+    promise 3's bound: the moment a GPU went to the next job, not when that job's code began to run."""
+    ledger = Ledger(Path(lock_dir, "state"))
+    try:
+        record = ledger.get(job_id)
+    finally:
+        ledger.close()
+    assert record is not None and record.started is not None, f"job {job_id} was never granted: {record}"
+    return record.started
 
 
 def gate_job(gate: str) -> Callable[[Any], Any]:
