@@ -56,6 +56,18 @@ def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = 
         time.sleep(0.02)
 
 
+def seen_at(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition",
+            clock: Callable[[], float] = time.time) -> float:
+    """wait_until(condition, timeout, what); returns when (by `clock`) the look that found it true began: what
+    that look saw was so by then, however long a busy machine made the look take."""
+
+    def look() -> float | None:
+        began = clock()
+        return began if condition() else None
+
+    return wait_until(look, timeout, what)
+
+
 def idle(conn: rpycdl.Connection) -> bool:
     """Whether none of the server's GPUs is held and nobody waits."""
     status = conn.root.gpu_status()

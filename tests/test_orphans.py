@@ -23,6 +23,7 @@ from helpers import (
     connection_processes,
     granted_at,
     running,
+    seen_at,
     server_pid,
     unavailable,
     wait_until,
@@ -207,13 +208,7 @@ def test_a_zombie_of_the_job_does_not_hold_its_gpu(server, connect, tmp_path, pr
     info = job.result()
     ended = time.time()
     program_reaper.append(info["program"])
-
-    def free_since() -> float | None:
-        """When the look that found the GPU free began (a look a busy machine made slow saw it then)."""
-        began = time.time()
-        return None if other.root.gpu_status()["gpus"][0]["holders"] else began
-
-    free = wait_until(free_since, 5, "the GPU to be free")
+    free = seen_at(lambda: not other.root.gpu_status()["gpus"][0]["holders"], 5, "the GPU to be free")
     assert free - ended < GRACE, f"the GPU was free {free - ended:.2f} s after the job ended"
     assert not running(info["program"]), "a program the job started outlived it"
 
