@@ -162,9 +162,9 @@ def test_the_default_view_reads_only_the_recent_rows(history):
     assert 1000 < len(recent) < 20_000
 
 
-def _open_at(state: str, start: float) -> None:
-    while time.time() < start:
-        pass
+def _open_at(state: str, go: int) -> None:
+    """In a forked process: wait until `go` (a pipe's read end) reaches its end, then open the ledger."""
+    os.read(go, 1)
     try:
         Ledger(state).count()
     except LedgerError as exc:
@@ -177,11 +177,15 @@ def test_processes_making_one_new_ledger_at_once_all_open_it(tmp_path):
     """Servers and monitors of a host often start together on a new state directory: none may take the
     ledger another is making for a lost one."""
     for round_ in range(20):
-        state, start, pids = str(tmp_path / f"state{round_}"), time.time() + 0.2, []
+        state, pids = str(tmp_path / f"state{round_}"), []
+        go, start = os.pipe()  # closed once all eight are forked, however long that took: they start together
         for _ in range(8):
             pid = os.fork()
             if pid == 0:
-                _open_at(state, start)
+                os.close(start)
+                _open_at(state, go)
             pids.append(pid)
+        os.close(go)
+        os.close(start)
         codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
         assert codes == [0] * 8, f"round {round_}: {codes.count(1)} of 8 refused the new ledger"
