@@ -346,13 +346,12 @@ def client_main(run_dir: str, seed: int) -> None:
                 else:
                     conn.root.run_code(job, _job_args(config, rng), **request)
                     outcome = "ok"
-            except rpycdl.RpycdlError as exc:
+            except Exception as exc:  # noqa: BLE001 - what the job or the server said, or its connection died
                 outcome = type(exc).__name__
-            except Exception as exc:  # noqa: BLE001 - its connection process or server died: connect again
-                outcome = type(exc).__name__
-                with contextlib.suppress(Exception):
-                    conn.close()
-                conn = None
+                if isinstance(exc, rpycdl.ConnectionFailedError) or not isinstance(exc, rpycdl.RpycdlError):
+                    with contextlib.suppress(Exception):  # its connection process or server died: connect again
+                        conn.close()
+                    conn = None
             if conn is not None and conn.closed:
                 conn = None
             log.write(f"{outcome}\n")
@@ -410,17 +409,18 @@ class _Seen:
 class ReleaseWatch:
     """Promise 3 while the chaos runs: a job's grant ends within GRACE of its last live process.
 
-    A job's grant lasts while a record in the lock directory's held/ names the job and the
-    connection process that ran it (the job process's parent when it reported) is alive and has
-    not gone on to a later job. Past GRACE, a probe of the record's range of the GPU's lock file
-    must find that very process holding it before the job counts as late."""
+    A job's grant lasts while a record in the lock directory's held/ names the job and the process
+    that holds it (the record's owner: an attached job's connection process, a detached job's
+    supervisor; not the job process's parent, which is the job forkserver for an attached job) is
+    alive and has not gone on to a later job. Past GRACE, a probe of the record's range of the GPU's
+    lock file must find that very process holding it before the job counts as late."""
 
     CHECK_EVERY = 0.01  # seconds between looks at held/
 
     def __init__(self, lock_dir: str) -> None:
         self.lock_dir = Path(lock_dir)
         self.records: dict[str, dict[str, Any]] = {}  # held/ file name -> record (never rewritten)
-        self.conns: dict[str, tuple[int, int, float]] = {}  # unresolved job -> its connection (pid, start, time)
+        self.conns: dict[str, tuple[int, int, float]] = {}  # unresolved job -> its grant's owner (pid, start, time)
         self.ended: dict[str, float] = {}  # unresolved job -> when none of its processes was seen alive
         self.finished: dict[str, float] = {}  # resolved job -> the same
         self.latencies = array("d")  # seconds from a job's end to its grant's end, within CHECK_EVERY
@@ -428,8 +428,10 @@ class ReleaseWatch:
         self._next = 0.0
 
     def reported(self, report: Report) -> None:
-        stat = read_stat(report.ppid)
-        self.conns[report.job_id] = (report.ppid, stat.start if stat else 0, report.time)
+        """A job that runs: the owner of its grant, as its held/ records (made before it ran) name it."""
+        owners = [record.get("owner") for record in self._holding().get(report.job_id, [])]
+        pid, start = next((owner for owner in owners if owner), (0, 0))  # none: its grant has ended already
+        self.conns[report.job_id] = (pid, start, report.time)
 
     def step(self, live_jobs: set[str], zombies: Callable[[str], list[str]]) -> None:
         now = time.time()
@@ -907,30 +909,37 @@ class Killer:
     def _orphan_conn(self) -> int:
         """The connection process of a running job whose server parent was killed."""
         servers = self.servers.parent_pids()
+        owners = self._owners()
         orphans = []
         for report in self._running():
-            stat = read_stat(report.pid)
-            conn = read_stat(stat.ppid) if stat else None
-            if conn is not None and conn.ppid not in servers:
+            owner = owners.get(report.job_id)
+            conn = read_stat(owner[0]) if owner else None
+            if conn is not None and read_comm(owner[0]) == "rpycdl-conn" and conn.ppid not in servers:
                 orphans.append(report)
         return self._kill_conn(self.rng.choice(orphans), "orphan_conn") if orphans else 0
 
     def _supervisor(self) -> int:
         """The supervisor of a running detached job."""
-        running = [r for r in self._running() if read_comm(r.ppid) == "rpycdl-superv"]
+        owners = self._owners()
+        running = [r for r in self._running() if read_comm(owners.get(r.job_id, (0, 0))[0]) == "rpycdl-superv"]
         return self._kill_conn(self.rng.choice(running), "supervisor") if running else 0
 
+    def _owners(self) -> dict[str, tuple[int, int]]:
+        """The owner of every unfinished job, by its row: an attached job's connection process, a detached job's
+        supervisor (an attached job process's parent is the job forkserver, not its connection process)."""
+        return {row["job_id"]: (row["owner_pid"], row["owner_start"]) for row in ledger_rows(self.lock_dir, LIVE)}
+
     def _kill_conn(self, report: Report, kind: str) -> int:
-        """kill -9 the parent of a job process, if that is still a connection process (or, for the kind
+        """kill -9 the owner of a running job, if that is still a connection process (or, for the kind
         "supervisor", a detached job's supervisor) of this run."""
-        stat = read_stat(report.pid)
-        owner = "rpycdl-superv" if kind == "supervisor" else "rpycdl-conn"
-        if not alive(stat, report.start) or read_comm(stat.ppid) != owner:
+        if not alive(read_stat(report.pid), report.start):
             return 0
-        conn = read_stat(stat.ppid)
-        if conn is None or not signal_process(stat.ppid, conn.start, signal.SIGKILL):
+        rows = ledger_rows(self.lock_dir, "job_id = ?", (report.job_id,))
+        pid, start = (rows[0]["owner_pid"], rows[0]["owner_start"]) if rows else (0, 0)
+        if read_comm(pid) != ("rpycdl-superv" if kind == "supervisor" else "rpycdl-conn") or \
+                not signal_process(pid, start, signal.SIGKILL):
             return 0
-        return self._note(kind, stat.ppid, report.job_id, self._record(report.job_id))
+        return self._note(kind, pid, report.job_id, self._record(report.job_id))
 
     def _record(self, job: str) -> str:
         """What the job's row in the ledger says of it: its state and process group."""
