@@ -67,13 +67,33 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
 REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor")
 """The kinds of kill a run must have made to count (ChaosResult.tested): the killer tries those it has not made
 yet in a run's second half."""
+ENOUGH_JOBS, ENOUGH_DETACHED, ENOUGH_WORKING_DIRS = 50, 10, 10
+"""Jobs started, detached jobs submitted and jobs run in a working directory that a run must have made to count
+(with every kind of REQUIRED_KILLS, and two shares seen on one GPU at once): the chaos goes on past its least
+duration until it has (shortfall)."""
+
+
+def shortfall(jobs: int, kills: Counter[str], submitted: int, working_dirs: int, shared: bool) -> list[str]:
+    """What a run has not done yet of what it must to count; empty once it has done enough."""
+    missing = [f"only {jobs} jobs ran"] if jobs < ENOUGH_JOBS else []
+    missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not kills[kind]]
+    if submitted < ENOUGH_DETACHED:
+        missing.append(f"only {submitted} detached jobs were submitted")
+    if working_dirs < ENOUGH_WORKING_DIRS:
+        missing.append(f"only {working_dirs} jobs ran in a working directory")
+    if not shared:
+        missing.append("the observer never saw two shares on one GPU at once")
+    return missing
 
 
 @dataclass(frozen=True)
 class ChaosSettings:
-    """One chaos run. `server_args` go to every `rpycdl serve` (another scheduling policy, say)."""
+    """One chaos run. `server_args` go to every `rpycdl serve` (another scheduling policy, say). The chaos
+    lasts `duration` seconds, and goes on until the run has done enough (shortfall), for `deadline` seconds at
+    the most: a busy machine makes fewer jobs a second."""
 
     duration: float = 25.0
+    deadline: float = 300.0
     clients: int = 6
     servers: int = 2
     gpus: str = "fake:4"
@@ -326,13 +346,12 @@ def client_main(run_dir: str, seed: int) -> None:
                 else:
                     conn.root.run_code(job, _job_args(config, rng), **request)
                     outcome = "ok"
-            except rpycdl.RpycdlError as exc:
+            except Exception as exc:  # noqa: BLE001 - what the job or the server said, or its connection died
                 outcome = type(exc).__name__
-            except Exception as exc:  # noqa: BLE001 - its connection process or server died: connect again
-                outcome = type(exc).__name__
-                with contextlib.suppress(Exception):
-                    conn.close()
-                conn = None
+                if isinstance(exc, rpycdl.ConnectionFailedError) or not isinstance(exc, rpycdl.RpycdlError):
+                    with contextlib.suppress(Exception):  # its connection process or server died: connect again
+                        conn.close()
+                    conn = None
             if conn is not None and conn.closed:
                 conn = None
             log.write(f"{outcome}\n")
@@ -390,17 +409,18 @@ class _Seen:
 class ReleaseWatch:
     """Promise 3 while the chaos runs: a job's grant ends within GRACE of its last live process.
 
-    A job's grant lasts while a record in the lock directory's held/ names the job and the
-    connection process that ran it (the job process's parent when it reported) is alive and has
-    not gone on to a later job. Past GRACE, a probe of the record's range of the GPU's lock file
-    must find that very process holding it before the job counts as late."""
+    A job's grant lasts while a record in the lock directory's held/ names the job and the process
+    that holds it (the record's owner: an attached job's connection process, a detached job's
+    supervisor; not the job process's parent, which is the job forkserver for an attached job) is
+    alive and has not gone on to a later job. Past GRACE, a probe of the record's range of the GPU's
+    lock file must find that very process holding it before the job counts as late."""
 
     CHECK_EVERY = 0.01  # seconds between looks at held/
 
     def __init__(self, lock_dir: str) -> None:
         self.lock_dir = Path(lock_dir)
         self.records: dict[str, dict[str, Any]] = {}  # held/ file name -> record (never rewritten)
-        self.conns: dict[str, tuple[int, int, float]] = {}  # unresolved job -> its connection (pid, start, time)
+        self.conns: dict[str, tuple[int, int, float]] = {}  # unresolved job -> its grant's owner (pid, start, time)
         self.ended: dict[str, float] = {}  # unresolved job -> when none of its processes was seen alive
         self.finished: dict[str, float] = {}  # resolved job -> the same
         self.latencies = array("d")  # seconds from a job's end to its grant's end, within CHECK_EVERY
@@ -408,8 +428,10 @@ class ReleaseWatch:
         self._next = 0.0
 
     def reported(self, report: Report) -> None:
-        stat = read_stat(report.ppid)
-        self.conns[report.job_id] = (report.ppid, stat.start if stat else 0, report.time)
+        """A job that runs: the owner of its grant, as its held/ records (made before it ran) name it."""
+        owners = [record.get("owner") for record in self._holding().get(report.job_id, [])]
+        pid, start = next((owner for owner in owners if owner), (0, 0))  # none: its grant has ended already
+        self.conns[report.job_id] = (pid, start, report.time)
 
     def step(self, live_jobs: set[str], zombies: Callable[[str], list[str]]) -> None:
         now = time.time()
@@ -486,8 +508,9 @@ class Observer:
     them was seen, so all lived at one instant (a process that died during the scan, its pid given
     to another, does not count)."""
 
-    def __init__(self, inbox: str, token: str, lock_dir: str) -> None:
+    def __init__(self, inbox: str, token: str, lock_dir: str, shared_mark: str | None = None) -> None:
         self.inbox = inbox
+        self.shared_mark = shared_mark  # a file made once two jobs were seen sharing a GPU (for the killer)
         self.token = token.encode()
         self.jobs: dict[str, Report] = {}
         self.by_pid: dict[int, list[Report]] = {}  # a job process's reports (several if its pid was reused)
@@ -574,6 +597,8 @@ class Observer:
             if self._over(users):
                 self._confirm(gpu, users)
             else:
+                if not self.shared_at_once and self.shared_mark:
+                    Path(self.shared_mark).touch()
                 self.shared_at_once += 1
 
     def _over(self, users: dict[str, Any]) -> bool:
@@ -634,7 +659,7 @@ def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
         os.nice(nice)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir)
+    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir, str(Path(run_dir, "observer.shared")))
     observer.run(stopping.is_set, lambda: Path(run_dir, "observer.ready").touch())
     out = Path(run_dir, "observer.json")
     out.with_suffix(".tmp").write_text(json.dumps(observer.summary()))
@@ -827,12 +852,13 @@ class Killer:
             "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client,
             "supervisor": self._supervisor}
 
-    def run(self, until: float) -> None:
+    def run(self, least: float, enough: Callable[[], bool], deadline: float) -> None:
+        """Kill until `least` (a time.monotonic()), then on until enough() or `deadline`."""
         kinds = [kind for kind, _ in self.settings.kills]
         weights = [weight for _, weight in self.settings.kills]
-        halfway = (time.monotonic() + until) / 2
+        halfway = (time.monotonic() + least) / 2
         next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
-        while time.monotonic() < until:
+        while time.monotonic() < least or (time.monotonic() < deadline and not enough()):
             time.sleep(self.rng.uniform(*self.settings.kill_every))
             self._fresh()
             if time.monotonic() >= next_restart and self.servers.kill_and_restart(self.rng):
@@ -883,30 +909,37 @@ class Killer:
     def _orphan_conn(self) -> int:
         """The connection process of a running job whose server parent was killed."""
         servers = self.servers.parent_pids()
+        owners = self._owners()
         orphans = []
         for report in self._running():
-            stat = read_stat(report.pid)
-            conn = read_stat(stat.ppid) if stat else None
-            if conn is not None and conn.ppid not in servers:
+            owner = owners.get(report.job_id)
+            conn = read_stat(owner[0]) if owner else None
+            if conn is not None and read_comm(owner[0]) == "rpycdl-conn" and conn.ppid not in servers:
                 orphans.append(report)
         return self._kill_conn(self.rng.choice(orphans), "orphan_conn") if orphans else 0
 
     def _supervisor(self) -> int:
         """The supervisor of a running detached job."""
-        running = [r for r in self._running() if read_comm(r.ppid) == "rpycdl-superv"]
+        owners = self._owners()
+        running = [r for r in self._running() if read_comm(owners.get(r.job_id, (0, 0))[0]) == "rpycdl-superv"]
         return self._kill_conn(self.rng.choice(running), "supervisor") if running else 0
 
+    def _owners(self) -> dict[str, tuple[int, int]]:
+        """The owner of every unfinished job, by its row: an attached job's connection process, a detached job's
+        supervisor (an attached job process's parent is the job forkserver, not its connection process)."""
+        return {row["job_id"]: (row["owner_pid"], row["owner_start"]) for row in ledger_rows(self.lock_dir, LIVE)}
+
     def _kill_conn(self, report: Report, kind: str) -> int:
-        """kill -9 the parent of a job process, if that is still a connection process (or, for the kind
+        """kill -9 the owner of a running job, if that is still a connection process (or, for the kind
         "supervisor", a detached job's supervisor) of this run."""
-        stat = read_stat(report.pid)
-        owner = "rpycdl-superv" if kind == "supervisor" else "rpycdl-conn"
-        if not alive(stat, report.start) or read_comm(stat.ppid) != owner:
+        if not alive(read_stat(report.pid), report.start):
             return 0
-        conn = read_stat(stat.ppid)
-        if conn is None or not signal_process(stat.ppid, conn.start, signal.SIGKILL):
+        rows = ledger_rows(self.lock_dir, "job_id = ?", (report.job_id,))
+        pid, start = (rows[0]["owner_pid"], rows[0]["owner_start"]) if rows else (0, 0)
+        if read_comm(pid) != ("rpycdl-superv" if kind == "supervisor" else "rpycdl-conn") or \
+                not signal_process(pid, start, signal.SIGKILL):
             return 0
-        return self._note(kind, stat.ppid, report.job_id, self._record(report.job_id))
+        return self._note(kind, pid, report.job_id, self._record(report.job_id))
 
     def _record(self, job: str) -> str:
         """What the job's row in the ledger says of it: its state and process group."""
@@ -1268,14 +1301,8 @@ class ChaosResult:
 
     def tested(self) -> list[str]:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
-        missing = [f"only {self.jobs} jobs ran"] if self.jobs < 50 else []
-        missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not self.kills[kind]]
-        if len(self.submitted) < 10:
-            missing.append(f"only {len(self.submitted)} detached jobs were submitted")
-        if len(self.working_dirs) < 10:
-            missing.append(f"only {len(self.working_dirs)} jobs ran in a working directory")
-        if not self.observer.get("shared_at_once"):
-            missing.append("the observer never saw two shares on one GPU at once")
+        missing = shortfall(self.jobs, self.kills, len(self.submitted), len(self.working_dirs),
+                            bool(self.observer.get("shared_at_once")))
         median = self.observer.get("period_ms", {}).get("p50", 0.0) / 1000
         if not self.observer.get("loops"):
             missing.append("the observer never looped")
@@ -1415,15 +1442,17 @@ class Chaos:
 
     def run(self) -> ChaosResult:
         """The chaos, then the end check; returns what happened."""
-        started = time.time()
-        self.killer.run(time.monotonic() + self.settings.duration)
+        started, now = time.time(), time.monotonic()
+        self.killer.run(now + self.settings.duration, lambda: not self.shortfall(), now + self.settings.deadline)
         self.servers.wait_restarts()
         seconds = time.time() - started
         self.clients.kill_all()  # the last kills
         reports = self.run_dir / "reports"
         after_kill = self._wait_clean("dead jobs' leftovers after the last kill", time.time(), functools.partial(
             dead_jobs_leftovers, self.lock_dir, reports, self.token.encode()))
-        deadline = time.monotonic() + self.settings.queue_timeout + 10  # detached jobs outlive their clients
+        # Detached jobs outlive their clients: wait for their rows to end (at most queue_timeout in the queue, a
+        # moment running; a minute allows for a busy machine), then look from that moment.
+        deadline = time.monotonic() + self.settings.queue_timeout + 60
         while live_records(self.lock_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
         check = EndCheck(self.lock_dir, self.servers, reports, self.token)
@@ -1440,6 +1469,13 @@ class Chaos:
                            set(os.listdir(self.run_dir / "submitted")), sorted(p.stem for p in reports.glob("*.twice")),
                            self.lock_dir / "state" / "jobs",
                            {path.stem: path.read_text() for path in reports.glob("*.workdir")})
+
+    def shortfall(self) -> list[str]:
+        """What the run has not done yet of what it must (shortfall), as its files tell so far."""
+        reports = os.listdir(self.run_dir / "reports")
+        jobs, working_dirs = (sum(name.endswith(suffix) for name in reports) for suffix in (".json", ".workdir"))
+        return shortfall(jobs, self.killer.kills, len(os.listdir(self.run_dir / "submitted")), working_dirs,
+                         (self.run_dir / "observer.shared").exists())
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import rpycdl
+from rpycdl.scheduler.ledger import Ledger
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -42,15 +43,29 @@ def unavailable(reason: str, ci_needs: str) -> None:
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
+    """Poll `condition` until it returns something truthy; fail the test once a look begun `timeout` seconds
+    after the start still finds it false (a look that a busy machine made slow judges the moment it began)."""
     deadline = time.monotonic() + timeout
     while True:
+        began = time.monotonic()
         value = condition()
         if value:
             return value
-        if time.monotonic() > deadline:
+        if began > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def seen_at(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition",
+            clock: Callable[[], float] = time.time) -> float:
+    """wait_until(condition, timeout, what); returns when (by `clock`) the look that found it true began: what
+    that look saw was so by then, however long a busy machine made the look take."""
+
+    def look() -> float | None:
+        began = clock()
+        return began if condition() else None
+
+    return wait_until(look, timeout, what)
 
 
 def idle(conn: rpycdl.Connection) -> bool:
@@ -64,6 +79,18 @@ def wait_idle(conn: rpycdl.Connection, timeout: float = 1.0) -> None:
     promise 3 bounds by a second, so a check made over another connection than the job's must
     allow for that."""
     wait_until(lambda: idle(conn), timeout, "every GPU to be free and the queue empty")
+
+
+def granted_at(lock_dir: str, job_id: str) -> float:
+    """When a job was granted its GPUs, by its server's clock (time.time(): its ledger row's start), for
+    promise 3's bound: the moment a GPU went to the next job, not when that job's code began to run."""
+    ledger = Ledger(Path(lock_dir, "state"))
+    try:
+        record = ledger.get(job_id)
+    finally:
+        ledger.close()
+    assert record is not None and record.started is not None, f"job {job_id} was never granted: {record}"
+    return record.started
 
 
 def gate_job(gate: str) -> Callable[[Any], Any]:

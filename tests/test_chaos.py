@@ -34,13 +34,16 @@ longest)."""
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path, policy):
     """Two fake:4 servers on one lock directory, six clients, 25 s of kills (18 s under the other policies:
-    connection processes right after a grant, job processes, their children, server parents, clients): no
-    GPU ever over-committed, no grant outliving its job by a second, nothing of a dead job a second after the
-    last kill, everything clean a second after the detached jobs ended."""
-    result = run_chaos(cluster, tmp_path / "chaos", POLICIES[policy])
+    connection processes right after a grant, job processes, their children, server parents, clients), and on
+    until the run has made enough jobs and every kind of kill it must: no GPU ever over-committed, no grant
+    outliving its job by a second, nothing of a dead job a second after the last kill, everything clean a
+    second after the detached jobs ended."""
+    settings = POLICIES[policy]
+    result = run_chaos(cluster, tmp_path / "chaos", settings)
     print(result.summary())
     missing = result.tested()
-    assert not missing, "the chaos did not test what it should: " + "; ".join(missing) + "\n" + result.summary()
+    assert not missing, (f"the chaos did not test what it should in {result.seconds:.0f} s (deadline "
+                         f"{settings.deadline:g} s): " + "; ".join(missing) + "\n" + result.summary())
     problems = result.problems()
     assert not problems, "\n".join(problems) + "\n" + result.summary()
 

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import json
 import multiprocessing
+import queue
 import random
 import sqlite3
 import threading
@@ -23,9 +24,46 @@ import rpycdl
 
 CTX = multiprocessing.get_context("fork")
 WORKERS = 8
-DURATION = 12.0  # seconds each worker submits and cancels
+LEAST = 12.0  # seconds the workers submit and cancel at the least; then on until they have done ENOUGH
+DEADLINE = 300.0  # seconds they may take to do ENOUGH (a busy machine is slow, not wrong)
 MOST_UNFINISHED = 3  # detached jobs a worker has in flight at once
 OUTCOME_STATES = {"ok": "SUCCEEDED", "JobCancelledError": "CANCELLED", "QueueTimeoutError": "FAILED"}
+COUNTS = ("attached", "detached", "attached cancelled", "detached cancelled")
+"""What each worker counts as it goes (attached jobs ended, detached jobs submitted, and of those, ended
+cancelled): the test runs until the totals reach ENOUGH."""
+ENOUGH = {"attached": WORKERS * 5, "detached": WORKERS * 3, "attached cancelled": 1, "detached cancelled": 1}
+
+
+class Progress:
+    """The COUNTS of every worker, in memory the workers share with the test (forked)."""
+
+    def __init__(self) -> None:
+        self._counts = CTX.Array("i", WORKERS * len(COUNTS))
+
+    def add(self, worker: int, what: str) -> None:
+        with self._counts.get_lock():
+            self._counts[worker * len(COUNTS) + COUNTS.index(what)] += 1
+
+    def totals(self) -> dict[str, int]:
+        with self._counts.get_lock():
+            counts = list(self._counts)
+        return {what: sum(counts[index::len(COUNTS)]) for index, what in enumerate(COUNTS)}
+
+    def idle_workers(self) -> list[int]:
+        """Workers that have neither ended an attached job nor submitted a detached one yet."""
+        with self._counts.get_lock():
+            counts = list(self._counts)
+        return [n for n in range(WORKERS) if not any(counts[n * len(COUNTS):n * len(COUNTS) + 2])]
+
+    def enough(self) -> bool:
+        totals = self.totals()
+        return all(totals[what] >= least for what, least in ENOUGH.items()) and not self.idle_workers()
+
+    def describe(self) -> str:
+        totals = self.totals()
+        idle = self.idle_workers()
+        return ", ".join(f"{what} {totals[what]} of {least}" for what, least in ENOUGH.items()) + (
+            f"; workers that did nothing: {idle}" if idle else "")
 
 
 def make_witness() -> Callable[[dict[str, Any]], str]:
@@ -55,16 +93,16 @@ def make_witness() -> Callable[[dict[str, Any]], str]:
     return witness
 
 
-def _worker(port_list: list[int], directory: str, number: int, out: Any) -> None:
+def _worker(port_list: list[int], directory: str, number: int, progress: Progress, stop: Any, out: Any) -> None:
     """Attached jobs in one thread; detached submits and cancels (of its own detached and attached jobs)
-    in another; then the final state each detached job reached, as this client saw it."""
+    in another, until `stop` is set; then the final state each detached job reached, as this client saw it."""
     user = f"worker{number}"
     rng = random.Random(number)
     witness = make_witness()
     attached: collections.Counter[str] = collections.Counter()
     tokens: dict[str, str] = {}  # attached job token -> outcome
     detached: dict[str, str | None] = {}  # job id -> state a cancel found it in (None: not cancelled)
-    deadline = time.monotonic() + DURATION
+    ended: dict[str, str] = {}  # detached job id -> the final state a look found it in
 
     def connect() -> rpycdl.Connection:
         conn = rpycdl.connect(host="127.0.0.1", port=rng.choice(port_list))
@@ -73,7 +111,7 @@ def _worker(port_list: list[int], directory: str, number: int, out: Any) -> None
 
     def attach() -> None:
         conn = connect()
-        while time.monotonic() < deadline:
+        while not stop.is_set():
             token = f"{user}-{len(tokens)}"
             args = {"dir": directory, "hold": rng.uniform(0.02, 0.3), "token": token}
             try:
@@ -83,18 +121,28 @@ def _worker(port_list: list[int], directory: str, number: int, out: Any) -> None
                 outcome = type(exc).__name__
             attached[outcome] += 1
             tokens[token] = outcome
+            progress.add(number, "attached")
+            if outcome == "JobCancelledError":
+                progress.add(number, "attached cancelled")
 
     thread = threading.Thread(target=attach)
     thread.start()
     conn = connect()
-    while time.monotonic() < deadline:
-        unfinished = [job_id for job_id in detached if not conn.root.job(job_id).status().finished]
+    while not stop.is_set():
+        for job_id in detached.keys() - ended.keys():
+            status = conn.root.job(job_id).status()
+            if status.finished:
+                ended[job_id] = status.state.value
+                if status.state.value == "CANCELLED":
+                    progress.add(number, "detached cancelled")
+        unfinished = [job_id for job_id in detached if job_id not in ended]
         roll = rng.random()
         if len(unfinished) < MOST_UNFINISHED and roll < 0.6:
             args = {"dir": directory, "hold": rng.uniform(0.02, 0.5), "token": f"{user}-d{len(detached)}"}
             name = rng.choice([None, f"n{len(detached)}"])
             job = conn.root.submit(witness, args, ngpus=rng.choice([1, 2]), name=name)
             detached[job.id] = None
+            progress.add(number, "detached")
         elif unfinished and roll < 0.8:
             job_id = rng.choice(unfinished)
             detached[job_id] = conn.root.cancel(job_id)
@@ -112,6 +160,32 @@ def _worker(port_list: list[int], directory: str, number: int, out: Any) -> None
     out.put((user, dict(attached), tokens, seen))
 
 
+def _until_enough(workers: list[Any], progress: Progress, stop: Any) -> float:
+    """Let the workers run LEAST seconds, then on until they have done ENOUGH, a worker died, or DEADLINE
+    passed; stop them. Returns the seconds they ran."""
+    started = time.monotonic()
+    while True:
+        ran = time.monotonic() - started
+        if (ran >= LEAST and progress.enough()) or ran > DEADLINE or not all(w.is_alive() for w in workers):
+            stop.set()
+            return ran
+        time.sleep(0.1)
+
+
+def _reports(out: Any, workers: list[Any]) -> list[tuple[Any, ...]]:
+    """What every worker put in `out` once stopped (it waits for its detached jobs to end first)."""
+    reports: list[tuple[Any, ...]] = []
+    deadline = time.monotonic() + DEADLINE
+    while len(reports) < len(workers):
+        try:
+            reports.append(out.get(timeout=1))
+        except queue.Empty:
+            dead = [worker.exitcode for worker in workers if not worker.is_alive()]
+            assert len(dead) < len(workers) and time.monotonic() < deadline, \
+                f"{len(reports)} of {len(workers)} workers reported; exit codes of those that ended: {dead}"
+    return reports
+
+
 def _ledger_rows(state_dir: Path) -> list[dict[str, Any]]:
     """Every row of the ledger, read as an outsider (SQLite, read-only)."""
     with contextlib.closing(sqlite3.connect(f"file:{state_dir / 'ledger.sqlite3'}?mode=ro", uri=True)) as db:
@@ -124,13 +198,14 @@ def test_eight_clients_submitting_and_cancelling_against_two_servers(cluster, tm
     ports = [cluster.add_server("pytorch", "fake:2")[1] for _ in range(2)]
     witness_dir = tmp_path / "witness"
     witness_dir.mkdir()
-    out = CTX.Queue()
-    workers = [CTX.Process(target=_worker, args=(ports, str(witness_dir), n, out), daemon=True) for n in range(WORKERS)]
+    out, progress, stop = CTX.Queue(), Progress(), CTX.Event()
+    workers = [CTX.Process(target=_worker, args=(ports, str(witness_dir), n, progress, stop, out), daemon=True)
+               for n in range(WORKERS)]
     for worker in workers:
         worker.start()
     try:
-        reports = {user: (attached, tokens, seen) for user, attached, tokens, seen in
-                   (out.get(timeout=DURATION + 120) for _ in workers)}
+        ran = _until_enough(workers, progress, stop)
+        reports = {user: (attached, tokens, seen) for user, attached, tokens, seen in _reports(out, workers)}
     finally:
         for worker in workers:
             worker.join(10)
@@ -168,9 +243,11 @@ def test_eight_clients_submitting_and_cancelling_against_two_servers(cluster, tm
         for job_id, token in token_of.items():  # those that ran: their row says how the client saw them end
             if token in tokens:
                 assert rows[job_id]["state"] == OUTCOME_STATES[tokens[token]], (job_id, token, tokens[token])
-    assert submitted >= WORKERS * 3, f"only {submitted} detached jobs: the test tested little"
-    assert sum(sum(attached.values()) for attached, _, _ in reports.values()) >= WORKERS * 5
+    so_far = f"in {ran:.0f} s (deadline {DEADLINE:g} s): {progress.describe()}"
+    assert submitted >= ENOUGH["detached"], f"only {submitted} detached jobs: the test tested little {so_far}"
+    assert sum(sum(attached.values()) for attached, _, _ in reports.values()) >= ENOUGH["attached"], so_far
     cancelled = [row for row in rows.values() if row["state"] == "CANCELLED"]
     assert any(row["detached"] for row in cancelled) and any(not row["detached"] for row in cancelled), \
-        "the test should cancel detached and attached jobs"
-    print(json.dumps(collections.Counter((row["detached"], row["state"]) for row in rows.values()).most_common()))
+        f"the test should cancel detached and attached jobs {so_far}"
+    ended = collections.Counter((row["detached"], row["state"]) for row in rows.values())
+    print(so_far, json.dumps(ended.most_common()))

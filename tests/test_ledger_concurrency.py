@@ -15,6 +15,7 @@ import traceback
 
 import pytest
 
+from rpycdl.defaults import LEDGER_BUSY_TIMEOUT
 from rpycdl.errors import LedgerError
 from rpycdl.scheduler import jobrecord
 from rpycdl.scheduler import ledger as ledger_module
@@ -81,10 +82,21 @@ def test_a_reader_holding_a_snapshot_never_blocks_a_writer(tmp_path):
     reader = sqlite3.connect(ledger.path, isolation_level=None)
     reader.execute("BEGIN")
     assert reader.execute("SELECT count(*) FROM jobs").fetchone()[0] == 1  # holds its snapshot from here
-    writer = threading.Thread(target=lambda: [ledger.save(JobRecord(f"j{i}", "s", "c", 1)) for i in range(50)])
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for i in range(50):
+                ledger.save(JobRecord(f"j{i}", "s", "c", 1))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            failed.append(exc)
+
+    # A write that waited for the reader (it holds its snapshot until after the join) would fail after the
+    # ledger's busy timeout: the join may last as long as a busy machine needs for the 50 writes.
+    writer = threading.Thread(target=write)
     writer.start()
-    writer.join(5)
-    assert not writer.is_alive(), "a write waited for a reader"
+    writer.join(LEDGER_BUSY_TIMEOUT * 2)
+    assert not writer.is_alive() and not failed, f"a write waited for a reader: {failed}"
     assert reader.execute("SELECT count(*) FROM jobs").fetchone()[0] == 1  # its snapshot, unchanged
     reader.execute("COMMIT")
     assert ledger.count() == 51
@@ -150,9 +162,9 @@ def test_the_default_view_reads_only_the_recent_rows(history):
     assert 1000 < len(recent) < 20_000
 
 
-def _open_at(state: str, start: float) -> None:
-    while time.time() < start:
-        pass
+def _open_at(state: str, go: int) -> None:
+    """In a forked process: wait until `go` (a pipe's read end) reaches its end, then open the ledger."""
+    os.read(go, 1)
     try:
         Ledger(state).count()
     except LedgerError as exc:
@@ -165,11 +177,15 @@ def test_processes_making_one_new_ledger_at_once_all_open_it(tmp_path):
     """Servers and monitors of a host often start together on a new state directory: none may take the
     ledger another is making for a lost one."""
     for round_ in range(20):
-        state, start, pids = str(tmp_path / f"state{round_}"), time.time() + 0.2, []
+        state, pids = str(tmp_path / f"state{round_}"), []
+        go, start = os.pipe()  # closed once all eight are forked, however long that took: they start together
         for _ in range(8):
             pid = os.fork()
             if pid == 0:
-                _open_at(state, start)
+                os.close(start)
+                _open_at(state, go)
             pids.append(pid)
+        os.close(go)
+        os.close(start)
         codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
         assert codes == [0] * 8, f"round {round_}: {codes.count(1)} of 8 refused the new ledger"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import signal
 import socket
-import time
+from pathlib import Path
 
 import pytest
 from helpers import Background, connection_processes, gate_job, open_gate, quick_error, server_pid, wait_until
@@ -39,10 +42,12 @@ def test_a_full_queue_refuses_by_name(server, connect, tmp_path):
     assert holder.result() == "held" and waiter.result() == "waited"
 
 
-def test_an_idle_connection_is_closed_and_others_are_served(server, connect):
+def test_an_idle_connection_is_closed_and_others_are_served(server, cluster, connect):
     port = server("pytorch", "fake:1", "--idle-timeout", "1")
+    pid = server_pid(cluster, port)
     idle = connect(port)
-    time.sleep(3)
+    wait_until(lambda: len(connection_processes(pid)) == 1, what="the connection process")
+    wait_until(lambda: not connection_processes(pid), 30, "the server to close the idle connection")
     with pytest.raises(EOFError):
         idle.root.run_code(lambda x: x, 1)
     busy = connect(port)
@@ -104,3 +109,37 @@ def test_connections_over_the_limit_are_refused_at_once_by_name(mode, server, cl
     assert first.root.run_code(lambda x: x, "still served") == "still served"
     first.close()
     silent.close()
+
+
+def _sent_unread(port: int) -> int:
+    """The bytes that clients of a loopback port have sent and nobody has read yet (/proc/net/tcp: the rx_queue
+    of the port's established sockets, a connection not yet accepted among them)."""
+    unread = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "01":  # 127.0.0.1:port, ESTABLISHED
+            unread += int(fields[4].partition(":")[2], 16)
+    return unread
+
+
+def test_a_place_freed_before_the_server_noticed_goes_to_the_client_that_took_it(server, cluster):
+    # A busy machine may leave the server parent asleep while a connection process ends and a client
+    # comes: once it wakes, the client is served in the place that ended, not refused as over the limit.
+    port = server("pytorch", "fake:1", "--max-connections", "2")
+    pid = server_pid(cluster, port)
+    first, second = (rpycdl.connect(host="127.0.0.1", port=port) for _ in range(2))
+    wait_until(lambda: len(connection_processes(pid)) == 2, what="two connection processes")
+    os.kill(pid, signal.SIGSTOP)  # the parent sleeps: what follows waits for it
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        try:
+            second.close()
+            wait_until(lambda: len(connection_processes(pid)) == 1, what="the second client's process to exit")
+            later = thread.submit(rpycdl.connect, host="127.0.0.1", port=port)
+            wait_until(lambda: _sent_unread(port), what="the later client's first bytes to wait for the server")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        third = later.result(60)
+    with third:
+        assert third.root.run_code(lambda x: x, "served") == "served"
+    assert first.root.run_code(lambda x: x, "still served") == "still served"
+    first.close()

@@ -12,11 +12,10 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import unavailable
+from helpers import unavailable, wait_until
 
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 from rpycdl.scheduler.ledger import JobRecord, Ledger
@@ -79,26 +78,20 @@ def _waiter(lock_dir: str, count: int, hold: float, name: str, out, sleep_poll: 
     locks.release(grant)
 
 
-def _holder(lock_dir: str, count: int, held, release, die: bool) -> None:
-    """Take `count` GPUs, say so, and on `release` either release them or die holding them."""
+def _holder(lock_dir: str, count: int, held, release, die: bool, let_go) -> None:
+    """Take `count` GPUs, say so, and on `release` either release them or die holding them, noting in
+    `let_go` when it did (a holder that a busy machine woke late lets go later than `release` was set)."""
     locks = GPULockManager(lock_dir)
     grant = locks.acquire(_need(count), {"name": "holder", "pid": os.getpid()})
     held.set()
     release.wait(60)
+    let_go.value = time.time()
     if die:
         os._exit(0)  # no release, no wake-up: only the kernel frees the fcntl locks
     locks.release(grant)
 
 
 # -- helpers in the test process ------------------------------------------------------------
-
-
-def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _queue_names(locks: GPULockManager) -> list[str]:
@@ -123,11 +116,12 @@ def procs():
 
 
 def _hold_all(lock_dir: str, procs, count: int = len(UUIDS), die: bool = False):
-    held, release = CTX.Event(), CTX.Event()
-    holder = _start(_holder, lock_dir, count, held, release, die)
+    """A holder of `count` GPUs: the process, the event that makes it let go, and when it did (time.time())."""
+    held, release, let_go = CTX.Event(), CTX.Event(), CTX.Value("d", 0.0)
+    holder = _start(_holder, lock_dir, count, held, release, die, let_go)
     procs.append(holder)
     assert held.wait(10), "the holder never got its GPUs"
-    return holder, release
+    return holder, release, let_go
 
 
 def _enqueue(lock_dir: str, procs, out, name: str, count: int, hold: float = 0.05, **kwargs):
@@ -135,7 +129,7 @@ def _enqueue(lock_dir: str, procs, out, name: str, count: int, hold: float = 0.0
     locks = GPULockManager(lock_dir)
     process = _start(_waiter, lock_dir, count, hold, name, out, **kwargs)
     procs.append(process)
-    _wait_until(lambda: name in _queue_names(locks), 10, f"{name} to join the queue")
+    wait_until(lambda: name in _queue_names(locks), 10, f"{name} to join the queue")
     return process
 
 
@@ -182,7 +176,7 @@ def test_grants_are_exclusive_and_in_arrival_order_under_contention(lock_dir, tm
 
 
 def test_waiters_are_granted_first_come_first_served(lock_dir, procs):
-    holder, release = _hold_all(lock_dir, procs)
+    holder, release, _ = _hold_all(lock_dir, procs)
     out = CTX.Queue()
     # "all" arrives third: the 1-GPU requests behind it must not overtake it although a GPU
     # is free while it waits for the two ahead of it.
@@ -205,7 +199,7 @@ def test_waiters_are_granted_first_come_first_served(lock_dir, procs):
 
 
 def test_dead_waiter_leaves_the_queue_and_does_not_block_the_next(lock_dir, procs):
-    holder, release = _hold_all(lock_dir, procs, count=3)  # one GPU stays free
+    holder, release, _ = _hold_all(lock_dir, procs, count=3)  # one GPU stays free
     out = CTX.Queue()
     doomed = _enqueue(lock_dir, procs, out, "doomed", 4)
     _enqueue(lock_dir, procs, out, "next", 1, hold=0)
@@ -221,36 +215,34 @@ def test_dead_waiter_leaves_the_queue_and_does_not_block_the_next(lock_dir, proc
     assert (name, status) == ("next", "granted")
     assert granted - killed < 1.5, f"the next waiter waited {granted - killed:.2f} s after the dead one died"
     assert grant["uuids"] == [UUIDS[3]]
-    _wait_until(lambda: GPULockManager(lock_dir).snapshot()["queue"] == [], 2, "an empty queue")
+    wait_until(lambda: GPULockManager(lock_dir).snapshot()["queue"] == [], 2, "an empty queue")
     assert not list((Path(lock_dir) / "queue").iterdir()), "the dead waiter's files were left behind"
     release.set()
 
 
 def test_release_wakes_the_next_waiter_without_waiting_for_a_poll(lock_dir, procs):
-    holder, release = _hold_all(lock_dir, procs)
+    holder, release, let_go = _hold_all(lock_dir, procs)
     out = CTX.Queue()
     # This waiter only re-checks on its own every 30 s: only a wake-up can get it going sooner.
     _enqueue(lock_dir, procs, out, "sleeper", 4, hold=0, sleep_poll=30.0)
     time.sleep(0.3)  # let it go to sleep
-    released = time.time()
     release.set()
     name, status, _, granted = out.get(timeout=10)
     assert (name, status) == ("sleeper", "granted")
-    assert granted - released < 1.0, f"granted {granted - released:.2f} s after the release"
+    assert granted - let_go.value < 1.0, f"granted {granted - let_go.value:.2f} s after the release"
 
 
 def test_dead_holder_frees_its_gpus_for_the_next_waiter(lock_dir, procs):
-    holder, die = _hold_all(lock_dir, procs, die=True)
+    holder, die, let_go = _hold_all(lock_dir, procs, die=True)
     out = CTX.Queue()
     waiter = _enqueue(lock_dir, procs, out, "next", 2, hold=0)
     locks = GPULockManager(lock_dir)
     assert len(locks.snapshot()["held"]) == len(UUIDS)
 
-    died = time.time()
     die.set()
     name, status, grant, granted = out.get(timeout=10)
     assert (name, status) == ("next", "granted")
-    assert granted - died < 1.0, f"granted {granted - died:.2f} s after the holder died"
+    assert granted - let_go.value < 1.0, f"granted {granted - let_go.value:.2f} s after the holder died"
     holder.join(5)
     waiter.join(5)
     assert holder.exitcode == 0 and waiter.exitcode == 0
@@ -258,7 +250,7 @@ def test_dead_holder_frees_its_gpus_for_the_next_waiter(lock_dir, procs):
 
 
 def test_queue_timeout_leaves_nothing_behind(lock_dir, procs):
-    holder, release = _hold_all(lock_dir, procs)
+    holder, release, _ = _hold_all(lock_dir, procs)
     out = CTX.Queue()
     started = time.time()
     procs.append(_start(_waiter, lock_dir, 1, 0, "impatient", out, queue_timeout=0.5))
@@ -382,7 +374,7 @@ def test_a_whole_gpu_never_goes_to_a_job_while_shares_hold_it(lock_dir, procs):
     with pytest.raises(QueueTimeoutError):
         locks.acquire(_need(1), {"name": "whole"}, queue_timeout=0.5)
     release.set()
-    _wait_until(lambda: not locks.snapshot()["held"], 5, "the shares to be released")
+    wait_until(lambda: not locks.snapshot()["held"], 5, "the shares to be released")
     whole = locks.acquire(_need(4), {"name": "whole"})
     out = CTX.Queue()
     procs.append(_start(_share_waiter, lock_dir, 1024, "share", out))
@@ -399,9 +391,9 @@ def test_a_share_does_not_overtake_an_earlier_whole_gpu_request(lock_dir, procs)
     out = CTX.Queue()
     locks = GPULockManager(lock_dir)
     procs.append(_start(_share_waiter, lock_dir, 0, "all four", out))
-    _wait_until(lambda: "all four" in _queue_names(locks), 10, "the whole-GPU request to wait")
+    wait_until(lambda: "all four" in _queue_names(locks), 10, "the whole-GPU request to wait")
     procs.append(_start(_share_waiter, lock_dir, 4096, "small share", out))
-    _wait_until(lambda: "small share" in _queue_names(locks), 10, "the share to wait")
+    wait_until(lambda: "small share" in _queue_names(locks), 10, "the share to wait")
     # The share would fit beside the held one, but the earlier request for all four GPUs goes first.
     time.sleep(0.7)
     assert out.empty(), "a later share overtook an earlier whole-GPU request"

@@ -298,27 +298,38 @@ def _make_writer() -> Callable[[str], bytes]:
     return write_and_read
 
 
+CACHE_STEPS, CACHE_ENOUGH, CACHE_DEADLINE = 30, 30, 300.0
+"""Each process of the cache stress test puts and copies at least CACHE_STEPS times, then on until the
+processes together have seen CACHE_ENOUGH copies of each end (whole, gone), for CACHE_DEADLINE seconds at
+the most: on a busy machine the processes interleave less, and fewer copies find their entry gone."""
+
+
 def _copy_while_others_evict(root: str, archives: list[bytes], contents: list[bytes], seed: int,
-                             report: str) -> None:
+                             report: str, seen: Any) -> None:
     """In one of several processes: put and copy working directories at random in a cache too small for
-    two of them, writing to `report` how each copy ended: whole, or gone (evicted before it began)."""
+    two of them, writing to `report` how each copy ended: whole, or gone (evicted before it began); counts
+    of both in `seen` (shared with the other processes) until there are enough."""
     import random
 
     rng, cache, ends = random.Random(seed), workdircache.WorkdirCache(root, 5 * 2**20), []
-    for step in range(30):
+    deadline = time.monotonic() + CACHE_DEADLINE
+    while len(ends) < CACHE_STEPS or (min(seen) < CACHE_ENOUGH and time.monotonic() < deadline):
         chosen = rng.randrange(len(archives))
         digest = cache.receive(lambda sink, data=archives[chosen]: sink(memoryview(data)), 2**24)
-        dest = Path(root).parent / f"job-{seed}-{step}"
+        dest = Path(root).parent / f"job-{seed}-{len(ends)}"
         dest.mkdir()
         try:
             cache.unpack(digest, dest, 2**24)
         except KeyError:
             ends.append("gone")
-            continue
-        files = sorted(dest.iterdir())
-        ends.append("whole" if files == [dest / "weights.bin"] and files[0].read_bytes() == contents[chosen]
-                    else f"broken: {files}")
-        shutil.rmtree(dest)
+        else:
+            files = sorted(dest.iterdir())
+            ends.append("whole" if files == [dest / "weights.bin"] and files[0].read_bytes() == contents[chosen]
+                        else f"broken: {files}")
+            shutil.rmtree(dest)
+        if ends[-1] in ("whole", "gone"):
+            with seen.get_lock():
+                seen[("whole", "gone").index(ends[-1])] += 1
     Path(report).write_text("\n".join(ends))
 
 
@@ -333,16 +344,19 @@ def test_copies_are_whole_while_processes_fill_and_evict_the_cache(tmp_path):
         (source / "weights.bin").write_bytes(contents[-1])
         archives.append(workdir.pack(source, 2**24).data)
     context = multiprocessing.get_context("fork")
+    seen = context.Array("i", 2)  # copies whole, copies gone
     reports = [tmp_path / f"report{n}" for n in range(6)]
     processes = [context.Process(target=_copy_while_others_evict,
-                                 args=(str(tmp_path / "cache"), archives, contents, n, str(reports[n])))
+                                 args=(str(tmp_path / "cache"), archives, contents, n, str(reports[n]), seen))
                  for n in range(6)]
     for process in processes:
         process.start()
     for process in processes:
-        process.join(120)
+        process.join(CACHE_DEADLINE + 60)
         assert process.exitcode == 0
     ends = [end for report in reports for end in report.read_text().splitlines()]
-    assert len(ends) == 180 and set(ends) <= {"whole", "gone"}, ends
-    assert ends.count("whole") >= 30 and ends.count("gone") >= 30, ends  # both, many times (about half each)
+    assert len(ends) >= 6 * CACHE_STEPS and set(ends) <= {"whole", "gone"}, ends
+    # both, many times (about half each on an idle machine)
+    assert ends.count("whole") >= CACHE_ENOUGH and ends.count("gone") >= CACHE_ENOUGH, \
+        f"{ends.count('whole')} whole and {ends.count('gone')} gone in {len(ends)} copies within {CACHE_DEADLINE:g} s"
     assert not [entry.name for entry in (tmp_path / "cache").iterdir() if entry.name.startswith(".")]

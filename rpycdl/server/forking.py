@@ -157,9 +157,7 @@ class DLServer(ForkingServer):
         if self._stop.is_set():  # stopped before RPyC's start() had set the server active
             self.active = False
             return
-        with self._forking:
-            self._connections = {pid for pid in self._connections if _running(pid)}
-            self._spares = {pid for pid in self._spares if _running(pid)}
+        self._forget_ended()
         self._keep_forkserver()
         self._fork_spares()
         try:
@@ -180,6 +178,12 @@ class DLServer(ForkingServer):
             with self._forking:  # the sweeper must not take the new one, not yet exec'd, for a leftover
                 launcher.close()
                 launcher.start()
+
+    def _forget_ended(self) -> None:
+        """Count only the connection processes and spares that still run."""
+        with self._forking:
+            self._connections = {pid for pid in self._connections if _running(pid)}
+            self._spares = {pid for pid in self._spares if _running(pid)}
 
     def _authenticated(self) -> int:
         """The connections that got in and have a connection process, or are on their way to one."""
@@ -209,6 +213,8 @@ class DLServer(ForkingServer):
         """Give a connection that got in its connection process: a spare, or under TLS a fork of its own."""
         sock, limit = handshake.sock, self.context.limits.max_connections
         try:
+            if self._authenticated() >= limit:
+                self._forget_ended()  # a connection may have ended while the gate waited (a second at most)
             if self._authenticated() >= limit:
                 self._refuse(sock, source, f"this server serves at most {limit} authenticated connections at once "
                                            "(--max-connections)")
@@ -327,7 +333,7 @@ class DLServer(ForkingServer):
                 elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
                     self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
                                      time.monotonic() - idle_since)
-                    conn.close()
+                    stream.close_now(conn)  # RPyC's close() would wait for an idle client to answer
         except EOFError:  # the client left: the usual end of a connection
             conn.close()
         finally:

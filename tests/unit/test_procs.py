@@ -30,7 +30,9 @@ def test_a_jobs_processes_are_found_by_its_session_and_by_its_environment():
     leader = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(30)"])
     marked = subprocess.Popen(["sleep", "30"], env=env, start_new_session=True)
     try:
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while procs.stat(leader.pid).session != leader.pid and time.monotonic() < deadline:  # its setsid() done
+            time.sleep(0.01)
         found = procs.job_processes("job123", procs.identify(leader.pid))
         assert leader.pid in found and marked.pid in found and os.getpid() not in found
         assert procs.job_processes("job456") == []
