@@ -35,7 +35,9 @@ setup(
         "site": SITE,
         "all": SERVER + SITE,
         "test": SERVER + SITE + ["pytest>=8", "hypothesis>=6", "ruff>=0.5", "numpy>=1.22", "selenium>=4",
-                                   "moto[server]>=5", "kubernetes-validate>=1.33"],
+                                   "moto[server]>=5", "kubernetes-validate>=1.33",
+                                   # tests/test_notebook.py: a real Jupyter kernel, driven as Jupyter drives one
+                                   "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

@@ -143,7 +143,7 @@ def test_others_see_that_a_job_exists_not_its_command_name_client_error_or_log(t
     _hidden(command("bob", "jobs", "--all", "--json"))
     shown = command("bob", "status")
     assert f"job {jobs['running'].id} of alice on pytorch since" in shown
-    assert f"job {jobs['waiting'].id} of alice wants 1 GPU(s), on pytorch, waiting" in shown
+    assert f"job {jobs['waiting'].id} of alice wants 1 GPU, on pytorch, waiting" in shown
     _hidden(shown)
     table = command("root", "jobs", "--all")
     assert ERROR in table and NAME[:15] in table  # the table cuts names to 15 characters
