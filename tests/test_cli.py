@@ -124,7 +124,7 @@ def test_cancel_stops_a_running_and_a_waiting_job(cluster, queue):
     port, (a, b, c), _ = queue
     result = rpycdl_cli("cancel", a.job_id, "--registry", cluster.registry_address)
     assert result.returncode == 0, result.stderr
-    assert f"job {a.job_id} (RUNNING) on 127.0.0.1:{port}: cancel requested" in result.stdout
+    assert f"job {a.job_id} (RUNNING) on 127.0.0.1:{port}: CANCELLED" in result.stdout  # the state after it
     a.join(10)
     assert isinstance(a.error, rpycdl.JobCancelledError), repr(a.error)
     b.wait_state("running")  # the next in line got the GPU at once

@@ -122,14 +122,17 @@ class Session:
         if conn is None:
             raise InvalidRequestError("this session is not open: open it (with, or open()), or open a new one with "
                                       "conn.root.session()")
-        with channel.reported(connection.address, "calling session_call", lambda: connection._why(conn)):
-            try:
-                while not conn.closed and conn.poll(0):  # a late answer, or the end of the connection
-                    pass
-            except (EOFError, OSError):
-                stream.close_now(conn)
-            if conn.closed:
-                raise EOFError("connection closed")
+        try:
+            with channel.reported(connection.address, "calling session_call", lambda: connection._why(conn)):
+                try:
+                    while not conn.closed and conn.poll(0):  # a late answer, or the end of the connection
+                        pass
+                except (EOFError, OSError):
+                    stream.close_now(conn)
+                if conn.closed:
+                    raise EOFError("connection closed")
+        except ConnectionLostError as exc:
+            raise failures.lost(exc, "the session ended") from None
         return conn
 
     def _interruptible(self, conn: rpyc.Connection, name: str, *args: Any) -> bytes:
