@@ -40,7 +40,9 @@ setup(
                                    "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26",
                                    # mkdocstrings 1.0.6, the last for Python 3.10, does not give pymdown-extensions
                                    # 12.2's highlighter the `md` it requires (1.0.8 does)
-                                   "pymdown-extensions<12.2; python_version < '3.11'"],
+                                   "pymdown-extensions<12.2; python_version < '3.11'",
+                                   # tests/test_notebook.py: a real Jupyter kernel, driven as Jupyter drives one
+                                   "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"],
         "bench": ["ray>=2.9"],  # bench/bench_core.py compares with Ray where it is installed
     },
     entry_points={"console_scripts": ["rpycdl=rpycdl.cli:main"]},

@@ -78,9 +78,9 @@ def submit_vs_run(port: int, n: int, warmup: int) -> tuple[list[Row], dict[str, 
             submits.append(submitted)
             results.append(done)
             row = job.refresh()
-            parts[waited].append(row["started"] - row["submitted"])
-            parts[ran].append(row["ended"] - row["started"])
-            parts[seen_after].append(seen - row["ended"])
+            parts[waited].append((row["started"] - row["submitted"]).total_seconds())  # rows' times: datetimes
+            parts[ran].append((row["ended"] - row["started"]).total_seconds())
+            parts[seen_after].append(seen - row["ended"].timestamp())
     baseline = "run_code(trivial, 1, ngpus=1), open connection"
     return [("submit(trivial, 1, ngpus=1) returns", submits, runs, baseline),
             ("submit to job.result() returned", results, runs, baseline)], parts

@@ -219,6 +219,15 @@ SESSION_TICK = 0.25
 """Seconds between a connection's looks at its open session while no call runs (a dead process, a cancel,
 the idle timeout, the watchdog): what it finds ends the session within about that."""
 
+CANCEL_WAIT = 5.0
+"""Seconds `job.cancel()` waits at most for the job to end (it stops within a fraction of a second, or its
+cancel is still under way when cancel() returns its state)."""
+
+OUTPUT_FLUSH_DELAY = 0.1
+"""Seconds a job's output without a newline (`print("loading...", end="")`) waits at most in the job
+process before it is sent on: a job's stdout and stderr flush at each newline, and this much after a write
+that left a partial line."""
+
 IDLE_TIMEOUT = 3600.0
 """Seconds a connection may stay idle (no request, no job) before the server closes it (`--idle-timeout`)."""
 
@@ -253,6 +262,8 @@ ENV_NVIDIA_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 """CUDA's and the NVIDIA container runtime's: a server started with either set manages only the GPUs they
 leave it (rpycdl.gpu.inventory.confine), as a Kubernetes pod or a Slurm job is given them."""
 ENV_MANIFESTS = "RPYCDL_MANIFESTS"
+QUIET_VARIABLE = "RPYCDL_QUIET"
+"""Set to 1, the client says nothing of its own (no waiting line, no download bar), as in batch use."""
 
 
 def lock_dir() -> str:

@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import importlib.util
+import types
 from typing import Any
 
 
 class RpycdlError(Exception):
-    """Base class of every error rpycdl raises itself."""
+    """Base class of every error rpycdl raises itself. IPython shows one without rpycdl's own frames
+    (`_render_traceback_`)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return short_traceback(self)
+
+
+def short_traceback(exc: BaseException) -> list[str]:
+    """What IPython shows of `exc` (its `_render_traceback_`): its traceback as IPython formats it, less the
+    frames that hide themselves (`__tracebackhide__`: rpycdl's, IPython's own), so that the last one shown
+    is the caller's, not rpycdl's (IPython shows the last frame even when it hides itself).
+
+    Raises:
+        ImportError: not in IPython (which then formats it as usual).
+    """
+    from IPython import get_ipython  # only ever called by IPython
+
+    shell = get_ipython()
+    if shell is None:
+        raise ImportError("not in IPython")
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_locals.get("__tracebackhide__"):
+            frames.append(tb)
+        tb = tb.tb_next
+    kept = None
+    for frame in reversed(frames):
+        kept = types.TracebackType(kept, frame.tb_frame, frame.tb_lasti, frame.tb_lineno)
+    return shell.InteractiveTB.structured_traceback(type(exc), exc, kept, tb_offset=0)
 
 
 class InvalidRequestError(RpycdlError, ValueError):

@@ -84,8 +84,8 @@ def test_status_shows_each_gpu_its_holder_and_the_queue_in_order(cluster, queue)
         assert "0 B / 16 GiB" in line  # sizes in words
     assert "waiting (2), first come first served:" in out
     waiting = [line.strip() for line in out.splitlines() if re.match(r"\s+\d+\. job ", line)]
-    assert waiting[0].startswith(f"1. job {b.job_id} of {ME} wants 1 GPU(s), from {clients[1]}"), out
-    assert waiting[1].startswith(f"2. job {c.job_id} of {ME} wants 2 GPU(s), from {clients[2]}"), out
+    assert waiting[0].startswith(f"1. job {b.job_id} of {ME} wants 1 GPU, from {clients[1]}"), out
+    assert waiting[1].startswith(f"2. job {c.job_id} of {ME} wants 2 GPUs, from {clients[2]}"), out
     # by service name and directly by address, the same
     for args in (["pytorch", "--registry", cluster.registry_address], ["--host", "127.0.0.1", "--port", str(port)]):
         again = rpycdl_cli("status", *args)
@@ -124,7 +124,7 @@ def test_cancel_stops_a_running_and_a_waiting_job(cluster, queue):
     port, (a, b, c), _ = queue
     result = rpycdl_cli("cancel", a.job_id, "--registry", cluster.registry_address)
     assert result.returncode == 0, result.stderr
-    assert f"job {a.job_id} (RUNNING) on 127.0.0.1:{port}: cancel requested" in result.stdout
+    assert f"job {a.job_id} (RUNNING) on 127.0.0.1:{port}: CANCELLED" in result.stdout  # the state after it
     a.join(10)
     assert isinstance(a.error, rpycdl.JobCancelledError), repr(a.error)
     b.wait_state("running")  # the next in line got the GPU at once
@@ -317,7 +317,7 @@ def test_sizes_in_help_and_status_are_in_words(server, connect, tmp_path):
     status = rpycdl_cli("status", *at).stdout
     assert "0 B / 16 GiB" in status and "shared: 512 MiB of 16 GiB granted to 1 job(s)" in status, status
     assert f"512 MiB: job {share.job_id}" in status
-    assert f"job {whole.job_id} of {ME} wants 1 GPU(s)" in status and f"job {later.job_id} of {ME} wants 4 GiB" \
+    assert f"job {whole.job_id} of {ME} wants 1 GPU" in status and f"job {later.job_id} of {ME} wants 4 GiB" \
         " of one GPU" in status, status
     jobs = {line.split()[0]: line for line in rpycdl_cli("jobs", *at).stdout.splitlines()[1:]}
     assert "512 MiB of one GPU" in jobs[share.job_id] and "4 GiB of one GPU" in jobs[later.job_id], jobs

@@ -6,6 +6,7 @@ subprocesses; only the GPUs are simulated."""
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 import pytest
 from helpers import TALKER, Background, cli_env, gate_job, open_gate, rpycdl_cli
@@ -139,16 +140,16 @@ def test_a_waiting_job_says_what_it_waits_behind_everywhere(host, connect, tmp_p
     holder_id = holder.wait_state("running")["job_id"]
     waiting = Background(connect(conn.address[1]), gate_job(gate), None, ngpus=1)
     info = waiting.wait_state("pending")
-    assert info["ahead"] == 0
+    assert info["ahead"] == 1 and info["queued"] == 0  # the job holding both GPUs, nobody queued
     assert [(held["job_id"], held["gpu"], held["share_bytes"]) for held in info["holders"]] == [
         (holder_id, 0, 0), (holder_id, 1, 0)]
-    assert all(held["user"] and held["since"] > 0 for held in info["holders"])
+    assert all(held["user"] and held["since"] <= datetime.now().astimezone() for held in info["holders"])
     detached = rpycdl_cli("submit", "pytorch", *flags, "--", "true")
     assert detached.returncode == 0, detached.stderr
     assert detached.stdout.endswith(": PENDING (behind 1 running job and 1 queued request)\n"), detached.stdout
     job = rpycdl.job(re.search(r"job (\w+)", detached.stdout).group(1), host="127.0.0.1", port=conn.address[1])
     status = job.status()
-    assert (status.ahead, str(status)) == (1, "PENDING (behind 1 running job and 1 queued request)")
+    assert (status.ahead, str(status)) == (2, "PENDING (behind 1 running job and 1 queued request)")
     assert {held["job_id"] for held in status.holders} == {holder_id}
     rows = {line.split()[0]: line for line in rpycdl_cli("jobs", *flags).stdout.splitlines()[1:]}
     assert rows[job.id].endswith("behind 1 running job and 1 queued request"), rows

@@ -190,7 +190,7 @@ def test_the_dashboard_follows_a_job_from_the_queue_to_its_end(cluster, connect,
               "echo second line")
     watched = alice.root.submit_command(["sh", "-c", script, "finetune"], ngpus=3, name="finetune")
     behind = bob.root.submit(gate_job(gate), 2, gpu_memory="8GiB", name="sweep-7")
-    wait_until(lambda: behind.status().ahead == 1, 20, "two requests to wait")
+    wait_until(lambda: behind.status().queued == 1, 20, "two requests to wait")
 
     def queue() -> list[list[str]]:
         return [row[:7] for row in browser.execute_script(
@@ -438,7 +438,7 @@ def test_the_host_api_shows_holders_and_the_queue_in_order(cluster, connect, mon
     share = conn.root.submit(holding(), (gate, 3 * GiB), gpu_memory="4GiB")
     wait_until(lambda: share.status().state is JobState.RUNNING, 20, "the share to run")
     waiting = [conn.root.submit(gate_job(gate), index, ngpus=4) for index in range(2)]
-    wait_until(lambda: waiting[1].status().ahead == 1, 20, "two requests to wait")
+    wait_until(lambda: waiting[1].status().queued == 1, 20, "two requests to wait")
     alice = basic(SECRET, "alice")
 
     def asked_twice_within_reuse() -> tuple[int, Any, bytes, dict[str, Any]] | None:

@@ -46,10 +46,11 @@ def test_an_idle_connection_is_closed_and_others_are_served(server, cluster, con
     port = server("pytorch", "fake:1", "--idle-timeout", "1")
     pid = server_pid(cluster, port)
     idle = connect(port)
+    first = idle._conn  # its RPyC connection now
     wait_until(lambda: len(connection_processes(pid)) == 1, what="the connection process")
     wait_until(lambda: not connection_processes(pid), 30, "the server to close the idle connection")
-    with pytest.raises(EOFError):
-        idle.root.run_code(lambda x: x, 1)
+    assert idle.root.run_code(lambda x: x, 1) == 1  # the server closed it: the next call opened it again
+    assert first.closed and idle._conn is not first
     busy = connect(port)
     assert busy.root.run_code(lambda seconds: __import__("time").sleep(seconds) or "long job", 2) == "long job"
 

@@ -47,7 +47,7 @@ def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_pa
     share = conn.root.submit(gate_job(share_gate), 2, gpu_memory="4GiB")
     wait_until(lambda: share.status().state is JobState.RUNNING, 10, "the share to run")
     waiting = conn.root.submit(gate_job(whole_gate), 3, ngpus=2)
-    wait_until(lambda: waiting.status().ahead == 0, 10, "the two-GPU job to wait")
+    wait_until(lambda: waiting.status().queued == 0, 10, "the two-GPU job to wait")
     held = {uuid: i for i, uuid in enumerate(UUIDS)}
     whole_gpu = held[whole.refresh()["gpu_uuids"][0]]
     share_gpu = 1 - whole_gpu
@@ -115,7 +115,7 @@ def test_refused_requests_are_counted_by_service_and_reason(cluster, connect, mo
     with pytest.raises(rpycdl.QueueTimeoutError):  # a queue timeout is a job that failed, not a refusal
         conn.root.run_code(lambda x: x, 2, queue_timeout=0.3)
     waiting = conn.root.submit(gate_job(gate), 3, ngpus=1)
-    wait_until(lambda: waiting.status().ahead == 0, 10, "the second job to wait")
+    wait_until(lambda: waiting.status().queued == 0, 10, "the second job to wait")
     with pytest.raises(rpycdl.LimitError, match="queue is full"):  # one waits already: --max-queued 1
         conn.root.submit(gate_job(gate), 4, ngpus=1)
     with pytest.raises(rpycdl.LimitError, match="queue is full"):  # an attached request, as it would wait

@@ -120,7 +120,7 @@ def test_a_whole_gpu_request_waits_for_the_shares_and_status_says_what_it_wants(
     whole = Background(connect(port), lambda x: x, "whole", ngpus=1)
     whole.wait_state("pending")
     status = connect(port).root.gpu_status()
-    assert "wants 1 GPU(s)" in format_status(("127.0.0.1", port), status)
+    assert "wants 1 GPU," in format_status(("127.0.0.1", port), status)
     later = Background(connect(port), lambda x: x, "later share", gpus=0.25)
     later.wait_state("pending")  # it would fit, but the whole-GPU request came first
     assert "wants 4 GiB of one GPU" in format_status(("127.0.0.1", port), connect(port).root.gpu_status())

@@ -9,6 +9,7 @@ import functools
 import re
 import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 from rpycdl.client import Connection, connect_to, credentials
@@ -33,7 +34,6 @@ from rpycdl.errors import (
     RpycdlError,
     UploadTimeoutError,
 )
-from rpycdl.units import format_size
 
 Command = Callable[..., argparse.ArgumentParser]
 """Makes a subcommand's parser: command(name, help, description, **options) -> its parser."""
@@ -120,13 +120,6 @@ def working_dir_flag(parser: argparse.ArgumentParser) -> None:
                              "and first on its sys.path)")
 
 
-def need_text(ngpus: int, share_bytes: int) -> str:
-    """What a request asks for, in words: '2 GPU(s)', 'all GPUs', or '4 GiB of one GPU'."""
-    if share_bytes:
-        return f"{format_size(share_bytes)} of one GPU"
-    return "all GPUs" if ngpus < 0 else f"{ngpus} GPU(s)"
-
-
 def exit_code(exc: RpycdlError) -> int:
     """The exit code of a command that failed with `exc` (RUN_EXIT_CODES)."""
     if isinstance(exc, JobTimeoutError):
@@ -167,6 +160,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], widest: Sequence
     widths = [max(len(row[column]) for row in cells) for column in range(len(header) - 1)] + [0]
     return [(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))).rstrip()
             for row in cells]
+
+
+def iso(value: Any) -> Any:
+    """JSON's form of what it has none for: a moment as ISO 8601 text (`--json` of status and jobs)."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def os_error(exc: OSError | EOFError) -> str:

@@ -5,15 +5,12 @@ Ray's job CLI), and what jobs left in the artifact store."""
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import dill
-from tqdm import tqdm
 
 from rpycdl.cli.common import (
     EXIT_FAILED,
@@ -22,7 +19,7 @@ from rpycdl.cli.common import (
     EXIT_USAGE,
     Command,
     each_server,
-    need_text,
+    iso,
     report_unreached,
     server_flags,
     size_flags,
@@ -30,11 +27,11 @@ from rpycdl.cli.common import (
     working_dir_flag,
 )
 from rpycdl.client import Job, connect, job
-from rpycdl.client.jobs import waiting_behind
+from rpycdl.client.displays import seconds
 from rpycdl.defaults import UPLOAD_WAIT
 from rpycdl.errors import ContainerError, InvalidRequestError, JobNotFinishedError, RpycdlError
 from rpycdl.security.auth import Identity
-from rpycdl.states import JobState
+from rpycdl.states import JobState, need_text, waiting_behind
 from rpycdl.units import format_duration, format_size, parse_duration
 
 WAIT_EXIT_CODES = f"""exit codes (of wait, and of result once it has the job's outcome):
@@ -196,20 +193,21 @@ def _jobs(args: argparse.Namespace) -> int:
             rows.update((row["job_id"], row) for row in answer)  # servers of one host share their jobs
     shown = sorted(rows.values(), key=lambda row: row["submitted"], reverse=True)[:args.limit or None]
     if args.json:
-        print(json.dumps(shown, indent=2))
+        print(json.dumps(shown, indent=2, default=iso))
     else:
-        print(format_jobs(shown, time.time()))
+        print(format_jobs(shown))
     return report_unreached(args, results)
 
 
-def format_jobs(rows: list[dict[str, Any]], now: float) -> str:
-    """Jobs as a table: id, name, state, owner, service, what they asked for, when, how long they waited
-    and ran, and why they ended (or, waiting, what they wait behind)."""
+def format_jobs(rows: list[dict[str, Any]]) -> str:
+    """Jobs as a table (rows as conn.root.jobs() gives them: times as datetimes): id, name, state, owner,
+    service, what they asked for, when, how long they waited and ran, and why they ended (or, waiting, what
+    they wait behind)."""
     cells = []
     for row in rows:
         started, ended = row["started"], row["ended"]
-        waited = format_duration((started or ended or now) - row["submitted"])
-        ran = format_duration((ended or now) - started) if started else "-"
+        waited = format_duration(seconds(row["submitted"], started or ended) or 0.0)
+        ran = format_duration(seconds(started, ended) or 0.0) if started else "-"
         info = row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
         if row["state"] == JobState.PENDING.value and row.get("ahead") is not None:
             info = waiting_behind(row["ahead"], row.get("holders"))
@@ -218,7 +216,7 @@ def format_jobs(rows: list[dict[str, Any]], now: float) -> str:
         user = Identity(row["user"], row["user_verified"]).label
         cells.append([row["job_id"], row.get("name") or "-", row["state"], user, row["service"],
                       need_text(row["ngpus"], row["share_bytes"]),
-                      time.strftime("%Y-%m-%d %H:%M", time.localtime(row["submitted"])), waited, ran, info])
+                      row["submitted"].strftime("%Y-%m-%d %H:%M"), waited, ran, info])
     header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN", "INFO"]
     return "\n".join(table(header, cells, widest=[None, 24, None, 24, 16, None, None, None, None, 100])
                      + ([] if rows else ["(no jobs)"]))
@@ -295,8 +293,10 @@ def _ended(found: Job) -> dict[str, Any]:
 
 def _cancel(args: argparse.Namespace) -> int:
     found = _find(args)
+    before = found.info["state"]
     status = found.cancel()
-    print(f"job {found.id} ({status.state.value}) on {found.info['server']}: cancel requested")
+    print(f"job {found.id} ({before}) on {found.info['server']}: "
+          + (status.state.value if status.finished else f"cancel requested, {status.state.value} still"))
     return 0
 
 
@@ -326,12 +326,8 @@ def _download(args: argparse.Namespace) -> int:
     if entry["state"] == "uploading":  # the job has just ended
         print(f"rpycdl download: job {found.id}'s outputs are still uploading to the artifact store: waiting for "
               f"them (up to {args.timeout:g} s)", file=sys.stderr, flush=True)
-        entry = found.wait_artifacts(args.timeout)
-    total = sum(artifact["size"] for artifact in entry["files"]
-                if args.pattern is None or fnmatch.fnmatch(artifact["name"], args.pattern))
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not sys.stderr.isatty(),
-              desc=f"job {found.id}") as bar:
-        written = found.download(args.dest, pattern=args.pattern, on_progress=bar.update, timeout=args.timeout)
+    written = found.download(args.dest, pattern=args.pattern, timeout=args.timeout)  # a bar on a terminal
+    total = sum(path.stat().st_size for path in written)
     print(f"job {found.id}: {len(written)} file(s), {format_size(total)}, in {args.dest}")
     return 0
 

@@ -18,9 +18,9 @@ from rpycdl.cli.common import (
     working_dir_flag,
 )
 from rpycdl.client import connect
-from rpycdl.client.jobs import waiting_behind
 from rpycdl.errors import InvalidRequestError, RpycdlError
 from rpycdl.server.commands import run_command
+from rpycdl.states import waiting_behind
 
 RUN_EXIT_CODES = f"""exit codes:
   N     the command's own exit code (128+N when signal N killed it)
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
 
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
     with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
-                 tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
+                 tls_key=args.tls_key, tls_ca=args.tls_ca, quiet=True) as conn:  # it says states itself
         try:
             code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                       timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from datetime import datetime, timedelta
 from typing import Any
 
-from rpycdl.cli.common import EXIT_FAILED, Command, each_server, need_text, report_unreached, server_flags, table
+from rpycdl.cli.common import EXIT_FAILED, Command, each_server, iso, report_unreached, server_flags, table
+from rpycdl.client.displays import seconds
 from rpycdl.errors import RpycdlError
+from rpycdl.states import need_text
 from rpycdl.units import MiB, format_duration, format_size
 
 
@@ -28,7 +30,7 @@ def _status(args: argparse.Namespace) -> int:
     results = each_server(args, "gpu_status")
     if args.json:
         print(json.dumps([r if not isinstance(r, Exception) else {"address": list(a), "error": str(r)}
-                          for a, r in results], indent=2))
+                          for a, r in results], indent=2, default=iso))
     else:
         for address, status in results:
             print(format_status(address, status))
@@ -36,7 +38,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) -> str:
-    """Human-readable status of one server."""
+    """Human-readable status of one server (as conn.root.gpu_status() gives it: times as datetimes)."""
     if isinstance(status, Exception):
         return f"{address[0]}:{address[1]}  {_unreachable(status)}\n"
     now = status["time"]
@@ -71,7 +73,7 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
         lines.append(f"  waiting ({len(status['queue'])}), {ORDERS.get(scheduling['policy'], 'in order')}:")
         for place, waiter in enumerate(status["queue"], 1):
             wants = need_text(waiter["ngpus"], waiter["share_mib"] * MiB)
-            waited = format_duration(now - waiter["since"])
+            waited = format_duration(seconds(waiter["since"], now) or 0.0)
             lines.append(f"    {place}. job {waiter['job_id']} of {waiter.get('user', 'unknown')} wants {wants}, "
                          f"{_source(waiter)}, waiting {waited}{_plan(waiter, place, now)}")
     else:
@@ -85,10 +87,11 @@ ORDERS = {"fcfs": "first come first served", "fcfs-backfill": "first come first 
 
 def _holder(holder: dict[str, Any], now: float) -> str:
     since = _clock(holder["since"])
-    until = "" if holder.get("seconds") is None else f", until {_clock(holder['since'] + holder['seconds'])} at most"
+    until = "" if holder.get("seconds") is None else \
+        f", until {_clock(holder['since'] + timedelta(seconds=holder['seconds']))} at most"
     backfilled = ", backfilled" if holder.get("backfilled") else ""
     return (f"job {holder['job_id']} of {holder.get('user', 'unknown')} {_source(holder)} "
-            f"since {since} ({format_duration(now - holder['since'])}{until}{backfilled})")
+            f"since {since} ({format_duration(seconds(holder['since'], now) or 0.0)}{until}{backfilled})")
 
 
 def _source(entry: dict[str, Any]) -> str:
@@ -108,11 +111,11 @@ def _plan(waiter: dict[str, Any], place: int, now: float) -> str:
         return "; start unknown (a job ahead declared no timeout)"
     start = waiter["planned_start"]
     return (f"; {'reserved start' if place == 1 else 'planned start'} {_clock(start)} "
-            f"(in {format_duration(max(0.0, start - now))})")
+            f"(in {format_duration(max(0.0, seconds(now, start) or 0.0))})")
 
 
-def _clock(when: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(when))
+def _clock(when: datetime) -> str:
+    return when.strftime("%H:%M:%S")
 
 
 def _unreachable(exc: Exception) -> str:

@@ -4,12 +4,11 @@ failures (OSError, EOFError) as errors that name the server (`reported`)."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import socket
 import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import rpyc
@@ -137,21 +136,29 @@ def _connect(host: str, port: int, config: dict[str, Any], secret: bytes | None,
     return conn
 
 
-@contextlib.contextmanager
-def reported(address: tuple[str, int], during: str) -> Iterator[None]:
+class reported:  # noqa: N801 - used as a function: `with reported(address, "calling run"):`
     """Raise the OSError or EOFError of the connection to `address` as ConnectionFailedError (an OSError too)
     or ConnectionLostError (an EOFError too), naming the server and what the client was doing (`during`:
-    "connecting", or "calling NAME"). RpycdlErrors, and errors the server raised that RPyC re-raises here, pass
-    as they are."""
-    try:
-        yield
-    except (OSError, EOFError) as exc:
+    "connecting", or "calling NAME"), and why the connection closed where this client knows (`why`, asked then:
+    "interrupted"). RpycdlErrors, and errors the server raised that RPyC re-raises here, pass as they are. The
+    error RPyC raised is its context, not shown (its frames are RPyC's)."""
+
+    def __init__(self, address: tuple[str, int], during: str, why: Callable[[], str] | None = None) -> None:
+        self.address, self.during, self.why = address, during, why
+
+    def __enter__(self) -> reported:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        if not isinstance(exc, (OSError, EOFError)):
+            return
         if isinstance(exc, RpycdlError) or hasattr(exc, "_remote_tb"):  # ours, or the server's own
-            raise
-        raise _failure(exc, address, during) from exc
+            return
+        raise _failure(exc, self.address, self.during, self.why() if self.why is not None else "") from None
 
 
-def _failure(exc: OSError | EOFError, address: tuple[str, int], during: str) -> ConnectionFailedError:
+def _failure(exc: OSError | EOFError, address: tuple[str, int], during: str, why: str = "") -> ConnectionFailedError:
     """What the client says of a connection's failure."""
     where = f"{address[0]}:{address[1]}"
     reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc) or "connection closed"
@@ -160,6 +167,8 @@ def _failure(exc: OSError | EOFError, address: tuple[str, int], during: str) -> 
         return connection_failed(f"cannot reach the server at {where}: {reason} (is it running, and is that its "
                                  "address? `rpycdl status` lists the servers the registry knows)", address, type(exc),
                                  errno)
-    return ConnectionLostError(f"the connection to the server at {where} was lost while {during}: {reason} (the "
-                               "server or its connection process ended, or the network dropped it: its log tells)",
+    if why:
+        return ConnectionLostError(f"the connection to {where} closed ({why}) while {during}", address, errno)
+    return ConnectionLostError(f"the connection to {where} closed while {during} ({reason}): the server or its "
+                               "connection process ended, or the network dropped it (the server's log tells)",
                                address, errno)

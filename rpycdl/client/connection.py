@@ -1,5 +1,7 @@
 """A connection to one server: `conn.root.run_code` with plain callables, large buffers beside the
-call, remote errors re-raised; detached jobs (submit); status, jobs, cancel."""
+call, remote errors re-raised; detached jobs (submit); status, jobs, cancel. A connection that died
+(interrupted, closed by the server after its idle timeout, the server restarted) is opened again by the
+next call that starts something new."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from rpyc.core import consts
 
 from rpycdl.artifacts import workdir
 from rpycdl.artifacts.manifest import Manifests
-from rpycdl.client import channel
-from rpycdl.client.jobs import Job
+from rpycdl.client import channel, failures
+from rpycdl.client.detached import DetachedCalls
+from rpycdl.client.displays import GPUStatus, client_row
+from rpycdl.client.notices import Notices
 from rpycdl.client.session import Session, sink
 from rpycdl.defaults import MIN_MAX_PAYLOAD
-from rpycdl.errors import ConnectionFailedError, InvalidRequestError, LimitError
+from rpycdl.errors import ConnectionFailedError, ConnectionLostError, InvalidRequestError, LimitError
 from rpycdl.security import auth
 from rpycdl.wire import bulk, codec, stream
 
@@ -33,19 +37,25 @@ CLIENT_CONFIG = {
 StateCallback = Callable[[str, dict[str, Any]], None]
 
 
-class RemoteRoot:
-    """`conn.root` of an rpycdl connection: run_code with plain callables, status, jobs, cancel.
+class RemoteRoot(DetachedCalls):
+    """`conn.root` of an rpycdl connection: run_code with plain callables, sessions, status; detached jobs,
+    the host's jobs and cancel (DetachedCalls).
 
     Any other attribute is looked up on the server's RPyC root."""
 
-    def __init__(self, conn: rpyc.Connection, connection: Connection) -> None:
-        self._conn = conn
+    def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self._max_payload: int | None = None
         self._buffers_beside = True  # False once the server turned out to predate run_buffers
 
+    @property
+    def _conn(self) -> rpyc.Connection:
+        """The RPyC connection now (the one a call in its middle uses: not opened again here)."""
+        return self._connection._conn
+
     def _check_size(self, size: int) -> None:
         """Refuse here, with the limit's name, a call of `size` bytes the server would refuse."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if size <= MIN_MAX_PAYLOAD:  # every server takes this much: no round trip
             return
         if self._max_payload is None:
@@ -63,7 +73,8 @@ class RemoteRoot:
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
                  on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None) -> Any:
         """Run `fn(args)` on the server with `ngpus` GPUs of its own, or a share of one GPU, and
-        return its value.
+        return its value. While it waits for its GPUs, a line on stderr says what it waits for, and one
+        when it starts, where a person looks, unless the connection is quiet (rpycdl.client.notices).
 
         Args:
             fn: a callable (serialised here with dill), or dill bytes of one.
@@ -78,48 +89,51 @@ class RemoteRoot:
             queue_timeout: seconds to wait for the GPUs; past it, QueueTimeoutError.
             stdout, stderr: where the job's output goes, live (default: this process's).
             on_state: called as on_state(state, info) when the job waits ("pending", with info["ahead"],
-                the waiting requests before it, and info["holders"], the jobs holding the GPUs it waits for:
-                see JobStatus) and when it starts ("running", with info["gpus"]).
+                the jobs ahead of it: those holding the GPUs it waits for, info["holders"], and the waiting
+                requests before it; see JobStatus) and when it starts ("running", with info["gpus"]); times
+                as datetimes.
             working_dir: a local directory the job runs in on the server: packed here (leaving out
                 what its .rpycdlignore names), sent unless the server has it already (by content
                 hash), unpacked for this job alone; its current directory and first on its sys.path.
 
         Raises:
-            The job's own exception (same type where it can be rebuilt here, else RemoteError),
-            with the remote traceback in `remote_traceback`; or an RpycdlError subclass: among them
-            ConnectionLostError (also an EOFError) when the connection drops, which cancels the job.
-            KeyboardInterrupt cancels the job: the connection is closed.
+            The job's own exception (its type where it can be rebuilt here, else RemoteError) from the job's
+            frames, with their source lines (a notebook's too; the text in `remote_traceback`); an
+            RpycdlError: ConnectionLostError when the connection drops, which cancels the job,
+            InvalidRequestError for a function the server cannot load (naming `working_dir="."` when its
+            module is beside you), ... KeyboardInterrupt (one line) cancels the job: the connection closes.
 
-        Large bytes, bytearrays and NumPy arrays, in `args` or in the value, travel beside the call
-        rather than in it (rpycdl.wire.codec, rpycdl.wire.bulk), unless the server predates that.
+        Large bytes, bytearrays and NumPy arrays travel beside the call (rpycdl.wire.bulk).
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         payload, buffers = codec.encode_call(fn, args)
         layout = codec.layout(buffers)
         self._check_size(len(payload) + codec.layout_bytes(layout))
         share = () if gpus is None and gpu_memory is None else (gpus, gpu_memory)  # servers before shares
-        state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        notices = Notices(on_state, self._connection.quiet)
         options = (1 if ngpus is None and not share else ngpus, sink(stdout or sys.stdout),
-                   sink(stderr or sys.stderr), timeout, queue_timeout, state_cb)
+                   sink(stderr or sys.stderr), timeout, queue_timeout, notices.callback())
         received: list[Any] = []
         digest = self._working_dir(working_dir)
         try:
             outcome = self._run_buffers(payload, layout, buffers, received, (*options, gpus, gpu_memory, digest))
             if outcome is None:  # a server from before run_buffers: everything in band
-                if buffers:
-                    payload = codec.encode_payload(fn, args)
-                outcome = self._connection.call("run", payload, *options, *share)
-        except KeyboardInterrupt:
-            stream.close_now(self._conn)  # the server sees the client go and cancels the job
-            raise
-        return codec.decode_outcome(outcome, received)
+                outcome = self._connection.call("run", codec.encode_payload(fn, args) if buffers else payload,
+                                                *options, *share)
+        except KeyboardInterrupt:  # the server sees the client go and cancels the job
+            raise failures.interrupted(self._connection, notices.job_id and f"job {notices.job_id}") from None
+        except ConnectionLostError as exc:
+            raise failures.lost(exc, "the job was cancelled") from None
+        return _decoded(outcome, received, working_dir)
 
     def _run_buffers(self, payload: bytes, layout: codec.Layout, buffers: list[Any], received: list[Any],
                      options: tuple[Any, ...]) -> bytes | None:
         """The call through run_buffers, its buffers and its result's beside it (the result's into
         `received`); None if the server predates run_buffers (asked once per connection)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if not self._buffers_beside:
             return None
-        sock = bulk.bulk_socket(self._conn)
+        sock = bulk.bulk_socket(self._connection.live())
         try:
             return self._connection.call("run_buffers", payload, layout,
                         (lambda: self._send(sock, buffers)) if buffers else None,
@@ -159,15 +173,17 @@ class RemoteRoot:
         Raises:
             rpycdl.containers.ContainerError: a non-zero exit, with the last log lines.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         out = stdout if stdout is not None else sys.stdout
         err = stderr if stderr is not None else sys.stderr
-        state_cb = None if on_state is None else (lambda state, info: on_state(state, json.loads(info)))
+        notices = Notices(on_state, self._connection.quiet)
         try:
             outcome = self._connection.call("run_container", image, command, ngpus, env, workdir, mounts, sink(out),
-                                            sink(err), timeout, queue_timeout, state_cb)
+                                            sink(err), timeout, queue_timeout, notices.callback())
         except KeyboardInterrupt:
-            stream.close_now(self._conn)
-            raise
+            raise failures.interrupted(self._connection, notices.job_id and f"job {notices.job_id}") from None
+        except ConnectionLostError as exc:
+            raise failures.lost(exc, "the job was cancelled") from None
         return codec.decode_outcome(outcome)
 
     def session(self, ngpus: int | None = None, *, gpus: float | None = None, gpu_memory: str | int | None = None,
@@ -180,57 +196,35 @@ class RemoteRoot:
         after `timeout` seconds in all, or by a cancel (rpycdl cancel ID).
 
         Args:
-            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir: as for run_code.
+            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir: as for run_code (the waiting line
+                is the session's).
             timeout: seconds the session may last; idle_timeout: seconds it may wait for its next call.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         options = {"ngpus": 1 if ngpus is None and gpus is None and gpu_memory is None else ngpus, "gpus": gpus,
                    "gpu_memory": gpu_memory, "timeout": timeout, "idle_timeout": idle_timeout,
-                   "queue_timeout": queue_timeout, "on_state": on_state, "working_dir": self._working_dir(working_dir)}
-        return Session(self, {name: value for name, value in options.items() if value is not None})
+                   "queue_timeout": queue_timeout, "working_dir": self._working_dir(working_dir)}
+        return Session(self, {name: value for name, value in options.items() if value is not None},
+                       Notices(on_state, self._connection.quiet, "session"))
 
-    def gpu_status(self) -> dict[str, Any]:
-        """This server's GPUs, who holds each, and the waiting queue (see `rpycdl status`)."""
-        return json.loads(self._connection.call("gpu_status"))
+    def gpu_status(self) -> GPUStatus:
+        """This server's GPUs, who holds each (since when: datetimes), and the waiting queue, as `rpycdl status`
+        shows them; a dict, which Jupyter shows as tables."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return GPUStatus(client_row(json.loads(self._connection.call("gpu_status"))))
 
-    # -- detached jobs, and the host's ledger ------------------------------------------
-
-    def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
-               gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
-               timeout: float | None = None, queue_timeout: float | None = None,
-               working_dir: str | os.PathLike[str] | None = None) -> Job:
-        """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
-        queue as run_code, and runs to its end whatever happens to this client or to the server
-        process that accepted it. Returns its handle once the server has recorded it.
-
-        Args:
-            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout, working_dir: as for run_code (the
-                working directory is unpacked for the job when it is submitted).
-            name: a name to find it by (rpycdl.job(name)), unique among your unfinished jobs.
-
-        Raises:
-            InvalidRequestError: a request it could never run, or a name you use already.
-            LimitError: over one of the server's limits (--max-payload, --max-queued).
-        """
-        payload = codec.encode_payload(fn, args)
-        self._check_size(len(payload))
-        digest = self._working_dir(working_dir)
-        return self._submitted(self._connection.call("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
-                                    name, digest))
-
-    def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
-                       gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
-                       queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None) -> Job:
-        """Submit a command (an argv, run on the server in its working directory) as a detached job; it
-        fails unless it exits with 0, and its result is its exit code. Options as for submit."""
-        digest = self._working_dir(working_dir)
-        return self._submitted(self._connection.call("submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
-                                    queue_timeout, name, digest))
+    def identify(self, user: str) -> dict[str, Any]:
+        """Declare who this client is (a user name; a client certificate's user wins), for this connection and
+        the connections that replace it. Returns who the server takes it for (Connection.identity)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return self._connection.declare(user)
 
     def _working_dir(self, directory: str | os.PathLike[str] | None) -> str | None:
         """Make sure the server has `directory`, packed (rpycdl.artifacts.workdir): an unchanged directory
         this client sent it before (rpycdl.artifacts.manifest) is only named, else it is streamed raw beside
         RPyC, each file read once, and the server names it by the hash it computes as it arrives. Returns
         that content hash, which the job's request names; None for none."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if directory is None:
             return None
         limits = json.loads(self._connection.call("limits"))
@@ -257,76 +251,49 @@ class RemoteRoot:
         manifests.remember(scanned, server, digest, sent["racy"])
         return digest
 
-    def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
-                         workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
-                         name: str | None = None, timeout: float | None = None,
-                         queue_timeout: float | None = None) -> Job:
-        """Submit a command in a container of `image` as a detached job (the generic `deeplearning`
-        server only); arguments as for run_container, and `name` as for submit."""
-        return self._submitted(self._connection.call("submit_container", image, list(command), ngpus, env, workdir,
-                                    mounts, timeout, queue_timeout, name))
-
-    def _submitted(self, outcome: bytes) -> Job:
-        return Job(codec.decode_outcome(outcome), self._connection)
-
-    def job(self, ref: str) -> Job:
-        """The handle of a job of this server's host, by id, or by name among your jobs.
-
-        Raises:
-            InvalidRequestError: no such job.
-        """
-        return Job(codec.decode_outcome(self._connection.call("job", ref)), self._connection)
-
-    def jobs(self, *, all: bool = False, users: list[str] | None = None, states: list[str] | None = None,
-             since: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
-        """The rows of the jobs of this server's host (every server sharing its state directory), newest
-        first: unfinished ones and those that ended in the last day, or with `all` every job kept.
-
-        Args:
-            all: every job the ledger keeps (--keep), not only the recent ones.
-            users, states: only these users' jobs, only jobs in these states (PENDING, RUNNING, ...).
-            since: the jobs submitted in the last so many seconds, however long ago they ended (instead
-                of the recent ones).
-            limit: at most so many (default 100; 0: no limit).
-        """
-        query = {key: value for key, value in
-                 {"all": all, "users": users, "states": states, "since": since, "limit": limit}.items()
-                 if value is not None}
-        return codec.decode_outcome(self._connection.call("jobs", query))
-
-    def cancel(self, ref: str) -> str:
-        """Cancel a pending or running job by id or name; returns its state when the request was made.
-
-        Raises:
-            NotAllowedError: the job is another user's, and this user is no admin.
-            InvalidRequestError: the server's host has no such job.
-        """
-        return codec.decode_outcome(self._connection.call("cancel", ref))
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn.root, name)
+        return getattr(self._connection.live().root, name)
 
 
 class Connection:
     """A connection to one rpycdl server. Use as a context manager, or call close().
 
+    A connection that died (an interrupt closed it, the server closed it after its idle timeout, the server
+    restarted) is opened again, with the same credentials and the same declared user, by the next call that
+    starts something new; a call cut in its middle raises ConnectionLostError, saying what ended with it.
+
     Attributes:
         address: the server's (host, port).
         identity: who the server takes this client for: {"user", "verified", "admin", "label"}.
+        session: the session open on this connection (conn.root.session()), or None.
+        quiet: whether its calls keep quiet: True, no waiting line and no download bar; False, them even in
+            batch use; None (default), them where a person looks (a terminal, a notebook) unless
+            $RPYCDL_QUIET=1 (rpycdl.client.notices).
     """
 
     def __init__(self, conn: rpyc.Connection, address: tuple[str, int],
-                 reopen: Callable[[], Connection] | None = None) -> None:
+                 reopen: Callable[[], rpyc.Connection] | None = None, user: str | None = None,
+                 quiet: bool | None = None) -> None:
         self._conn = conn
+        self.quiet = quiet
         self.address = address
-        self._reopen = reopen
-        self.root = RemoteRoot(conn, self)
-        user = getpass.getuser()
-        user = user if auth.is_user_name(user) else "unknown"
-        # Not waited for: the server handles it before any request sent after it.
-        with channel.reported(address, "calling identify"):
+        self._open = reopen
+        self._closed = False  # close() was called: never opened again
+        self._interrupted: rpyc.Connection | None = None  # the connection an interrupt closed
+        self.session: Session | None = None
+        self.root = RemoteRoot(self)
+        if user is None:
+            user = getpass.getuser()
+            user = user if auth.is_user_name(user) else "unknown"
+        self._user = user
+        self._identify()
+
+    def _identify(self) -> None:
+        """Declare the user, not waited for: the server handles it before any request sent after it."""
+        conn = self._conn
+        with channel.reported(self.address, "calling identify"):
             self._identity: rpyc.AsyncResult | dict[str, Any] = conn.async_request(
-                consts.HANDLE_CALLATTR, conn.root, "identify", (user,), ())
+                consts.HANDLE_CALLATTR, conn.root, "identify", (self._user,), ())
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -335,34 +302,83 @@ class Connection:
                 self._identity = json.loads(self._identity.value)
         return self._identity
 
+    def declare(self, user: str) -> dict[str, Any]:
+        """Declare `user` (RemoteRoot.identify), now and on every connection that replaces this one."""
+        self._user = user
+        self.live()
+        self._identify()
+        return self.identity
+
     @property
     def closed(self) -> bool:
-        return self._conn.closed
+        """Whether the connection is closed now: by close(), or it died (the next call opens it again)."""
+        return self._closed or self._conn.closed
+
+    @property
+    def closed_by_user(self) -> bool:
+        """Whether close() was called: calls on it fail then (job handles open a connection of their own)."""
+        return self._closed
 
     def close(self) -> None:
         """Close the connection without waiting for the server to acknowledge it."""
+        self._closed = True
         stream.close_now(self._conn)
 
+    def interrupt(self) -> None:
+        """Close the connection now, as Ctrl-C of a call does (the server cancels what runs on it); the next call
+        opens it again."""
+        self._interrupted = self._conn
+        stream.close_now(self._conn)
+
+    def live(self) -> rpyc.Connection:
+        """The RPyC connection, opened again first if it has died: what a call that starts something new uses.
+
+        Raises:
+            ConnectionFailedError: close() was called, or the server cannot be reached again.
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        conn = self._conn
+        try:
+            while not conn.closed and conn.poll(0):  # a late answer, or the end of the connection
+                pass
+        except (EOFError, OSError):
+            stream.close_now(conn)
+        if self._closed or (conn.closed and self._open is None):
+            raise ConnectionFailedError(f"the connection to {self.address[0]}:{self.address[1]} is closed"
+                                        f"{' (close() was called)' if self._closed else ''}: connect again",
+                                        self.address)
+        if conn.closed:
+            self._conn = self._open()  # type: ignore[misc]
+            self._identify()
+        return self._conn
+
     def call(self, name: str, *args: Any) -> Any:
-        """The server's answer to `conn.root.<name>(*args)`, as it sent it.
+        """The server's answer to `conn.root.<name>(*args)`, as it sent it, on the connection opened again if it
+        had died.
 
         Raises:
             ConnectionLostError: the connection closed before the answer came (also an EOFError).
             ConnectionFailedError: the connection failed otherwise (also an OSError).
         """
-        with channel.reported(self.address, f"calling {name}"):
-            return call(self._conn, name, *args)
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        conn = self.live()
+        with channel.reported(self.address, f"calling {name}", lambda: self._why(conn)):
+            return call(conn, name, *args)
+
+    def _why(self, conn: rpyc.Connection) -> str:
+        """Why `conn` closed, where this client closed it."""
+        return "interrupted" if conn is self._interrupted else "closed by this client" if self._closed else ""
 
     def reopen(self) -> Connection:
-        """A new connection to the same server, with the same credentials.
+        """A new connection to the same server, with the same credentials and declared user.
 
         Raises:
             ConnectionFailedError: the server cannot be reached, or this connection cannot be reopened.
         """
-        if self._reopen is None:
+        if self._open is None:
             raise ConnectionFailedError(f"the connection to the server at {self.address[0]}:{self.address[1]} is "
                                         "closed", self.address)
-        return self._reopen()
+        return Connection(self._open(), self.address, self._open, self._user, self.quiet)
 
     def __enter__(self) -> Connection:
         return self
@@ -372,6 +388,15 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<rpycdl.Connection {self.address[0]}:{self.address[1]}>"
+
+
+def _decoded(outcome: bytes, received: list[Any], working_dir: object) -> Any:
+    """A job's value, or its exception raised; a module the server lacks, with how to send it (failures.hinted)."""
+    __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+    try:
+        return codec.decode_outcome(outcome, received)
+    except InvalidRequestError as exc:
+        raise failures.hinted(exc, working_dir) from None
 
 
 def call(conn: rpyc.Connection, name: str, *args: Any) -> Any:

@@ -21,7 +21,7 @@ from rpycdl.wire import codec
 
 def connect(service: str | None = None, *, host: str | None = None, port: int | None = None,
             registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
-            tls_key: str | None = None, tls_ca: str | None = None) -> Connection:
+            tls_key: str | None = None, tls_ca: str | None = None, quiet: bool | None = None) -> Connection:
     """Connect to a server of `service` found through the registry, or to host:port directly.
 
     Among the live servers of the service, the one with the most free GPUs and the shortest
@@ -37,6 +37,9 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
         registry_address: "HOST[:PORT]" of the registry; default: UDP broadcast.
         secret_file: file holding the team's shared secret.
         tls_cert, tls_key, tls_ca: this user's certificate and key, and the team's CA certificate.
+        quiet: True: its calls say nothing of their own (no waiting line, no download bar); False: they do,
+            even in batch use; None (default): where a person looks (a terminal, a notebook), unless
+            $RPYCDL_QUIET=1. Connection.quiet changes it later.
 
     Raises:
         DiscoveryError: no registry answered (or its host name does not resolve), it knows no
@@ -51,21 +54,24 @@ def connect(service: str | None = None, *, host: str | None = None, port: int | 
                                    registry=registry_address)
     secret, tls_context = settings.secret(), settings.tls_context()
     if host is not None:
-        return connect_to((host, port or SERVER_PORT), secret, tls_context)
+        return connect_to((host, port or SERVER_PORT), secret, tls_context, quiet)
     if not service:
         raise InvalidRequestError("connect() needs a service name, or host= (and port=)")
-    return _discover(service, settings.registry, secret, tls_context)
+    connection = _discover(service, settings.registry, secret, tls_context)
+    connection.quiet = quiet
+    return connection
 
 
-def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.SSLContext | None) -> Connection:
+def connect_to(address: tuple[str, int], secret: bytes | None, tls_context: ssl.SSLContext | None,
+               quiet: bool | None = None) -> Connection:
     """Connect to the server at `address` with credentials already loaded (connect() loads them;
     a command talking to many servers loads them once).
 
     Raises:
         ConnectionFailedError, AuthFailedError, LimitError: as for connect(host=...).
     """
-    return Connection(channel.connect(*address, CLIENT_CONFIG, secret, tls_context), address,
-                      functools.partial(connect_to, address, secret, tls_context))
+    reopen = functools.partial(channel.connect, *address, CLIENT_CONFIG, secret, tls_context)
+    return Connection(reopen(), address, reopen, quiet=quiet)
 
 
 def server_addresses(service: str | None, registry_address: str | None) -> list[tuple[str, int]]:
@@ -123,17 +129,18 @@ def _discover(service: str, registry_address: str | None, secret: bytes | None,
                     + "; ".join(f"{host}:{port}: {exc}" for (host, port), exc in refused))
     if best is None:
         raise DiscoveryError(f"every server of {service.upper()!r} the registry knows is down: {'; '.join(down)}")
-    return Connection(best[1], best[2], functools.partial(connect_to, best[2], secret, tls_context))
+    return Connection(best[1], best[2], functools.partial(channel.connect, *best[2], CLIENT_CONFIG, secret,
+                                                          tls_context))
 
 
 def job(ref: str, service: str | None = None, *, host: str | None = None, port: int | None = None,
         registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
-        tls_key: str | None = None, tls_ca: str | None = None) -> Job:
+        tls_key: str | None = None, tls_ca: str | None = None, quiet: bool | None = None) -> Job:
     """Find a job by id, or by name among your jobs, from any process: on the server at host:port, else
     on the servers the registry knows (of `service`, if given). An id is unique everywhere: the first
     server that knows it answers. A name is asked of every server, since each host keeps its own
     jobs: your unfinished job of that name wins, else your latest one of that name on any host.
-    Credentials and the registry come as for rpycdl.connect.
+    Credentials, the registry and `quiet` come as for rpycdl.connect.
 
     Raises:
         InvalidRequestError: no server reached knows the job (the message names those not reached), or
@@ -148,7 +155,7 @@ def job(ref: str, service: str | None = None, *, host: str | None = None, port: 
     try:
         for address in addresses:
             try:
-                connection = connect_to(address, secret, tls_context)
+                connection = connect_to(address, secret, tls_context, quiet)
             except (OSError, EOFError, AuthFailedError, LimitError) as exc:
                 unreached.append(f"{address[0]}:{address[1]} ({exc})")
                 continue

@@ -1,12 +1,13 @@
 """`conn.root.session(...)`: a session, which waits in the queue like any job, then holds its GPUs and one
 process on the server between calls, so that what a call leaves in that process's globals (a model loaded,
 a dataset on the GPU) is there for the next (rpycdl.server.sessions). A connection that drops raises
-ConnectionLostError naming the server, as every call of the client does (rpycdl.client.channel.reported)."""
+ConnectionLostError naming the server and saying that the session ended, as every call of the client names
+what ended with it (rpycdl.client.channel.reported, rpycdl.client.failures); a session is never opened again
+with its connection (what it held is gone)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
@@ -14,8 +15,10 @@ from typing import IO, TYPE_CHECKING, Any
 import rpyc
 from rpyc.core import consts
 
-from rpycdl.client import channel
+from rpycdl.client import channel, failures
+from rpycdl.client.notices import Notices
 from rpycdl.defaults import SESSION_INTERRUPT_GRACE
+from rpycdl.errors import ConnectionLostError, InvalidRequestError
 from rpycdl.wire import bulk, codec, stream
 
 if TYPE_CHECKING:
@@ -31,20 +34,39 @@ class Session:
         uuids: the GPUs it holds, once open.
     """
 
-    def __init__(self, root: RemoteRoot, options: dict[str, Any]) -> None:
+    def __init__(self, root: RemoteRoot, options: dict[str, Any], notices: Notices | None = None) -> None:
         self._root, self._options = root, options
+        self._notices = notices or Notices(None, True, "session")
+        self._conn: rpyc.Connection | None = None  # the connection it holds, once open
         self.id: str | None = None
         self.uuids: list[str] = []
         self._calls: int | None = None  # once closed: how many calls it ran
 
     def open(self) -> Session:
-        """Wait in line for the GPUs, then hold them and a process. Returns the session.
+        """Wait in line for the GPUs (saying so where a person looks, as run_code does), then hold them and a
+        process. Returns the session.
 
         Raises:
             QueueTimeoutError, InvalidRequestError, LimitError, NotAllowedError: as run_code for a job.
+            KeyboardInterrupt: Ctrl-C while it waits or opens (one line; the connection is closed, which ends
+                the session, and opened again by the connection's next call).
         """
-        opened = codec.decode_outcome(self._call("session_open", **self._options))
-        self.id, self.uuids = opened["job_id"], opened["uuids"]
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        connection = self._root._connection
+        conn = connection.live()
+        state = self._notices.callback()
+        options = tuple({**self._options, **({"on_state": state} if state is not None else {})}.items())
+        try:
+            with channel.reported(connection.address, "calling session_open"):
+                outcome = conn.sync_request(consts.HANDLE_CALLATTR, conn.root, "session_open", (), options)
+        except KeyboardInterrupt:
+            what = self._notices.job_id and f"session {self._notices.job_id}"
+            raise failures.interrupted(connection, what or "the session") from None
+        except ConnectionLostError as exc:
+            raise failures.lost(exc, "the session ended") from None
+        opened = codec.decode_outcome(outcome)
+        self.id, self.uuids, self._conn = opened["job_id"], opened["uuids"], conn
+        connection.session = self
         return self
 
     def run(self, fn: Callable[..., Any] | bytes, args: Any = None, *, stdout: IO[str] | None = None,
@@ -59,59 +81,90 @@ class Session:
                 session ends with JobTimeoutError.
 
         Raises:
-            The call's own exception, re-raised here: the session goes on. KeyboardInterrupt (Ctrl-C)
-            interrupts the call (KeyboardInterrupt in it) and the session goes on, unless the call does not
-            stop within SESSION_INTERRUPT_GRACE seconds: then the session ends, and so does the connection.
-            JobTimeoutError, JobCancelledError, JobCrashedError, GPUMemoryExceededError, GPUNotGrantedError:
-            the session ended (the message says why).
+            The call's own exception, re-raised here from its frames (as run_code does): the session goes on.
+            KeyboardInterrupt (Ctrl-C) interrupts the call (KeyboardInterrupt in it) and the session goes on,
+            unless the call does not stop within SESSION_INTERRUPT_GRACE seconds: then the session ends, and
+            so does the connection (the message says which). JobTimeoutError, JobCancelledError,
+            JobCrashedError, GPUMemoryExceededError, GPUNotGrantedError: the session ended (the message says
+            why). ConnectionLostError: its connection closed (the message says why), which ended it.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        conn = self._held()
         payload, buffers = codec.encode_call(fn, args)
         layout = codec.layout(buffers)
         self._root._check_size(len(payload) + codec.layout_bytes(layout))
-        sock, received = bulk.bulk_socket(self._root._conn), []
+        sock, received = bulk.bulk_socket(conn), []
         send = (lambda: self._root._send(sock, buffers)) if buffers else None
         receive = lambda result: received.extend(self._root._receive(sock, result))  # noqa: E731
         out, err = stdout or sys.stdout, stderr or sys.stderr
-        outcome = self._interruptible("session_call", payload, layout, send, receive, sink(out), sink(err), timeout)
+        outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
+                                      timeout)
         return codec.decode_outcome(outcome, received)
 
     def close(self) -> int:
         """End the session: its process goes, then its GPUs. Returns how many calls it ran. Closing again
         does nothing (and returns the same)."""
-        if self._calls is None:
-            self._calls = 0 if self._root._conn.closed else codec.decode_outcome(self._call("session_close"))
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        if self._calls is not None:
+            return self._calls
+        connection = self._root._connection
+        if connection.session is self:
+            connection.session = None
+        conn, self._conn = self._conn, None
+        if conn is None or conn.closed:
+            self._calls = 0
+        else:
+            with channel.reported(connection.address, "calling session_close"):
+                self._calls = codec.decode_outcome(
+                    conn.sync_request(consts.HANDLE_CALLATTR, conn.root, "session_close", (), ()))
         return self._calls
 
-    def _interruptible(self, name: str, *args: Any) -> bytes:
+    def _held(self) -> rpyc.Connection:
+        """The connection the session lives on, if it is still open (a session is not opened again with it).
+
+        Raises:
+            ConnectionLostError: it closed, which ended the session.
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        connection, conn = self._root._connection, self._conn
+        if conn is None:
+            raise InvalidRequestError("this session is not open: open it (with, or open()), or open a new one with "
+                                      "conn.root.session()")
+        try:
+            with channel.reported(connection.address, "calling session_call", lambda: connection._why(conn)):
+                try:
+                    while not conn.closed and conn.poll(0):  # a late answer, or the end of the connection
+                        pass
+                except (EOFError, OSError):
+                    stream.close_now(conn)
+                if conn.closed:
+                    raise EOFError("connection closed")
+        except ConnectionLostError as exc:
+            raise failures.lost(exc, "the session ended") from None
+        return conn
+
+    def _interruptible(self, conn: rpyc.Connection, name: str, *args: Any) -> bytes:
         """A call of the server that Ctrl-C interrupts on the server, not here: the interrupt is sent, then its
         answer waited for (SESSION_INTERRUPT_GRACE and a second more), then the connection closed."""
-        conn = self._root._conn
-        with channel.reported(self._root._connection.address, f"calling {name}"):
-            reply = conn.async_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
-            try:
-                reply.wait()
-            except KeyboardInterrupt:
-                try:
-                    conn.async_request(consts.HANDLE_CALLATTR, conn.root, "session_interrupt", (), ())
-                    reply.set_expiry(SESSION_INTERRUPT_GRACE + 1.0)
-                    reply.wait()
-                except (KeyboardInterrupt, rpyc.AsyncResultTimeout):
-                    stream.close_now(conn)
-                raise
-            return reply.value
-
-    def _call(self, name: str, **options: Any) -> bytes:
-        """`conn.root.<name>(**options)`; Ctrl-C closes the connection, which ends the session (or its wait)."""
-        state = options.pop("on_state", None)
-        if state is not None:
-            options["on_state"] = lambda what, info: state(what, json.loads(info))
-        conn = self._root._conn
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        connection = self._root._connection
         try:
-            with channel.reported(self._root._connection.address, f"calling {name}"):
-                return conn.sync_request(consts.HANDLE_CALLATTR, conn.root, name, (), tuple(options.items()))
-        except KeyboardInterrupt:
-            stream.close_now(conn)
-            raise
+            with channel.reported(connection.address, f"calling {name}", lambda: connection._why(conn)):
+                reply = conn.async_request(consts.HANDLE_CALLATTR, conn.root, name, args, ())
+                try:
+                    reply.wait()
+                except KeyboardInterrupt:
+                    try:
+                        conn.async_request(consts.HANDLE_CALLATTR, conn.root, "session_interrupt", (), ())
+                        reply.set_expiry(SESSION_INTERRUPT_GRACE + 1.0)
+                        reply.wait()
+                    except (KeyboardInterrupt, rpyc.AsyncResultTimeout):
+                        raise failures.interrupted(connection, f"session {self.id}") from None
+                    raise failures.stopped(f"the call in session {self.id} (KeyboardInterrupt in it; the session "
+                                           "goes on)") from None
+                return reply.value
+        except ConnectionLostError as exc:
+            raise failures.lost(exc, "the session ended") from None
 
     def __enter__(self) -> Session:
         return self.open()

@@ -178,8 +178,8 @@ class Ledger:
                 if other is None:
                     raise
                 raise InvalidRequestError(f"{record.user} already has an unfinished job named {record.name!r} "
-                                          f"({other.job_id}, {other.state.value}): use another --name, or cancel "
-                                          "it") from None
+                                          f"({other.job_id}, {other.state.value}): choose another name=, or "
+                                          "cancel it") from None
 
     def get(self, job_id: str) -> JobRecord | None:
         """The job `job_id`, or None."""

@@ -48,6 +48,7 @@ from rpycdl.scheduler import lockdir, planning, policies, policyfiles, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
+from rpycdl.states import need_text
 from rpycdl.units import MiB, format_size
 
 _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path (never rewritten)
@@ -105,11 +106,6 @@ class Place:
 
     ticket: int
     fifo_fd: int
-
-
-def describe_need(ngpus: int, share_bytes: int) -> str:
-    """'2 GPU(s)' or '6 GiB of one GPU', for messages."""
-    return f"{format_size(share_bytes)} of one GPU" if share_bytes else f"{ngpus} GPU(s)"
 
 
 class GPULockManager:
@@ -264,7 +260,7 @@ class GPULockManager:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise QueueTimeoutError(
-                        f"waited {queue_timeout:g} s for {describe_need(need.ngpus, need.share_bytes)} and they did "
+                        f"waited {queue_timeout:g} s for {need_text(need.ngpus, need.share_bytes)} and they did "
                         f"not come free ({position} request(s) were still ahead)")
                 timeout = min(timeout, remaining)
             readable, _, _ = select.select([fifo_fd, *wake_fds], [], [], timeout)

@@ -19,18 +19,20 @@ import signal
 import socket
 import struct
 import sys
+import threading
+import time
 import traceback
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rpycdl.defaults import WORKING_DIR_VARIABLE
+from rpycdl.defaults import OUTPUT_FLUSH_DELAY, WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
 from rpycdl.security import accounts
 from rpycdl.security.accounts import Account
-from rpycdl.wire import bulk, codec
+from rpycdl.wire import bulk, codec, tracebacks
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -209,6 +211,7 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
             os._exit(0)
         _become(told[0], parent)
         caps.install_caps()
+        flush_partial_lines(sys.stdout, sys.stderr)
         if told[0].session:  # Ctrl-C of a call (SIGINT, held back between calls) raises KeyboardInterrupt in it
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -226,6 +229,30 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
             sys.stderr.flush()
         os._exit(2)
     os._exit(0)
+
+
+def flush_partial_lines(*streams: Any) -> None:
+    """Flush `streams` (the job's stdout and stderr, line-buffered) every OUTPUT_FLUSH_DELAY seconds from a
+    thread of this process, so that output without a newline (`print("loading...", end="")`) reaches the
+    client soon after it was printed instead of with its line's end. The thread takes no signal (they go to
+    the job's own threads), and a fork waits for a flush under way, so that a child (a data loader's worker)
+    never inherits a stream's lock held by a thread it does not have."""
+    lock = threading.Lock()
+    os.register_at_fork(before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release)
+
+    def flush() -> None:
+        while True:
+            time.sleep(OUTPUT_FLUSH_DELAY)
+            with lock:
+                for stream in streams:
+                    with contextlib.suppress(Exception):  # closed or replaced by the job: its business
+                        stream.flush()
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        threading.Thread(target=flush, name="rpycdl-flush", daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @contextlib.contextmanager
@@ -281,7 +308,7 @@ def _answer(go: Go, buffers: list[Any], res_w: int, namespace: SessionGlobals | 
         fn = namespace.bind(fn) if namespace is not None else fn
     except BaseException as exc:  # noqa: BLE001 - told as what it is: a request this server cannot run
         fn, args = None, None
-        outcome, result = codec.encode_error(cannot_load(exc), "".join(traceback.format_exception(exc))), []
+        outcome, result = codec.encode_error(cannot_load(exc), tracebacks.formatted(exc)), []
     if fn is not None:
         try:
             with _interruptible(go.session):
@@ -292,7 +319,7 @@ def _answer(go: Go, buffers: list[Any], res_w: int, namespace: SessionGlobals | 
                         namespace.settle()
             outcome, result = codec.encode_value(value, go.out_of_band)
         except BaseException as exc:  # noqa: BLE001 - the call's exception is its outcome (Ctrl-C's too)
-            outcome, result = codec.encode_error(exc, "".join(traceback.format_exception(exc))), []
+            outcome, result = codec.encode_error(exc, tracebacks.formatted(exc)), []
     del fn, args, buffers
     sys.stdout.flush()
     sys.stderr.flush()

@@ -34,6 +34,7 @@ from rpycdl.errors import (
     JobCrashedError,
     JobTimeoutError,
     LimitError,
+    QueueTimeoutError,
 )
 from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
@@ -45,7 +46,7 @@ from rpycdl.scheduler.locks import Need, Place
 from rpycdl.server import child, commands, jobdirs, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
-from rpycdl.states import JobState
+from rpycdl.states import JobState, held_by
 from rpycdl.wire import codec
 
 LOAD_CHECK_AFTER = 0.2
@@ -168,9 +169,13 @@ class JobFlow:
                 "leader": [record.pgid, record.leader_start] if self.job else None,
                 "server_process": list(ctx.server_process)}
         self._wake_fds = self.link.socket_fds()
-        grant = ctx.locks.acquire(need_of(ctx, record), info, place=self._place,
-                                  queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
-                                  on_wake=self._on_wake, on_position=self._on_position)
+        try:
+            grant = ctx.locks.acquire(need_of(ctx, record), info, place=self._place,
+                                      queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
+                                      on_wake=self._on_wake, on_position=self._on_position)
+        except QueueTimeoutError as exc:  # who held them (what anyone sees), in the client's waiting line's words
+            held = held_by(status.holders(ctx))
+            raise QueueTimeoutError(f"{exc}{'; ' + held if held else ''}") from None
         record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
         record.gpus = grant.gpus
         self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),

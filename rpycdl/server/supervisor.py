@@ -100,7 +100,7 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
 
 def _duplicate(name: str, existing: JobRecord) -> InvalidRequestError:
     return InvalidRequestError(f"you already have an unfinished job named {name!r} ({existing.job_id}, "
-                               f"{existing.state.value}): use another --name, or cancel it first")
+                               f"{existing.state.value}): choose another name=, or cancel it first")
 
 
 def _spec(context: ServerContext, checked: request.JobRequest, container: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """What travels between client, connection process and job process: dill payloads and outcomes.
 
 A payload is `MAGIC + (major, minor) + dill((fn, args, fn_is_dill))`: the Python version comes
-first so a server can refuse code from another Python before unpickling anything. An outcome
+first so a server can refuse code from another Python before unpickling anything. After that pickle
+may come a second one: the source lines of the client's own functions (rpycdl.wire.tracebacks), which
+the job puts in linecache so that its traceback shows them; a server before them reads the first pickle
+only, as pickle does. An outcome
 is `b"+" + dill(value)` or `b"-" + dill((dill(exception) or None, type name, message, traceback))`,
 the first byte telling success from failure without unpickling anything. The exception is pickled
 on its own, so a client that cannot rebuild it (its module exists only on the server, or its
@@ -30,6 +33,7 @@ from typing import IO, Any
 import dill
 
 from rpycdl.errors import InvalidRequestError, RemoteError, RpycdlError, VersionMismatchError
+from rpycdl.wire import tracebacks
 
 MAGIC = b"RPYCDL1"
 PYTHON = sys.version_info[:2]
@@ -154,7 +158,9 @@ def encode_call(fn: Any, args: Any, out_of_band: bool = True) -> tuple[bytes, li
         raise
     except Exception as exc:  # one line naming what could not be pickled, not dill's frames
         raise InvalidRequestError(_unsendable(fn, args, exc)) from None
-    return MAGIC + bytes(PYTHON) + body, buffers
+    sources = {} if fn_is_dill else tracebacks.client_sources(fn)
+    trailer = pickle.dumps(sources, protocol=4) if sources else b""
+    return MAGIC + bytes(PYTHON) + body + trailer, buffers
 
 
 def _unsendable(fn: Any, args: Any, exc: Exception) -> str:
@@ -248,9 +254,15 @@ def check_pickle(data: bytes, what: str) -> int:
 
 
 def load_call(body: bytes, buffers: Sequence[Any] = ()) -> tuple[Any, Any]:
-    """Unpickle a checked payload body and its out-of-band buffers into (fn, args); runs in the job process."""
+    """Unpickle a checked payload body and its out-of-band buffers into (fn, args); runs in the job process,
+    which it gives the source lines that came with the call (rpycdl.wire.tracebacks.remember)."""
+    file = io.BytesIO(body)
     try:
-        call = dill.loads(body, buffers=buffers)
+        call = dill.Unpickler(file, buffers=buffers).load()
+        trailer = file.read()
+        if trailer:
+            check_pickle(trailer, "the payload's source lines")
+            tracebacks.remember(pickle.loads(trailer))
     except pickle.UnpicklingError as exc:  # opcodes that read well but do not build (b"." alone)
         raise InvalidRequestError(f"the payload is not readable dill data ({exc})") from None
     if not isinstance(call, tuple) or len(call) != 3:
@@ -307,6 +319,7 @@ def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
     The exception is the remote type where it can be rebuilt here, else RemoteError; its
     `remote_traceback` attribute (and a note) carry the server's traceback. `buffers` are the
     value's out-of-band buffers."""
+    __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
     try:
         outcome = dill.loads(data[1:], buffers=buffers)
     except (MemoryError, RpycdlError):  # out of memory, or a bound of the caller's (a timer's LimitError)
@@ -322,14 +335,26 @@ def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
         exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(name, message, tb)
+    raise _with_remote_traceback(exc, tb)
+
+
+def _with_remote_traceback(exc: BaseException, tb: str) -> BaseException:
+    """`exc` with the server's traceback `tb`: its frames as frames of `exc`'s traceback (the job's code, with
+    its source lines: rpycdl.wire.tracebacks.remote_frames), its text as `remote_traceback`, and a note: the
+    whole text where the frames do not tell it all (exceptions chained to it)."""
     exc.remote_traceback = tb  # type: ignore[attr-defined]
-    if tb:
+    if not tb:
+        return exc
+    frames = tracebacks.remote_frames(exc, tb)
+    if frames is not None and tb.count("Traceback (most recent call last):") == 1:
+        note = "(raised in the job on the rpycdl server: the frames above from the job's own code ran there)"
+    else:
         note = "Remote traceback (most recent call last), from the rpycdl server:\n" + tb.rstrip()
-        if hasattr(exc, "add_note"):  # Python 3.11 and later print notes under the exception
-            exc.add_note(note)
-        else:  # Python 3.10 prints the cause above it instead, as multiprocessing's pools do
-            exc.__cause__ = RemoteTraceback(note)
-    raise exc
+    if hasattr(exc, "add_note"):  # Python 3.11 and later print notes under the exception
+        exc.add_note(note)
+    elif frames is None or note.startswith("Remote"):  # Python 3.10 prints the cause above it instead
+        exc.__cause__ = RemoteTraceback(note)
+    return exc.with_traceback(frames)
 
 
 class RemoteTraceback(Exception):

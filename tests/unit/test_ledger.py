@@ -111,7 +111,7 @@ def test_an_unfinished_name_is_one_users_once(ledger):
     with pytest.raises(InvalidRequestError) as refused:
         ledger.save(second)
     assert "'train'" in str(refused.value) and first.job_id in str(refused.value)
-    assert "use another --name, or cancel it" in str(refused.value)
+    assert "choose another name=, or cancel it" in str(refused.value)
     assert ledger.get(second.job_id) is None
     assert ledger.save(job(user="bob", name="train"))  # another user's
     assert ledger.save(job(user="alice")) and ledger.save(job(user="alice"))  # unnamed

@@ -1,0 +1,112 @@
+"""A connection's calls about detached jobs and the host's ledger: submit (a function, a command, a container),
+a job's handle by id or name, the host's jobs, cancel. Mixed into `conn.root` (rpycdl.client.connection's
+RemoteRoot), whose connection, size check and working directories they use."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rpycdl.client.displays import JobList, client_row
+from rpycdl.client.jobs import Job
+from rpycdl.wire import codec
+
+if TYPE_CHECKING:
+    from rpycdl.client.connection import Connection
+
+
+class DetachedCalls:
+    """`conn.root`'s calls about detached jobs and the ledger."""
+
+    _connection: Connection
+    _check_size: Callable[[int], None]
+    _working_dir: Callable[[str | os.PathLike[str] | None], str | None]
+
+    def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
+               gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
+               timeout: float | None = None, queue_timeout: float | None = None,
+               working_dir: str | os.PathLike[str] | None = None) -> Job:
+        """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
+        queue as run_code, and runs to its end whatever happens to this client or to the server
+        process that accepted it. Returns its handle once the server has recorded it.
+
+        Args:
+            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout, working_dir: as for run_code (the
+                working directory is unpacked for the job when it is submitted).
+            name: a name to find it by (rpycdl.job(name)), unique among your unfinished jobs.
+
+        Raises:
+            InvalidRequestError: a request it could never run, or a name you use already.
+            LimitError: over one of the server's limits (--max-payload, --max-queued).
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        payload = codec.encode_payload(fn, args)
+        self._check_size(len(payload))
+        digest = self._working_dir(working_dir)
+        return self._submitted(self._connection.call("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
+                                    name, digest))
+
+    def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
+                       gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
+                       queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None) -> Job:
+        """Submit a command (an argv, run on the server in its working directory) as a detached job; it
+        fails unless it exits with 0, and its result is its exit code. Options as for submit."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        digest = self._working_dir(working_dir)
+        return self._submitted(self._connection.call("submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
+                                    queue_timeout, name, digest))
+
+    def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
+                         workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
+                         name: str | None = None, timeout: float | None = None,
+                         queue_timeout: float | None = None) -> Job:
+        """Submit a command in a container of `image` as a detached job (the generic `deeplearning`
+        server only); arguments as for run_container, and `name` as for submit."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return self._submitted(self._connection.call("submit_container", image, list(command), ngpus, env, workdir,
+                                    mounts, timeout, queue_timeout, name))
+
+    def _submitted(self, outcome: bytes) -> Job:
+        return Job(codec.decode_outcome(outcome), self._connection)
+
+    def job(self, ref: str) -> Job:
+        """The handle of a job of this server's host, by id, or by name among your jobs.
+
+        Raises:
+            InvalidRequestError: no such job.
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return Job(codec.decode_outcome(self._connection.call("job", ref)), self._connection)
+
+    def jobs(self, *, all: bool = False, users: list[str] | None = None, states: list[str] | None = None,
+             since: float | None = None, limit: int | None = None) -> JobList:
+        """The rows of the jobs of this server's host (every server sharing its state directory), newest
+        first: unfinished ones and those that ended in the last day, or with `all` every job kept. Each row is
+        a dict of the job's fields (rpycdl.scheduler.ledger.JobRecord's; its times as datetimes), and the list
+        shows as a table in Jupyter.
+
+        Args:
+            all: every job the ledger keeps (--keep), not only the recent ones.
+            users, states: only these users' jobs, only jobs in these states (PENDING, RUNNING, ...).
+            since: the jobs submitted in the last so many seconds, however long ago they ended (instead
+                of the recent ones).
+            limit: at most so many (default 100; 0: no limit).
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        query = {key: value for key, value in
+                 {"all": all, "users": users, "states": states, "since": since, "limit": limit}.items()
+                 if value is not None}
+        return JobList(client_row(codec.decode_outcome(self._connection.call("jobs", query))))
+
+    def cancel(self, ref: str) -> str:
+        """Request the cancel of a pending or running job by id or name; returns its state when the request
+        was made (Job.cancel() waits for its end).
+
+        Raises:
+            NotAllowedError: the job is another user's, and this user is no admin.
+            InvalidRequestError: the server's host has no such job.
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return codec.decode_outcome(self._connection.call("cancel", ref))
+
