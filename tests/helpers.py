@@ -193,27 +193,27 @@ def open_gate(gate: str) -> None:
     Path(gate).touch()
 
 
-def quick_error(call: Callable[[], Any], limit: float = 5.0) -> tuple[BaseException | None, float]:
-    """Run `call` in a thread; return what it raised and how long it took.
+def refusal(call: Callable[[], Any], limit: float = 120.0) -> BaseException | None:
+    """Run `call` in a thread; return what it raised (None if it returned).
 
-    Fails the test if it is still running after `limit` seconds (a request that should have
-    been refused is waiting instead)."""
+    For a request that must be refused rather than wait: the tests call it while what the request would wait
+    for stays taken (a held GPU, open connections), so a request that waits instead never ends on its own, and
+    the test fails after `limit` seconds (generous, so that a slow machine's refusal still counts as one; how
+    fast a refusal is belongs to the benchmarks)."""
     outcome: dict[str, Any] = {}
 
     def target() -> None:
-        start = time.monotonic()
         try:
             outcome["value"] = call()
         except BaseException as exc:  # noqa: B036 - returned to the test
             outcome["error"] = exc
-        outcome["seconds"] = time.monotonic() - start
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     thread.join(limit)
     if thread.is_alive():
-        raise AssertionError(f"the call was still running after {limit} s instead of failing at once")
-    return outcome.get("error"), outcome["seconds"]
+        raise AssertionError(f"the call was still running after {limit} s: it waits instead of being refused")
+    return outcome.get("error")
 
 
 @dataclass(frozen=True)

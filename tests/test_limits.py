@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from helpers import Background, connection_processes, gate_job, open_gate, quick_error, server_pid, wait_until
+from helpers import Background, connection_processes, gate_job, open_gate, refusal, server_pid, wait_until
 
 import rpycdl
 
@@ -100,7 +100,7 @@ def test_connections_over_the_limit_are_refused_at_once_by_name(mode, server, cl
     first, second = open_(), open_()
     wait_until(lambda: len(connection_processes(pid)) == 2, what="two connection processes")
     for _ in range(3):
-        error, seconds = quick_error(open_)
+        error = refusal(open_)
         assert isinstance(error, rpycdl.LimitError) and not isinstance(error, rpycdl.ConnectionDroppedError) and \
             "at most 2 authenticated connections at once (--max-connections)" in str(error), repr(error)
     second.close()

@@ -8,7 +8,7 @@ import sys
 
 import dill
 import pytest
-from helpers import Background, gate_job, idle, open_gate, quick_error, wait_idle
+from helpers import Background, gate_job, idle, open_gate, refusal, wait_idle
 
 import rpycdl
 from rpycdl.wire import codec
@@ -42,13 +42,11 @@ def test_bad_ngpus_fail_at_once_with_a_clear_message(busy):
     conn, holder, gate = busy
     problems = []
     for ngpus, words in BAD_NGPUS:
-        error, seconds = quick_error(lambda n=ngpus: conn.root.run_code(lambda x: x, 1, ngpus=n, queue_timeout=30))
+        error = refusal(lambda n=ngpus: conn.root.run_code(lambda x: x, 1, ngpus=n, queue_timeout=30))
         if not isinstance(error, rpycdl.InvalidRequestError):
             problems.append(f"ngpus={ngpus!r}: raised {error!r}, not InvalidRequestError")
         elif missing := [w for w in words if w not in str(error)]:
             problems.append(f"ngpus={ngpus!r}: message {str(error)!r} lacks {missing}")
-        elif seconds > 2:
-            problems.append(f"ngpus={ngpus!r}: took {seconds:.1f} s to fail")
     assert not problems, "\n".join(problems)
     assert not holder.done  # the holder was never disturbed
 
@@ -58,20 +56,18 @@ def test_bad_timeouts_fail_at_once_with_a_clear_message(busy, name):
     conn, _, _ = busy
     problems = []
     for value in BAD_SECONDS:
-        error, seconds = quick_error(lambda v=value: conn.root.run_code(lambda x: x, 1, ngpus=1, **{name: v}))
+        error = refusal(lambda v=value: conn.root.run_code(lambda x: x, 1, ngpus=1, **{name: v}))
         if not isinstance(error, rpycdl.InvalidRequestError):
             problems.append(f"{name}={value!r}: raised {error!r}, not InvalidRequestError")
         elif name not in str(error) or repr(value) not in str(error):
             problems.append(f"{name}={value!r}: message {str(error)!r} names neither the setting nor the value")
-        elif seconds > 2:
-            problems.append(f"{name}={value!r}: took {seconds:.1f} s to fail")
     assert not problems, "\n".join(problems)
 
 
 def test_fn_that_is_not_callable_is_refused(busy):
     conn, _, _ = busy
     for fn in (42, "print('hi')", None, [lambda x: x], {"fn": len}):
-        error, _ = quick_error(lambda f=fn: conn.root.run_code(f, 1))
+        error = refusal(lambda f=fn: conn.root.run_code(f, 1))
         assert isinstance(error, rpycdl.InvalidRequestError), f"{fn!r}: {error!r}"
         assert "callable" in str(error) and type(fn).__name__ in str(error)
 
@@ -80,7 +76,7 @@ def test_unreadable_dill_bytes_as_fn_are_refused_before_waiting(busy):
     conn, _, _ = busy
     good = dill.dumps(lambda x: x, recurse=True)
     for fn in (good[: len(good) // 2], b"not dill at all", b""):
-        error, _ = quick_error(lambda f=fn: conn.root.run_code(f, 1, queue_timeout=30))
+        error = refusal(lambda f=fn: conn.root.run_code(f, 1, queue_timeout=30))
         assert isinstance(error, rpycdl.InvalidRequestError), f"{fn[:20]!r}: {error!r}"
         assert "fn" in str(error) and "dill" in str(error)
 
@@ -93,10 +89,9 @@ def test_a_callable_the_server_cannot_load_is_refused_while_waiting(busy, tmp_pa
     from client_only_module import work
 
     conn, holder, _ = busy
-    error, seconds = quick_error(lambda: conn.root.run_code(work, 1, queue_timeout=30))
+    error = refusal(lambda: conn.root.run_code(work, 1, queue_timeout=30))
     assert isinstance(error, rpycdl.InvalidRequestError), repr(error)
     assert "cannot be loaded on this server" in str(error) and "client_only_module" in str(error)
-    assert seconds < 5
     assert not holder.done
     assert conn.root.gpu_status()["queue"] == []
 
@@ -107,8 +102,8 @@ def test_a_callable_the_server_cannot_load_gives_the_same_error_granted_at_once_
     monkeypatch.syspath_prepend(str(tmp_path))
     from client_only_module2 import work
 
-    waited, _ = quick_error(lambda: busy[0].root.run_code(work, 1, queue_timeout=30))
-    at_once, _ = quick_error(lambda: connect(server("pytorch", "fake:1")).root.run_code(work, 1))
+    waited = refusal(lambda: busy[0].root.run_code(work, 1, queue_timeout=30))
+    at_once = refusal(lambda: connect(server("pytorch", "fake:1")).root.run_code(work, 1))
     assert type(waited) is type(at_once) is rpycdl.InvalidRequestError, (waited, at_once)
     assert str(waited) == str(at_once), (str(waited), str(at_once))
     assert "cannot be loaded on this server: ModuleNotFoundError" in str(at_once)
@@ -179,14 +174,12 @@ def test_corrupt_and_truncated_payloads_give_invalid_request(busy):
     }
     problems = []
     for what, payload in payloads.items():
-        error, seconds = quick_error(lambda p=payload: _raw(conn, p))
+        error = refusal(lambda p=payload: _raw(conn, p))
         if not isinstance(error, rpycdl.InvalidRequestError):
             problems.append(f"{what}: {error!r}")
-        elif seconds > 2:
-            problems.append(f"{what}: took {seconds:.1f} s")
     assert not problems, "\n".join(problems)
     # the well-formed payload is accepted (it waits for the busy GPUs, so give it one that is never free)
-    error, _ = quick_error(lambda: _raw(conn, good, ngpus=5))
+    error = refusal(lambda: _raw(conn, good, ngpus=5))
     assert isinstance(error, rpycdl.InvalidRequestError) and "4" in str(error)
 
 
@@ -194,7 +187,7 @@ def test_payload_of_the_wrong_shape_gives_invalid_request(server, connect):
     conn = connect(server("pytorch", "fake:1"))
     header = codec.MAGIC + bytes(codec.PYTHON)
     for body in (dill.dumps(42), dill.dumps((1, 2)), dill.dumps((b"\x80\x04garbage", None, True))):
-        error, _ = quick_error(lambda b=body: _raw(conn, header + b))
+        error = refusal(lambda b=body: _raw(conn, header + b))
         assert isinstance(error, rpycdl.InvalidRequestError), f"{body!r}: {error!r}"
     assert _raw(conn, header + dill.dumps((lambda x: x * 2, 21, False), recurse=True)) == 42
 
@@ -213,10 +206,9 @@ def test_payload_from_another_python_gives_version_mismatch_before_unpickling(bu
     body = dill.dumps((_MakesDirectoryWhenUnpickled(str(marker)), None, False))
     mine = f"{sys.version_info.major}.{sys.version_info.minor}"
     for payload in (codec.MAGIC + bytes((3, 7)) + body, codec.MAGIC + bytes((3, 7)) + b"garbage"):
-        error, seconds = quick_error(lambda p=payload: _raw(conn, p))
+        error = refusal(lambda p=payload: _raw(conn, p))
         assert isinstance(error, rpycdl.VersionMismatchError), repr(error)
         assert "3.7" in str(error) and mine in str(error), str(error)
-        assert seconds < 2
     assert not marker.exists(), "the server unpickled a payload from another Python"
     # with this Python's version the same body is unpickled (in the job), so the marker does tell; once
     # the GPUs are free, so that it is granted at once (a request that waits is test-loaded first)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import Background, gate_job, open_gate, quick_error, wait_until
+from helpers import Background, gate_job, open_gate, refusal, wait_until
 
 import rpycdl
 from rpycdl.cli.status import format_status
@@ -63,7 +63,7 @@ def two_gpus(server) -> int:
 ])
 def test_bad_share_requests_fail_at_once(two_gpus, connect, kwargs, message):
     conn = connect(two_gpus)
-    error, _ = quick_error(lambda: conn.root.run_code(env_job, None, **kwargs))
+    error = refusal(lambda: conn.root.run_code(env_job, None, **kwargs))
     assert isinstance(error, InvalidRequestError) and message in str(error), error
     assert conn.root.run_code(lambda x: x, 7) == 7  # the server goes on
 

@@ -21,7 +21,7 @@ from helpers import (
     gate_job,
     idle,
     open_gate,
-    quick_error,
+    refusal,
     running,
     server_pid,
     server_process,
@@ -233,7 +233,7 @@ def test_a_server_that_cannot_fork_refuses_clearly_and_recovers(server, cluster,
         taken = [connect(port) for _ in range(SPARE_CONNECTIONS)]  # each takes a spare; none can be replaced
         assert [conn.root.run_code(lambda x: x * 2, n) for n, conn in enumerate(taken)] == [0, 2]
         assert spare_processes(pid) == []
-        error, _ = quick_error(lambda: connect(port))
+        error = refusal(lambda: connect(port))
         assert isinstance(error, rpycdl.LimitError) and "could not start a process" in str(error), repr(error)
         log = server_process(cluster, port).lines
         assert any("could not fork a connection process" in line for line in log)
@@ -256,7 +256,7 @@ def test_a_connection_whose_job_cannot_be_forked_refuses_the_call_clearly_and_go
         assert conn.root.run_code(lambda x: x, "in the one made ready") == "in the one made ready"
         wait_until(lambda: idle(conn), what="the second job's end")
         descriptors = len(os.listdir(f"/proc/{serving}/fd"))
-        error, _ = quick_error(lambda: conn.root.run_code(lambda x: x, "refused", ngpus=2))
+        error = refusal(lambda: conn.root.run_code(lambda x: x, "refused", ngpus=2))
         assert isinstance(error, rpycdl.LimitError) and "could not start a process for the job" in str(error), \
             repr(error)
         assert idle(conn)
