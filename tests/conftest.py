@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import Team
+from helpers import ACCOUNTS, Team, unavailable
 from hypothesis import settings
 
 import rpycdl
@@ -31,12 +34,32 @@ def no_credentials_file(tmp_path, monkeypatch) -> None:
 @pytest.fixture(scope="session")
 def team(tmp_path_factory) -> Team:
     """A team's CA made with `rpycdl certs`: a server certificate for localhost and 127.0.0.1,
-    users alice and bob, and root, an admin."""
+    users alice, bob and carol, and root, an admin."""
     directory = str(tmp_path_factory.mktemp("team-ca"))
     for argv in (["ca", directory], ["server", directory, "--name", "localhost", "--ip", "127.0.0.1"],
-                 ["user", directory, "alice"], ["user", directory, "bob"], ["user", directory, "root", "--admin"]):
+                 *(["user", directory, user] for user in ACCOUNTS), ["user", directory, "root", "--admin"]):
         assert cli.main(["certs", *argv]) == 0
     return Team(directory)
+
+
+@pytest.fixture(scope="session")
+def accounts() -> Iterator[dict[str, pwd.struct_passwd]]:
+    """The Unix accounts of helpers.ACCOUNTS by identity (alice, bob, carol), made with useradd where they are
+    missing and removed after the tests. They need root and useradd: elsewhere the test skips, saying so (under
+    CI, it fails)."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        unavailable("jobs that run as their owners need Unix accounts made for the test: root and useradd",
+                    "run the tests as root")
+    made = []
+    for account in ACCOUNTS.values():
+        try:
+            pwd.getpwnam(account)
+        except KeyError:
+            subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", account], check=True)
+            made.append(account)
+    yield {identity: pwd.getpwnam(account) for identity, account in ACCOUNTS.items()}
+    for account in made:
+        subprocess.run(["userdel", "--remove", account], check=False, capture_output=True)
 
 
 @pytest.fixture
