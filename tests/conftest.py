@@ -6,7 +6,9 @@ import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from helpers import ACCOUNTS, Team, unavailable
@@ -140,3 +142,13 @@ def monitor(cluster) -> Iterator[str]:
         yield "http://127.0.0.1:" + process.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
     finally:
         process.stop()
+
+
+@pytest.fixture
+def passable_dir() -> Iterator[Path]:
+    """A directory of the test's own that every account may pass through (mode 755, as /tmp or /var/lib), for
+    what jobs that run as their owners must reach (pytest's tmp_path is root's alone); removed after."""
+    base = Path(tempfile.mkdtemp(prefix="rpycdl-accounts-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)

@@ -9,7 +9,6 @@ import os
 import pwd
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +52,8 @@ class Site:
 
 
 @pytest.fixture
-def site(team, accounts) -> Iterator[Site]:
-    base = Path(tempfile.mkdtemp(prefix="rpycdl-isolation-"))
-    base.chmod(0o755)  # everyone may pass through, as /tmp or /var/lib: only rpycdl's own modes protect
+def site(team, accounts, passable_dir) -> Iterator[Site]:
+    base = passable_dir  # everyone may pass through: only rpycdl's own modes protect
     write_user_map(base / "users.toml")
     secret_file = base / "secret"
     secret_file.write_bytes(os.urandom(32).hex().encode())
@@ -75,7 +73,6 @@ def site(team, accounts) -> Iterator[Site]:
         yield Site(base, cluster, team, state, locks_a, port_a, port_b, process.popen.pid, secret_file, home)
     finally:
         cluster.close()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _make_alice_job():
