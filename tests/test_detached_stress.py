@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chaos import read_stat, read_uids
 from helpers import write_user_map
 
 import rpycdl
@@ -236,14 +237,9 @@ class RunOwners:
                     self._look(job_id, int(pid), start)
 
     def _look(self, job_id: str, pid: int, start: str) -> None:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19] != start:
-                return  # gone, its pid another's
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            return
-        self.uids[job_id] = next(tuple(map(int, line.split()[1:])) for line in status.splitlines()
-                                 if line.startswith("Uid:"))
+        uids, stat = read_uids(pid), read_stat(pid)  # its start after its uids: both of one process
+        if stat is not None and stat.start == int(start) and uids is not None:  # else gone, its pid another's
+            self.uids[job_id] = uids
 
 
 def _runs(directory: Path) -> list[tuple[str, str, int]]:
