@@ -589,9 +589,11 @@ class OwnerWatch:
         self.processes = self.files = 0  # how many were checked
         self.wrong: list[str] = []
 
-    def process(self, pid: int, report: Report) -> None:
+    def process(self, pid: int, start: int, report: Report) -> None:
+        """Check the process `pid` that started at `start` (not one that took its pid since)."""
         found, want = read_uids(pid), self.uids.get(report.user)
-        if found is None:
+        stat = read_stat(pid)  # after its uids: both of one process
+        if found is None or stat is None or stat.start != start:
             return
         self.processes += 1
         if any(uid != want for uid in found):
@@ -697,7 +699,7 @@ class Observer:
         """Find the job a process belongs to (and, under isolation, check that it runs as the job's owner)."""
         seen.job = self._owner(pid, seen)
         if seen.job is not None and self.owners is not None:
-            self.owners.process(pid, self.jobs[seen.job])
+            self.owners.process(pid, seen.start, self.jobs[seen.job])
 
     def _zombies(self, job: str) -> list[str]:
         """The job's processes that are dead but not reaped, with their parents."""

@@ -140,8 +140,8 @@ def test_the_end_check_finds_what_dead_jobs_left_and_only_that(tmp_path):
 
 def test_the_owner_check_finds_a_process_and_a_file_that_are_not_the_jobs_owners(tmp_path):
     """OwnerWatch, against a job of a user whose uid is not this process's: its process (this test's child) and
-    its working copy's file (this test's) are both named, each with the uid found; a process already gone is not
-    counted."""
+    its working copy's file (this test's) are both named, each with the uid found; a process already gone, or
+    not the one that started when the observer saw it, is not counted."""
     other = os.getuid() + 1
     owners = chaos.OwnerWatch({"alice": other}, tmp_path / "jobs")
     (tmp_path / "jobs" / "j1" / "work").mkdir(parents=True)
@@ -150,12 +150,13 @@ def test_the_owner_check_finds_a_process_and_a_file_that_are_not_the_jobs_owners
     try:
         report = chaos.Report("j1", process.pid, os.getpid(), process.pid, read_stat(process.pid).start, ("GPU-0",), 0,
                               time.time(), "alice")
-        owners.process(process.pid, report)
+        owners.process(process.pid, report.start, report)
+        owners.process(process.pid, report.start - 1, report)  # a process that took its pid since: not it
         owners.job_files(report)
     finally:
         process.kill()
         process.wait()
-    owners.process(process.pid, report)  # gone (reaped): nothing to check
+    owners.process(process.pid, report.start, report)  # gone (reaped): nothing to check
     uid = os.getuid()
     assert owners.wrong == [f"process {process.pid} (sleep) of job j1 of alice runs as uids {(uid,) * 4}, not {other}",
                             f"{tmp_path}/jobs/j1/work of job j1 of alice belongs to uid {uid}, not {other}",
