@@ -47,6 +47,9 @@ Options:
                         the servers' scheduling (see rpycdl serve --help; default: fcfs, pack)
   --fair-share FILE     with --policy fair: the site's fair-share file (mounted read-only, as
                         the credential files are)
+  --user-map FILE       with --user 0: servers run as root and each job as its owner's account,
+                        mapped by this file (identities to "uid:gid", as the image has no site
+                        accounts; see rpycdl serve --user-map); mounted read-only
   --port PORT           first server port, one more per further server (default: 18861)
   --gpus all|fake:N     every GPU of the host through the NVIDIA runtime (default: all),
                         or a simulated inventory without GPU access
@@ -90,7 +93,7 @@ while [ $# -gt 0 ]; do
         --no-registry) START_REGISTRY=0; shift ;;
         --host) HOST=$2; shift 2 ;;
         --insecure) INSECURE=1; shift ;;
-        --secret-file|--tls-cert|--tls-key|--tls-ca|--fair-share) CREDENTIALS+=("${1#--}" "$2"); shift 2 ;;
+        --secret-file|--tls-cert|--tls-key|--tls-ca|--fair-share|--user-map) CREDENTIALS+=("${1#--}" "$2"); shift 2 ;;
         --policy|--placement) SCHEDULING+=("$1=$2"); shift 2 ;;
         --port) PORT=$2; shift 2 ;;
         --gpus) GPUS=$2; shift 2 ;;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -24,6 +25,12 @@ settings.load_profile("ci" if os.environ.get("CI") else "quick")
 """Property tests run the full count of examples in CI (.ci/run sets CI) and a tenth of it elsewhere, so that
 the unit tier stays quick to run while working. A test that wants another count than the profile's says it as
 a multiple of `settings.default.max_examples`, so that it scales with the profile."""
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+"""Ctrl-C at its default in every process the tests start, as a shell starts a command: a test run started in
+the background of a script (nohup, `&`) ignores SIGINT, its children inherit that, and a Python started ignoring
+SIGINT never raises KeyboardInterrupt (the tests that press Ctrl-C in a client would then wait in vain)."""
 
 
 @pytest.fixture(autouse=True)

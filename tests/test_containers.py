@@ -218,6 +218,22 @@ def test_server_containers_require_the_credentials_they_are_given(containers_up:
         up(UpConfig(specs=["pytorch"], host="0.0.0.0"))
 
 
+def test_root_server_containers_with_a_user_map_run_each_job_as_its_owners_uid(
+        containers_up: Callable[..., str], team: Any, tmp_path: Path) -> None:
+    """`rpycdl up --user 0 --user-map FILE`: the servers run as root in their containers and each job as the
+    "uid:gid" its owner's identity maps to (the image has no site accounts); the server says it isolates."""
+    files = {name: str(Path(team.dir) / source) for name, source in (
+        ("tls_cert", "server-localhost.crt"), ("tls_key", "server-localhost.key"), ("tls_ca", "ca.crt"))}
+    user_map = tmp_path / "users.toml"
+    user_map.write_text('[accounts]\nalice = "2001:2001"\nbob = "2002:2002"\n')
+    address = containers_up("pytorch:2.5", user="0", user_map=str(user_map), **files)
+    for user, uid in (("alice", 2001), ("bob", 2002)):
+        with rpycdl.connect("pytorch-2.5", registry_address=address, **team.user(user)) as conn:
+            ids = conn.root.run_code(lambda _: (__import__("os").getuid(), __import__("os").getgid()), None)
+            assert ids == (uid, uid), f"{user}'s job ran as {ids}"
+            assert conn.root.gpu_status()["server"]["isolation"] == "owner accounts"
+
+
 def test_start_script_passes_credentials_read_only_and_checks_them(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("s" * 32)
@@ -259,14 +275,17 @@ def test_start_script_dry_run_prints_the_docker_commands() -> None:
     assert lines.index(monitor) > lines.index(generic) and lines[-1] == "monitor on http://127.0.0.1:18870/metrics"
 
 
-def test_start_script_dry_run_passes_the_hosts_scheduling_and_mounts_its_fair_share_file(tmp_path: Path) -> None:
-    settings = tmp_path / "fair-share.toml"
+def test_start_script_dry_run_passes_the_hosts_scheduling_and_mounts_its_fair_share_file_and_user_map(
+        tmp_path: Path) -> None:
+    settings, users = tmp_path / "fair-share.toml", tmp_path / "users.toml"
     settings.write_text('half_life = "12h"\n')
+    users.write_text('[accounts]\nalice = "2001:2001"\n')
     out = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--gpus", "fake:4", "--policy",
-                          "fair", "--placement", "spread", "--fair-share", str(settings), "pytorch"],
-                         capture_output=True, text=True, check=True).stdout
+                          "fair", "--placement", "spread", "--fair-share", str(settings), "--user", "0",
+                          "--user-map", str(users), "pytorch"], capture_output=True, text=True, check=True).stdout
     server = next(line for line in out.splitlines() if "--name rpycdl-pytorch " in line)
     for option in (f"-v {settings}:/run/rpycdl/fair-share:ro", "--fair-share /run/rpycdl/fair-share",
+                   f"-v {users}:/run/rpycdl/user-map:ro", "--user-map /run/rpycdl/user-map", "--user 0",
                    "--policy=fair", "--placement=spread"):
         assert option in server, option
     refused = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--host", "10.0.0.5",

@@ -48,7 +48,8 @@ def test_submit_returns_at_once_and_the_job_runs_to_its_result(two, tmp_path):
                            name="first")
     assert job.name == "first" and len(job.id) == 12
     wait_state(job, JobState.RUNNING)
-    assert [line for line in job.logs()][:3] == ["line 0\n", "line 1\n", "line 2\n"]
+    # its log holds what it printed while it runs (the log is written as the output arrives, after RUNNING)
+    wait_until(lambda: list(job.logs())[:3] == ["line 0\n", "line 1\n", "line 2\n"], 30, "three lines in its log")
     open_gate(gate)
     assert job.result(timeout=10) == {"ok": 1}
     status = job.status()

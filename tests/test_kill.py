@@ -155,11 +155,8 @@ def popen():
     started: list[subprocess.Popen] = []
 
     def start(*args: str) -> subprocess.Popen:
-        # Ctrl-C at its default, as a shell starts a command: a test run started in the background of a
-        # script (nohup, `&`) ignores SIGINT, and a Python started ignoring it never raises KeyboardInterrupt.
         process = subprocess.Popen([sys.executable, "-c", CLIENT, *args], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                   stderr=subprocess.STDOUT, text=True)
         started.append(process)
         return process
 

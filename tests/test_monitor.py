@@ -83,11 +83,11 @@ def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_pa
     # as long as each waited by its ledger row (three were granted at once, the fourth waited for the gate,
     # but a busy machine may take a second to grant a free GPU: the histogram must count what happened)
     rows = conn.root.jobs()
-    waits = [row["started"] - row["submitted"] for row in rows]
+    waits = [(row["started"] - row["submitted"]).total_seconds() for row in rows]
     assert len(waits) == 4
     assert value(samples, "rpycdl_job_queue_wait_seconds_bucket", service="pytorch", le="1.0") == sum(
         wait <= 1.0 for wait in waits), waits
-    ran = sum(row["ended"] - row["started"] for row in rows)
+    ran = sum((row["ended"] - row["started"]).total_seconds() for row in rows)
     assert 0 < value(samples, "rpycdl_job_run_seconds_sum", service="pytorch") == pytest.approx(ran)
     assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") is None
     assert all(value(samples, "rpycdl_gpu_memory_granted_bytes", uuid=uuid) == 0 for uuid in UUIDS)

@@ -138,6 +138,9 @@ def _container_commands(command: Command) -> None:
                     help="where the servers place shares of a GPU (see rpycdl serve --help; default: pack)")
     up.add_argument("--fair-share", default=None, metavar="PATH",
                     help="with --policy fair: the site's fair-share file (mounted read-only)")
+    up.add_argument("--user-map", default=None, metavar="PATH",
+                    help="with --user 0: servers run as root and each job as its owner's account, mapped by this "
+                         "file (identities to \"uid:gid\"; see rpycdl serve --user-map; mounted read-only)")
     up.add_argument("--no-ulimits", action="store_true",
                     help="keep the engine's ulimits instead of asking for memlock=-1, stack=64 MiB (an engine that "
                          "refuses them gets its own anyway)")
@@ -159,7 +162,7 @@ def _up(args: argparse.Namespace) -> int:
                       tls_ca=args.tls_ca, shm_size=args.shm_size, monitor_port=args.monitor_port,
                       scheduling=[f"--{name}={value}" for name, value in (("policy", args.policy),
                                                                           ("placement", args.placement)) if value],
-                      fair_share=args.fair_share)
+                      fair_share=args.fair_share, user_map=args.user_map)
     if args.no_ulimits:
         config.ulimits = []
     client = docker_client()

@@ -57,6 +57,8 @@ class UpConfig:
             0 starts none.
         scheduling: `rpycdl serve` options of the host's scheduling (`--policy fair`), and fair_share a host
             file of fair-share settings (`--fair-share`, mounted read-only under CREDENTIALS_DIR).
+        user_map: a host file mapping identities to accounts (`rpycdl serve --user-map`, mounted read-only under
+            CREDENTIALS_DIR), for servers run as root (`user` "0") that run each job as its owner's account.
     """
 
     specs: list[str]
@@ -77,6 +79,7 @@ class UpConfig:
     monitor_port: int = MONITOR_PORT
     scheduling: list[str] = field(default_factory=list)
     fair_share: str | None = None
+    user_map: str | None = None
     ulimits: list[Ulimit] = field(default_factory=lambda: [
         Ulimit(name="memlock", soft=-1, hard=-1), Ulimit(name="stack", soft=67108864, hard=67108864)])
 
@@ -347,7 +350,7 @@ def _engine_words(exc: docker.errors.APIError) -> str:
 
 def _credentials(config: UpConfig) -> tuple[list[Mount], list[str]]:
     """The read-only mounts and `rpycdl serve` options that give the servers their credentials (and the
-    host's scheduling, its fair-share file mounted as they are)."""
+    host's scheduling and user map, their files mounted as they are)."""
     files = {"secret-file": config.secret_file, "tls-cert": config.tls_cert, "tls-key": config.tls_key,
              "tls-ca": config.tls_ca}
     tls = [files[name] for name in ("tls-cert", "tls-key", "tls-ca")]
@@ -357,7 +360,7 @@ def _credentials(config: UpConfig) -> tuple[list[Mount], list[str]]:
         raise InvalidRequestError(f"servers on {config.host} need authentication: give --tls-cert, --tls-key and "
                                   "--tls-ca, or --secret-file, or --insecure if the network is trusted")
     mounts, args = [], list(config.scheduling)
-    for name, path in {**files, "fair-share": config.fair_share}.items():
+    for name, path in {**files, "fair-share": config.fair_share, "user-map": config.user_map}.items():
         if path is None:
             continue
         if not os.path.isabs(path) or not os.path.isfile(path):
