@@ -127,7 +127,7 @@ def conn(shared_port, connect) -> rpycdl.Connection:
 @pytest.fixture
 def tls_server(server, team) -> Iterator[Callable[[str], rpycdl.Connection]]:
     """A fake:2 server with mutual TLS, its port as `.port`; as_user(name) -> a connection as one of the
-    team's users (alice, bob, root: an admin), closed after the test."""
+    team's users (alice, bob, carol, root: an admin), closed after the test."""
     port = server("pytorch", "fake:2", *team.server_args())
     opened: list[rpycdl.Connection] = []
 
