@@ -1,4 +1,5 @@
-"""Chaos for promises 1, 3 and 8: clients, a killer, an independent observer of /proc, and the end check."""
+"""Chaos for promises 1, 3 and 8 (and 9, with isolation): clients, a killer, an independent observer of /proc, and
+the end check."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ CHILDREN: dict[str, tuple[float, list[str]]] = {  # kind: (weight, argv); "{pyth
     "stubborn_python": (0.15, ["{python}", "-I", "-S", "-c", STUBBORN_PYTHON]),
 }
 
-CONN_KILLS = ("conn_after_grant", "conn", "orphan_conn", "supervisor")
+CONN_KILLS = ("conn_after_grant", "conn", "orphan_conn", "supervisor", "session_conn")
 KILLS: dict[str, float] = {  # the killer's actions and their weights
     "conn_after_grant": 3.0,  # kill -9 a job's connection process as soon as the job has a child
     "conn": 1.5,  # kill -9 the connection process of a running job
@@ -61,21 +62,28 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
     "children_term": 1.5,  # SIGTERM them (some ignore it)
     "client": 0.3,  # kill -9 a client, start another
     "supervisor": 0.5,  # kill -9 the supervisor of a running detached job (which makes it LOST)
+    "session_process": 1.0,  # kill -9 a session's job process (between its calls or during one)
+    "session_conn": 1.0,  # kill -9 a session's connection process
+    "session_client": 0.3,  # kill -9 a client holding a session, start another
 }
 
 
-REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor")
+REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor", "session_process",
+                  "session_conn", "session_client")
 """The kinds of kill a run must have made to count (ChaosResult.tested): the killer tries those it has not made
 yet in a run's second half."""
-ENOUGH_JOBS, ENOUGH_DETACHED, ENOUGH_WORKING_DIRS = 50, 10, 10
-"""Jobs started, detached jobs submitted and jobs run in a working directory that a run must have made to count
-(with every kind of REQUIRED_KILLS, and two shares seen on one GPU at once): the chaos goes on past its least
-duration until it has (shortfall)."""
+ENOUGH_JOBS, ENOUGH_DETACHED, ENOUGH_WORKING_DIRS, ENOUGH_SESSIONS = 50, 10, 10, 5
+"""Jobs started, detached jobs submitted, jobs run in a working directory and sessions that ran a call that a run
+must have made to count (with every kind of REQUIRED_KILLS, and two shares seen on one GPU at once): the chaos
+goes on past its least duration until it has (shortfall)."""
 
 
-def shortfall(jobs: int, kills: Counter[str], submitted: int, working_dirs: int, shared: bool) -> list[str]:
+def shortfall(jobs: int, kills: Counter[str], submitted: int, working_dirs: int, shared: bool,
+              sessions: int) -> list[str]:
     """What a run has not done yet of what it must to count; empty once it has done enough."""
     missing = [f"only {jobs} jobs ran"] if jobs < ENOUGH_JOBS else []
+    if sessions < ENOUGH_SESSIONS:
+        missing.append(f"only {sessions} sessions ran a call")
     missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not kills[kind]]
     if submitted < ENOUGH_DETACHED:
         missing.append(f"only {submitted} detached jobs were submitted")
@@ -99,9 +107,12 @@ class ChaosSettings:
     gpus: str = "fake:4"
     server_args: tuple[str, ...] = ()
     requests: tuple[dict[str, Any], ...] = REQUESTS  # run_code keywords, drawn at random
-    users: int = 1  # clients connect as one of this many users (fair share orders them)
+    users: int = 1  # clients connect as one of this many users (fair share orders them), unless isolation names them
+    isolation: Isolation | None = None  # jobs run as their owners' accounts (servers as root, a user map, TLS)
     queue_timeout: float = 3.0
     detached: float = 0.3  # the share of requests submitted as detached jobs
+    session: float = 0.12  # the share of requests that open a session instead (and make `calls` calls in it)
+    calls: tuple[int, int] = (2, 4)
     working_dir: float = 0.3  # the share of requests that bring a working directory (one of WORKING_DIRS)
     hold: tuple[float, float] = (0.02, 0.25)  # seconds a job runs
     children: tuple[int, int] = (1, 2)  # children a job starts
@@ -110,6 +121,27 @@ class ChaosSettings:
     kills: tuple[tuple[str, float], ...] = tuple(KILLS.items())
     observer_nice: int = -10  # the observer's niceness; below 0 (a higher priority) only as root
     seed: int = field(default_factory=lambda: int(os.environ.get("RPYCDL_CHAOS_SEED", random.randrange(1 << 30))))
+
+    def identities(self) -> list[str]:
+        """The users clients connect as."""
+        return list(self.isolation.uids) if self.isolation else [f"user{n}" for n in range(self.users)]
+
+    def looker(self) -> dict[str, str]:
+        """rpycdl.connect() keywords of the test's own looks (gpu_status): the admin's certificate, under isolation."""
+        return self.isolation.certs[self.isolation.admin] if self.isolation else {}
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Jobs run as their owners: servers started as root with `server_args` (TLS, --user-map), clients connecting
+    as the identities of `uids` (identity: the uid of its account) with `certs` (rpycdl.connect() keywords by
+    identity; the test's own looks use `admin`'s). The observer checks that every process of a job runs as its
+    owner's uid and that its working copy and output directory are its owner's (OwnerWatch)."""
+
+    uids: dict[str, int]
+    certs: dict[str, dict[str, str]]
+    server_args: tuple[str, ...]
+    admin: str = "root"
 
 
 # -- /proc ----------------------------------------------------------------------------------------
@@ -249,6 +281,9 @@ class Report(NamedTuple):
     uuids: tuple[str, ...]
     memory: int  # bytes of its share; 0: whole GPUs
     time: float
+    user: str = ""  # the identity its client connected as
+    session: bool = False  # a session's process (it reports on its first call)
+    client: int = 0  # the pid of its client
 
 
 def read_report(path: str | Path) -> Report | None:
@@ -257,7 +292,7 @@ def read_report(path: str | Path) -> Report | None:
     except (OSError, ValueError):
         return None
     return Report(data["job_id"], data["pid"], data["ppid"], data["pgrp"], data["start"], tuple(data["uuids"]),
-                  data["memory"], data["time"])
+                  data["memory"], data["time"], data.get("user", ""), data.get("session", False), data.get("client", 0))
 
 
 def read_reports(directory: Path) -> dict[str, Report]:
@@ -280,12 +315,26 @@ def take_inbox(inbox: str) -> list[Report]:
 # -- clients ----------------------------------------------------------------------------------------
 
 
+def child_kinds(settings: ChaosSettings) -> list[str]:
+    """The kinds of CHILDREN jobs start: under isolation, a Python child only where the jobs' accounts may run
+    this interpreter (one under root's home, as pyenv puts it, they may not)."""
+    if settings.isolation is None or open_to_all(Path(sys.executable).resolve()):
+        return list(CHILDREN)
+    return [kind for kind, (_, argv) in CHILDREN.items() if "{python}" not in argv]
+
+
+def open_to_all(path: Path) -> bool:
+    """Whether any account may run the file `path` (it and every directory above it executable by others)."""
+    return all(os.stat(part).st_mode & 0o001 for part in (path, *path.parents))
+
+
 def make_job() -> Callable[[dict[str, Any]], str]:
     """The job every client sends (built in a function so that dill sends its code, not a reference).
 
     It writes its report to args["reports"] (linked into each of args["inboxes"] first), and what it found
     of its working directory if it has one, starts args["children"] by exec, sleeps args["hold"] seconds and
-    returns its job id."""
+    returns its job id. A session's calls run it again and again in one process: the first reports (and
+    marks the session, JOB.session), the others start children and sleep."""
 
     def job(args: dict[str, Any]) -> str:
         import json
@@ -294,25 +343,30 @@ def make_job() -> Callable[[dict[str, Any]], str]:
         import sys
         import time
 
-        with open("/proc/self/stat", "rb") as stat:
-            fields = stat.read().rpartition(b")")[2].split()
         job_id = os.environ["RPYCDL_JOB_ID"]
-        try:  # a job runs once: a second run finds its mark
-            os.close(os.open(os.path.join(args["reports"], f"{job_id}.ran"), os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            open(os.path.join(args["reports"], f"{job_id}.twice"), "w").close()
-        report = {"job_id": job_id, "pid": os.getpid(), "ppid": int(fields[1]), "pgrp": int(fields[2]),
-                  "start": int(fields[19]), "uuids": os.environ["RPYCDL_GPU_UUIDS"].split(","),
-                  "memory": int(os.environ.get(args["memory_var"], 0)), "time": time.time()}
-        tmp = os.path.join(args["reports"], f".{job_id}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        for inbox in args["inboxes"]:
-            os.link(tmp, os.path.join(inbox, f"{job_id}.json"))
-        os.replace(tmp, os.path.join(args["reports"], f"{job_id}.json"))
-        if "RPYCDL_WORKING_DIR" in os.environ:  # its copy of the project, whole: what it holds goes to the test
-            with open(os.path.join(args["reports"], f"{job_id}.workdir"), "w") as mark:
-                mark.write(f"{os.path.getsize('data.bin')} {__import__('train').PROJECT}")
+        if os.environ.get("CHAOS_REPORTED") != job_id:  # a session's first call reports, its later ones do not
+            os.environ["CHAOS_REPORTED"] = job_id
+            with open("/proc/self/stat", "rb") as stat:
+                fields = stat.read().rpartition(b")")[2].split()
+            try:  # a job runs once: a second run finds its mark
+                os.close(os.open(os.path.join(args["reports"], f"{job_id}.ran"), os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                open(os.path.join(args["reports"], f"{job_id}.twice"), "w").close()
+            report = {"job_id": job_id, "pid": os.getpid(), "ppid": int(fields[1]), "pgrp": int(fields[2]),
+                      "start": int(fields[19]), "uuids": os.environ["RPYCDL_GPU_UUIDS"].split(","),
+                      "memory": int(os.environ.get(args["memory_var"], 0)), "time": time.time(),
+                      "user": args["user"], "session": args["session"], "client": args["client"]}
+            tmp = os.path.join(args["reports"], f".{job_id}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(report, f)
+            for inbox in args["inboxes"]:
+                os.link(tmp, os.path.join(inbox, f"{job_id}.json"))
+            os.replace(tmp, os.path.join(args["reports"], f"{job_id}.json"))
+            if args["session"]:
+                open(os.path.join(args["reports"], f"{job_id}.session"), "w").close()
+            if "RPYCDL_WORKING_DIR" in os.environ:  # its copy of the project, whole: what it holds goes to the test
+                with open(os.path.join(args["reports"], f"{job_id}.workdir"), "w") as mark:
+                    mark.write(f"{os.path.getsize('data.bin')} {__import__('train').PROJECT}")
         for argv in args["children"]:
             subprocess.Popen([sys.executable if arg == "{python}" else arg for arg in argv], stdin=subprocess.DEVNULL)
         time.sleep(args["hold"])
@@ -322,7 +376,8 @@ def make_job() -> Callable[[dict[str, Any]], str]:
 
 
 def client_main(run_dir: str, seed: int) -> None:
-    """A client process: random requests for ever, connecting again whenever its connection dies."""
+    """A client process: random requests for ever (attached jobs, detached jobs, sessions of a few calls),
+    connecting again whenever its connection dies."""
     import rpycdl
 
     die_with_parent()
@@ -333,19 +388,11 @@ def client_main(run_dir: str, seed: int) -> None:
     with open(Path(run_dir, "clients", f"{os.getpid()}.log"), "a", buffering=1) as log:
         while True:
             if conn is None:
-                conn = _connect(Path(run_dir, "ports.json"), rng)
-                conn.root.identify(f"user{rng.randrange(config['users'])}")
+                user = rng.choice(config["identities"])
+                conn = _connect(Path(run_dir, "ports.json"), rng, config["certs"].get(user, {}))
+                conn.root.identify(user)  # nothing where its certificate names it
             try:
-                request = {"queue_timeout": config["queue_timeout"], **rng.choice(config["requests"])}
-                if rng.random() < config["working_dir"]:
-                    request["working_dir"] = rng.choice(config["working_dirs"])
-                if rng.random() < config["detached"]:
-                    submitted = conn.root.submit(job, _job_args(config, rng), **request)
-                    Path(run_dir, "submitted", submitted.id).touch()  # its id came back: it must end recorded
-                    outcome = f"detached {submitted.wait(config['queue_timeout'] + 5).state.value}"
-                else:
-                    conn.root.run_code(job, _job_args(config, rng), **request)
-                    outcome = "ok"
+                outcome = _request(conn, job, config, rng, user, Path(run_dir, "submitted"))
             except Exception as exc:  # noqa: BLE001 - what the job or the server said, or its connection died
                 outcome = type(exc).__name__
                 if isinstance(exc, rpycdl.ConnectionFailedError) or not isinstance(exc, rpycdl.RpycdlError):
@@ -355,6 +402,26 @@ def client_main(run_dir: str, seed: int) -> None:
             if conn is not None and conn.closed:
                 conn = None
             log.write(f"{outcome}\n")
+
+
+def _request(conn: Any, job: Callable[[dict[str, Any]], str], config: dict[str, Any], rng: random.Random, user: str,
+             submitted: Path) -> str:
+    """One random request of a client: a session of a few calls, a detached job, or an attached one; its outcome."""
+    request = {"queue_timeout": config["queue_timeout"], **rng.choice(config["requests"])}
+    if rng.random() < config["working_dir"]:
+        request["working_dir"] = rng.choice(config["working_dirs"])
+    roll = rng.random()
+    if roll < config["session"]:
+        with conn.root.session(**request) as session:
+            for _ in range(rng.randint(*config["calls"])):
+                session.run(job, _job_args(config, rng, user, session=True))
+        return "session ok"
+    if roll < config["session"] + config["detached"]:
+        handle = conn.root.submit(job, _job_args(config, rng, user), **request)
+        (submitted / handle.id).touch()  # its id came back: it must end recorded
+        return f"detached {handle.wait(config['queue_timeout'] + 5).state.value}"
+    conn.root.run_code(job, _job_args(config, rng, user), **request)
+    return "ok"
 
 
 WORKING_DIRS = 3
@@ -372,16 +439,19 @@ def make_working_dirs(root: Path) -> list[str]:
     return made
 
 
-def _job_args(config: dict[str, Any], rng: random.Random) -> dict[str, Any]:
-    """The arguments of one job: where it reports, how long it runs, which children it starts."""
-    kinds = list(CHILDREN)
+def _job_args(config: dict[str, Any], rng: random.Random, user: str, session: bool = False) -> dict[str, Any]:
+    """The arguments of one job (or session call): where it reports, how long it runs, which children it starts,
+    who sent it."""
+    kinds = config["child_kinds"]
     chosen = rng.choices(kinds, [CHILDREN[kind][0] for kind in kinds], k=rng.randint(*config["children"]))
     return {"reports": config["reports"], "inboxes": config["inboxes"], "memory_var": config["memory_var"],
-            "hold": rng.uniform(*config["hold"]), "children": [CHILDREN[kind][1] for kind in chosen]}
+            "hold": rng.uniform(*config["hold"]), "children": [CHILDREN[kind][1] for kind in chosen], "user": user,
+            "session": session, "client": os.getpid()}
 
 
-def _connect(ports_file: Path, rng: random.Random) -> Any:
-    """Connect to one of the servers the ports file lists now, trying until one answers."""
+def _connect(ports_file: Path, rng: random.Random, credentials: dict[str, str]) -> Any:
+    """Connect to one of the servers the ports file lists now (with `credentials`, rpycdl.connect() keywords),
+    trying until one answers."""
     import rpycdl
 
     while True:
@@ -389,7 +459,7 @@ def _connect(ports_file: Path, rng: random.Random) -> Any:
             ports = json.loads(ports_file.read_text())
             if ports:
                 with contextlib.suppress(OSError, EOFError, rpycdl.RpycdlError):
-                    return rpycdl.connect(host="127.0.0.1", port=rng.choice(ports))
+                    return rpycdl.connect(host="127.0.0.1", port=rng.choice(ports), **credentials)
         time.sleep(0.05)
 
 
@@ -496,6 +566,61 @@ class ReleaseWatch:
         entry["held_after"] = now - ended
 
 
+def read_uids(pid: int) -> tuple[int, ...] | None:
+    """A process's real, effective, saved and filesystem uids (/proc/PID/status); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return tuple(int(uid) for uid in line.split()[1:])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class OwnerWatch:
+    """Under isolation (issue 26), from outside: every process of a job runs as its owner's account (all four
+    uids of /proc/PID/status), and its working copy and output directory on the server, with all in them, are
+    its owner's. Its owner is the identity its client connected as (the report says it; the end check holds the
+    ledger's row to it)."""
+
+    def __init__(self, uids: dict[str, int], jobs_dir: Path) -> None:
+        self.uids, self.jobs_dir = uids, jobs_dir
+        self.processes = self.files = 0  # how many were checked
+        self.wrong: list[str] = []
+
+    def process(self, pid: int, start: int, report: Report) -> None:
+        """Check the process `pid` that started at `start` (not one that took its pid since)."""
+        found, want = read_uids(pid), self.uids.get(report.user)
+        stat = read_stat(pid)  # after its uids: both of one process
+        if found is None or stat is None or stat.start != start:
+            return
+        self.processes += 1
+        if any(uid != want for uid in found):
+            self.wrong.append(f"process {pid} ({read_comm(pid)}) of job {report.job_id} of {report.user} runs as "
+                              f"uids {found}, not {want}")
+
+    def job_files(self, report: Report) -> None:
+        """Check the job's working copy and output directory (those still there: a job may be gone already)."""
+        want = self.uids.get(report.user)
+        for sub in ("work", "output"):
+            for root, dirs, files in os.walk(self.jobs_dir / report.job_id / sub):
+                for name in (".", *dirs, *files):
+                    path = os.path.normpath(os.path.join(root, name))
+                    try:
+                        owner = os.lstat(path).st_uid
+                    except OSError:
+                        continue
+                    self.files += 1
+                    if owner != want:
+                        self.wrong.append(f"{path} of job {report.job_id} of {report.user} "
+                                          f"belongs to uid {owner}, not {want}")
+
+    def summary(self) -> dict[str, Any]:
+        return {"processes": self.processes, "files": self.files, "wrong": self.wrong[:20],
+                "wrong_count": len(self.wrong)}
+
+
 class Observer:
     """Watches /proc for live processes of two jobs on one GPU beyond what the GPU allows, and for
     grants that outlive their job by more than GRACE (ReleaseWatch).
@@ -508,8 +633,10 @@ class Observer:
     them was seen, so all lived at one instant (a process that died during the scan, its pid given
     to another, does not count)."""
 
-    def __init__(self, inbox: str, token: str, lock_dir: str, shared_mark: str | None = None) -> None:
+    def __init__(self, inbox: str, token: str, lock_dir: str, shared_mark: str | None = None,
+                 owners: OwnerWatch | None = None) -> None:
         self.inbox = inbox
+        self.owners = owners
         self.shared_mark = shared_mark  # a file made once two jobs were seen sharing a GPU (for the killer)
         self.token = token.encode()
         self.jobs: dict[str, Report] = {}
@@ -540,6 +667,8 @@ class Observer:
             self.jobs[report.job_id] = report
             self.by_pid.setdefault(report.pid, []).append(report)
             self.releases.reported(report)
+            if self.owners is not None:
+                self.owners.job_files(report)
         live: list[tuple[str, int, int]] = []  # (job, pid, order seen)
         present = set()
         for pid in proc_pids():
@@ -550,9 +679,9 @@ class Observer:
                 if stat is None:
                     continue
                 seen = self.seen[pid] = _Seen(stat.start, stat.pgrp, marked_job(pid, self.token))
-                seen.job = self._owner(pid, seen)
+                self._attribute(pid, seen)
             elif seen.job is None and reports:
-                seen.job = self._owner(pid, seen)
+                self._attribute(pid, seen)
             if seen.job is None:
                 continue
             stat = stat or read_stat(pid)
@@ -565,6 +694,12 @@ class Observer:
         self.most_processes = max(self.most_processes, len(live))
         self._check(live)
         self.releases.step({job for job, _, _ in live}, self._zombies)
+
+    def _attribute(self, pid: int, seen: _Seen) -> None:
+        """Find the job a process belongs to (and, under isolation, check that it runs as the job's owner)."""
+        seen.job = self._owner(pid, seen)
+        if seen.job is not None and self.owners is not None:
+            self.owners.process(pid, seen.start, self.jobs[seen.job])
 
     def _zombies(self, job: str) -> list[str]:
         """The job's processes that are dead but not reaped, with their parents."""
@@ -647,7 +782,8 @@ class Observer:
                               "p99": latencies[int(0.99 * len(latencies))] if latencies else 0.0},
                 "violations": sorted(self.violations.values(), key=lambda v: v["first"]),
                 "late_releases": sorted(self.releases.late.values(), key=lambda v: v["ended"]),
-                "ended": {**self.releases.finished, **self.releases.ended}}
+                "ended": {**self.releases.finished, **self.releases.ended},
+                "owners": self.owners.summary() if self.owners is not None else {}}
 
 
 def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
@@ -659,7 +795,11 @@ def observe_main(run_dir: str, token: str, lock_dir: str, nice: int) -> None:
         os.nice(nice)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir, str(Path(run_dir, "observer.shared")))
+    owners = None
+    with contextlib.suppress(FileNotFoundError):  # under isolation: the uid of each identity's account
+        owners = OwnerWatch(json.loads(Path(run_dir, "owners.json").read_text()), Path(lock_dir, "state", "jobs"))
+    observer = Observer(str(Path(run_dir, "inbox-observer")), token, lock_dir, str(Path(run_dir, "observer.shared")),
+                        owners)
     observer.run(stopping.is_set, lambda: Path(run_dir, "observer.ready").touch())
     out = Path(run_dir, "observer.json")
     out.with_suffix(".tmp").write_text(json.dumps(observer.summary()))
@@ -693,8 +833,10 @@ class Servers:
     def start(self) -> Server:
         import rpycdl
 
-        process, port = self.cluster.add_server("pytorch", self.settings.gpus, *self.settings.server_args)
-        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        isolation = self.settings.isolation
+        process, port = self.cluster.add_server("pytorch", self.settings.gpus, *self.settings.server_args,
+                                                *(isolation.server_args if isolation else ()), isolated=bool(isolation))
+        with rpycdl.connect(host="127.0.0.1", port=port, **self.settings.looker()) as conn:
             server_id = conn.root.gpu_status()["server"]["server_id"]
         server = Server(process, port, server_id, time.time())
         with self._lock:
@@ -748,8 +890,9 @@ class Clients:
             self.processes.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                    stderr=stderr))
 
-    def kill_one(self) -> bool:
-        live = [p for p in self.processes if p.poll() is None]
+    def kill_one(self, pid: int | None = None) -> bool:
+        """kill -9 a live client (the one of `pid`, if given and still live), and start another."""
+        live = [p for p in self.processes if p.poll() is None and pid in (None, p.pid)]
         if not live:
             return False
         victim = self.rng.choice(live)
@@ -799,7 +942,8 @@ class StatusWatch:
         conn = None
         while not self._stop.wait(self.INTERVAL):
             try:
-                conn = conn or rpycdl.connect(host="127.0.0.1", port=random.choice(self.servers.live).port)
+                conn = conn or rpycdl.connect(host="127.0.0.1", port=random.choice(self.servers.live).port,
+                                              **self.servers.settings.looker())
                 asked = time.time()
                 holders: dict[str, list[str]] = {}
                 for gpu in conn.root.gpu_status()["gpus"]:
@@ -850,7 +994,8 @@ class Killer:
             "conn_after_grant": self._conn_after_grant, "conn": self._conn, "orphan_conn": self._orphan_conn,
             "job": self._job, "children_kill": lambda: self._children(signal.SIGKILL, "children_kill"),
             "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client,
-            "supervisor": self._supervisor}
+            "supervisor": self._supervisor, "session_process": self._session_process,
+            "session_conn": self._session_conn, "session_client": self._session_client}
 
     def run(self, least: float, enough: Callable[[], bool], deadline: float) -> None:
         """Kill until `least` (a time.monotonic()), then on until enough() or `deadline`."""
@@ -947,11 +1092,14 @@ class Killer:
         return f"record {rows[0]['state']}, group {rows[0]['pgid']}" if rows else "no record"
 
     def _job(self) -> int:
-        running = self._running()
+        return self._kill_job(self._running(), "job")
+
+    def _kill_job(self, running: list[Report], kind: str) -> int:
+        """kill -9 the job process of one of `running`."""
         if not running:
             return 0
         report = self.rng.choice(running)
-        return self._note("job", report.pid, report.job_id) if signal_process(
+        return self._note(kind, report.pid, report.job_id) if signal_process(
             report.pid, report.start, signal.SIGKILL) else 0
 
     def _children(self, sig: int, kind: str) -> int:
@@ -973,6 +1121,26 @@ class Killer:
 
     def _client(self) -> int:
         return self._note("client", 0) if self.clients.kill_one() else 0
+
+    def _sessions(self) -> list[Report]:
+        """Sessions whose process still runs."""
+        return [report for report in self._running() if report.session]
+
+    def _session_process(self) -> int:
+        return self._kill_job(self._sessions(), "session_process")
+
+    def _session_conn(self) -> int:
+        sessions = self._sessions()
+        return self._kill_conn(self.rng.choice(sessions), "session_conn") if sessions else 0
+
+    def _session_client(self) -> int:
+        """kill -9 the client of a running session (and start another client)."""
+        sessions = self._sessions()
+        if not sessions:
+            return 0
+        report = self.rng.choice(sessions)
+        return self._note("session_client", report.client, report.job_id) if self.clients.kill_one(
+            report.client) else 0
 
 
 # -- the end check ---------------------------------------------------------------------------------
@@ -1197,7 +1365,7 @@ class EndCheck:
 
         try:
             if port not in self.conns:
-                self.conns[port] = rpycdl.connect(host="127.0.0.1", port=port)
+                self.conns[port] = rpycdl.connect(host="127.0.0.1", port=port, **self.servers.settings.looker())
             return self.conns[port].root.gpu_status()
         except Exception:  # noqa: BLE001 - reported as a leftover; connect again next time
             with contextlib.suppress(Exception):
@@ -1252,6 +1420,8 @@ class ChaosResult:
     twice: list[str]  # jobs that ran more than once
     job_files: Path  # the state directory's jobs/
     working_dirs: dict[str, str]  # what jobs that brought a working directory found in it (make_job)
+    sessions: int  # sessions that ran a call
+    users: dict[str, str]  # the identity each job's client connected as, by job (its report)
 
     def problems(self) -> list[str]:
         """Broken promises, each with its figures."""
@@ -1279,7 +1449,20 @@ class ChaosResult:
         if broken:
             found.append(f"{len(broken)} job(s) found their working directory broken (data.bin's size, the "
                          f"project): {sorted(broken.items())[:10]}")
-        return found + self.lost()
+        return found + self.owned() + self.lost()
+
+    def owned(self) -> list[str]:
+        """Under isolation: every job's processes and files its owner's (OwnerWatch), its row its client's user."""
+        if not self.settings.isolation:
+            return []
+        owners = self.observer.get("owners", {})
+        found = [f"isolation: {owners['wrong_count']} process(es) or file(s) of a job not its owner's:\n  " +
+                 "\n  ".join(owners["wrong"])] if owners.get("wrong_count") else []
+        rows = [f"{job} (client {user}, row {self.records[job]['user']})" for job, user in sorted(self.users.items())
+                if job in self.records and self.records[job]["user"] != user]
+        if rows:
+            found.append(f"isolation: {len(rows)} job(s) whose row names another user than their client: {rows[:10]}")
+        return found
 
     def lost(self) -> list[str]:
         """Promise 8: every detached job whose submit returned an id ended, once, recorded; LOST only if
@@ -1302,7 +1485,13 @@ class ChaosResult:
     def tested(self) -> list[str]:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
         missing = shortfall(self.jobs, self.kills, len(self.submitted), len(self.working_dirs),
-                            bool(self.observer.get("shared_at_once")))
+                            bool(self.observer.get("shared_at_once")), self.sessions)
+        if self.settings.isolation:
+            owners = self.observer.get("owners", {})
+            missing += [f"the observer checked the owner of no job {what}" for what in ("processes", "files")
+                        if not owners.get(what)]
+            missing += [f"no job of {user} ran" for user in sorted(set(self.settings.isolation.uids) -
+                                                                   set(self.users.values()))]
         median = self.observer.get("period_ms", {}).get("p50", 0.0) / 1000
         if not self.observer.get("loops"):
             missing.append("the observer never looped")
@@ -1377,7 +1566,9 @@ class ChaosResult:
             f"kills: {dict(sorted(self.kills.items()))}; server restarts: {restarts}",
             f"detached jobs: {len(self.submitted)} submitted, ended "
             f"{dict(Counter(self.records[job]['state'] for job in self.submitted if job in self.records))}; "
-            f"{len(self.working_dirs)} jobs ran in a working directory",
+            f"{len(self.working_dirs)} jobs ran in a working directory; {self.sessions} sessions ran a call",
+            f"owners checked (isolation): {self.observer.get('owners') or 'none (one account)'}; children jobs "
+            f"started: {child_kinds(self.settings)}",
             f"observer: {self.observer.get('loops', 0)} looks, period mean {period.get('mean', 0):.2f} ms, "
             f"p50 {period.get('p50', 0):.2f} ms, p99 {period.get('p99', 0):.2f} ms, max {period.get('max', 0):.1f} ms; "
             f"jobs seen {self.observer.get('jobs', 0)}, most job processes at once "
@@ -1405,11 +1596,17 @@ class Chaos:
         self.rng = random.Random(settings.seed)
         for sub in ("reports", "inbox-observer", "inbox-killer", "clients", "submitted"):
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        if settings.isolation:  # jobs of every account report there (and the observer, as root, checks them)
+            for sub in ("reports", "inbox-observer", "inbox-killer"):
+                (run_dir / sub).chmod(0o1777)
+            (run_dir / "owners.json").write_text(json.dumps(settings.isolation.uids))
         (run_dir / "client.json").write_text(json.dumps({
             "reports": str(run_dir / "reports"), "inboxes": [str(run_dir / "inbox-observer"),
                                                              str(run_dir / "inbox-killer")],
             "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "detached": settings.detached,
-            "hold": settings.hold, "users": settings.users, "working_dir": settings.working_dir,
+            "session": settings.session, "calls": settings.calls, "hold": settings.hold,
+            "identities": settings.identities(), "certs": settings.isolation.certs if settings.isolation else {},
+            "working_dir": settings.working_dir, "child_kinds": child_kinds(settings),
             "working_dirs": make_working_dirs(run_dir / "working-dirs"),
             "children": settings.children, "requests": settings.requests}))
         self.servers = Servers(cluster, run_dir / "ports.json", settings)
@@ -1468,14 +1665,17 @@ class Chaos:
                            self.status.late(observed.get("ended", {})), len(self.status.samples),
                            set(os.listdir(self.run_dir / "submitted")), sorted(p.stem for p in reports.glob("*.twice")),
                            self.lock_dir / "state" / "jobs",
-                           {path.stem: path.read_text() for path in reports.glob("*.workdir")})
+                           {path.stem: path.read_text() for path in reports.glob("*.workdir")},
+                           len(list(reports.glob("*.session"))),
+                           {job: report.user for job, report in read_reports(reports).items()})
 
     def shortfall(self) -> list[str]:
         """What the run has not done yet of what it must (shortfall), as its files tell so far."""
         reports = os.listdir(self.run_dir / "reports")
-        jobs, working_dirs = (sum(name.endswith(suffix) for name in reports) for suffix in (".json", ".workdir"))
+        jobs, working_dirs, sessions = (sum(name.endswith(suffix) for name in reports)
+                                        for suffix in (".json", ".workdir", ".session"))
         return shortfall(jobs, self.killer.kills, len(os.listdir(self.run_dir / "submitted")), working_dirs,
-                         (self.run_dir / "observer.shared").exists())
+                         (self.run_dir / "observer.shared").exists(), sessions)
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:
@@ -1563,18 +1763,22 @@ def run_chaos(cluster: Any, run_dir: Path, settings: ChaosSettings | None = None
     - Servers: `settings.servers` of them on the cluster's lock directory; their ports in a file
       that clients read again whenever they connect.
     - Clients (`python chaos.py client`): random requests (whole GPUs and shares) with a queue
-      timeout, for ever, connecting again when their connection dies.
+      timeout, attached, detached, or sessions of a few calls, for ever, connecting again when their
+      connection dies. Under `settings.isolation`, servers run as root with a user map and each
+      connection is one of alice, bob or carol, with that user's certificate.
     - Jobs (make_job): each reports itself (pid, start time, parent, group, job id, GPUs, share)
       before it starts anything, then starts children by exec (some ignore SIGTERM and start
       grandchildren), sleeps a little and returns.
     - The killer (Killer, in this process) acts every few tens of ms: kill -9 the connection
       process of a job as soon as the job, just granted, has a child; of any running job; of a
       job whose server parent was killed; kill -9 a job process; kill -9 or SIGTERM a job's
-      children; kill -9 a server parent and start another server; kill -9 a client.
+      children; kill -9 a server parent and start another server; kill -9 a client; kill -9 a
+      session's process, its connection process, or the client holding it.
     - The observer (`python chaos.py observe`, reading only /proc, the reports and the lock
       directory) loops as fast as it can, at nice -10 when run as root (its median period must
       stay within OBSERVER_PERIOD); see Observer and ReleaseWatch. A StatusWatch asks a
       server for gpu_status every 50 ms, to compare the servers' own account with the jobs' ends.
+      Under isolation it also checks each job's processes and files against its owner (OwnerWatch).
     - The end: the killer stops and the clients are killed (the last kills). Within GRACE seconds
       of them a look must find nothing that a dead job left (dead_jobs_leftovers: detached jobs run
       on, so what they hold counts only once they have ended or lost their owner); once the detached

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import signal
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from helpers import Team
+from helpers import ACCOUNTS, Team, unavailable
 from hypothesis import settings
 
 import rpycdl
@@ -38,12 +43,32 @@ def no_credentials_file(tmp_path, monkeypatch) -> None:
 @pytest.fixture(scope="session")
 def team(tmp_path_factory) -> Team:
     """A team's CA made with `rpycdl certs`: a server certificate for localhost and 127.0.0.1,
-    users alice and bob, and root, an admin."""
+    users alice, bob and carol, and root, an admin."""
     directory = str(tmp_path_factory.mktemp("team-ca"))
     for argv in (["ca", directory], ["server", directory, "--name", "localhost", "--ip", "127.0.0.1"],
-                 ["user", directory, "alice"], ["user", directory, "bob"], ["user", directory, "root", "--admin"]):
+                 *(["user", directory, user] for user in ACCOUNTS), ["user", directory, "root", "--admin"]):
         assert cli.main(["certs", *argv]) == 0
     return Team(directory)
+
+
+@pytest.fixture(scope="session")
+def accounts() -> Iterator[dict[str, pwd.struct_passwd]]:
+    """The Unix accounts of helpers.ACCOUNTS by identity (alice, bob, carol), made with useradd where they are
+    missing and removed after the tests. They need root and useradd: elsewhere the test skips, saying so (under
+    CI, it fails)."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        unavailable("jobs that run as their owners need Unix accounts made for the test: root and useradd",
+                    "run the tests as root")
+    made = []
+    for account in ACCOUNTS.values():
+        try:
+            pwd.getpwnam(account)
+        except KeyError:
+            subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", account], check=True)
+            made.append(account)
+    yield {identity: pwd.getpwnam(account) for identity, account in ACCOUNTS.items()}
+    for account in made:
+        subprocess.run(["userdel", "--remove", account], check=False, capture_output=True)
 
 
 @pytest.fixture
@@ -102,7 +127,7 @@ def conn(shared_port, connect) -> rpycdl.Connection:
 @pytest.fixture
 def tls_server(server, team) -> Iterator[Callable[[str], rpycdl.Connection]]:
     """A fake:2 server with mutual TLS, its port as `.port`; as_user(name) -> a connection as one of the
-    team's users (alice, bob, root: an admin), closed after the test."""
+    team's users (alice, bob, carol, root: an admin), closed after the test."""
     port = server("pytorch", "fake:2", *team.server_args())
     opened: list[rpycdl.Connection] = []
 
@@ -124,3 +149,13 @@ def monitor(cluster) -> Iterator[str]:
         yield "http://127.0.0.1:" + process.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
     finally:
         process.stop()
+
+
+@pytest.fixture
+def passable_dir() -> Iterator[Path]:
+    """A directory of the test's own that every account may pass through (mode 755, as /tmp or /var/lib), for
+    what jobs that run as their owners must reach (pytest's tmp_path is root's alone); removed after."""
+    base = Path(tempfile.mkdtemp(prefix="rpycdl-accounts-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)

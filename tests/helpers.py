@@ -42,6 +42,17 @@ def unavailable(reason: str, ci_needs: str) -> None:
     pytest.skip(reason)
 
 
+ACCOUNTS = {"alice": "rpycdl-alice", "bob": "rpycdl-bob", "carol": "rpycdl-carol"}
+"""Identities of the team's certificates (the `team` fixture), and the Unix accounts a user map gives them (the
+`accounts` fixture makes them)."""
+
+
+def write_user_map(path: Path) -> Path:
+    """A `--user-map` file at `path` that maps each identity of ACCOUNTS to its account; returns `path`."""
+    path.write_text("[accounts]\n" + "".join(f'{identity} = "{account}"\n' for identity, account in ACCOUNTS.items()))
+    return path
+
+
 def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
     """Poll `condition` until it returns something truthy; fail the test once a look begun `timeout` seconds
     after the start still finds it false (a look that a busy machine made slow judges the moment it began)."""

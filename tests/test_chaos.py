@@ -1,5 +1,5 @@
-"""Promises 1, 3 and 8 under chaos (issues 13, 15): kills at random while clients run whole-GPU and shared jobs,
-attached and detached."""
+"""Promises 1, 3 and 8 under chaos (issues 13, 15, 28): kills at random while clients run whole-GPU and shared jobs,
+attached and detached, and sessions; and with isolation (promise 9, issue 26), every job its owner's."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import chaos
 import pytest
 from chaos import JOB_VAR, REQUESTS, TOKEN_VAR, ChaosSettings, dead_jobs_leftovers, read_stat, run_chaos
+from helpers import write_user_map
 
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.site.local import LocalCluster
 from rpycdl.states import JobState
 
 TIMED = tuple({**request, "timeout": timeout} for request in REQUESTS for timeout in (1, 5))
@@ -34,16 +37,34 @@ longest)."""
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path, policy):
     """Two fake:4 servers on one lock directory, six clients, 25 s of kills (18 s under the other policies:
-    connection processes right after a grant, job processes, their children, server parents, clients), and on
-    until the run has made enough jobs and every kind of kill it must: no GPU ever over-committed, no grant
-    outliving its job by a second, nothing of a dead job a second after the last kill, everything clean a
-    second after the detached jobs ended."""
-    settings = POLICIES[policy]
-    result = run_chaos(cluster, tmp_path / "chaos", settings)
+    connection processes right after a grant, job processes, their children, server parents, clients, and of
+    sessions their processes, connection processes and clients), and on until the run has made enough jobs,
+    sessions and every kind of kill it must: no GPU ever over-committed, no grant outliving its job by a second,
+    nothing of a dead job a second after the last kill, everything clean a second after the detached jobs ended."""
+    _judge(run_chaos(cluster, tmp_path / "chaos", POLICIES[policy]))
+
+
+@pytest.mark.slow
+def test_under_chaos_with_isolation_every_job_is_its_owners(team, accounts, passable_dir):
+    """The same chaos, the servers started as root with a user map (jobs run as their owners' accounts, issue 26),
+    the clients connecting as alice, bob and carol with their certificates: still no GPU over-committed, no grant
+    outliving its job by a second, nothing left behind; and, checked from outside while it runs, every process of
+    every job runs as its owner's uid, its working copy and output directory are its owner's, and its row in the
+    ledger names the user its client connected as."""
+    user_map = write_user_map(passable_dir / "users.toml")
+    isolation = chaos.Isolation({user: account.pw_uid for user, account in accounts.items()},
+                                {user: team.user(user) for user in [*accounts, "root"]},
+                                (*team.server_args("localhost"), "--user-map", str(user_map)))
+    with LocalCluster(str(passable_dir / "locks")) as cluster:
+        _judge(run_chaos(cluster, passable_dir / "chaos", ChaosSettings(users=len(accounts), isolation=isolation)))
+
+
+def _judge(result: chaos.ChaosResult) -> None:
+    """Fail unless the run tested what it should and found no broken promise."""
     print(result.summary())
     missing = result.tested()
     assert not missing, (f"the chaos did not test what it should in {result.seconds:.0f} s (deadline "
-                         f"{settings.deadline:g} s): " + "; ".join(missing) + "\n" + result.summary())
+                         f"{result.settings.deadline:g} s): " + "; ".join(missing) + "\n" + result.summary())
     problems = result.problems()
     assert not problems, "\n".join(problems) + "\n" + result.summary()
 
@@ -115,3 +136,29 @@ def test_the_end_check_finds_what_dead_jobs_left_and_only_that(tmp_path):
         for process in started:
             process.kill()
             process.wait()
+
+
+def test_the_owner_check_finds_a_process_and_a_file_that_are_not_the_jobs_owners(tmp_path):
+    """OwnerWatch, against a job of a user whose uid is not this process's: its process (this test's child) and
+    its working copy's file (this test's) are both named, each with the uid found; a process already gone, or
+    not the one that started when the observer saw it, is not counted."""
+    other = os.getuid() + 1
+    owners = chaos.OwnerWatch({"alice": other}, tmp_path / "jobs")
+    (tmp_path / "jobs" / "j1" / "work").mkdir(parents=True)
+    (tmp_path / "jobs" / "j1" / "work" / "train.py").write_text("")
+    process = subprocess.Popen(["sleep", "30"])
+    try:
+        report = chaos.Report("j1", process.pid, os.getpid(), process.pid, read_stat(process.pid).start, ("GPU-0",), 0,
+                              time.time(), "alice")
+        owners.process(process.pid, report.start, report)
+        owners.process(process.pid, report.start - 1, report)  # a process that took its pid since: not it
+        owners.job_files(report)
+    finally:
+        process.kill()
+        process.wait()
+    owners.process(process.pid, report.start, report)  # gone (reaped): nothing to check
+    uid = os.getuid()
+    assert owners.wrong == [f"process {process.pid} (sleep) of job j1 of alice runs as uids {(uid,) * 4}, not {other}",
+                            f"{tmp_path}/jobs/j1/work of job j1 of alice belongs to uid {uid}, not {other}",
+                            f"{tmp_path}/jobs/j1/work/train.py of job j1 of alice belongs to uid {uid}, not {other}"]
+    assert (owners.processes, owners.files) == (1, 2)

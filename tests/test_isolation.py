@@ -9,15 +9,13 @@ import os
 import pwd
 import shutil
 import stat
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import Background, Team, open_gate, rpycdl_cli, scrape, unavailable, wait_until
+from helpers import ACCOUNTS, Background, Team, open_gate, rpycdl_cli, scrape, wait_until, write_user_map
 
 import rpycdl
 from rpycdl import cli
@@ -27,28 +25,8 @@ from rpycdl.site.local import LocalCluster
 
 pytestmark = pytest.mark.slow
 
-ACCOUNTS = {"alice": "rpycdl-alice", "bob": "rpycdl-bob"}
-"""Identities of the team's certificates, and the accounts the user map gives them."""
-
 AWS_SECRET = "rpycdl-test-aws-secret-3f1e9c0d"
 """A store credential in the server's environment: no job may find it."""
-
-
-@pytest.fixture(scope="module")
-def accounts() -> Iterator[dict[str, pwd.struct_passwd]]:
-    """The accounts of ACCOUNTS, made for these tests (and removed after) where they are missing."""
-    if os.geteuid() != 0 or not shutil.which("useradd"):
-        unavailable("the isolation tests make Unix accounts: they need root and useradd", "run the tests as root")
-    made = []
-    for account in ACCOUNTS.values():
-        try:
-            pwd.getpwnam(account)
-        except KeyError:
-            subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", account], check=True)
-            made.append(account)
-    yield {identity: pwd.getpwnam(account) for identity, account in ACCOUNTS.items()}
-    for account in made:
-        subprocess.run(["userdel", "--remove", account], check=False, capture_output=True)
 
 
 @dataclass
@@ -74,10 +52,9 @@ class Site:
 
 
 @pytest.fixture
-def site(team, accounts) -> Iterator[Site]:
-    base = Path(tempfile.mkdtemp(prefix="rpycdl-isolation-"))
-    base.chmod(0o755)  # everyone may pass through, as /tmp or /var/lib: only rpycdl's own modes protect
-    (base / "users.toml").write_text("[accounts]\n" + "".join(f'{k} = "{v}"\n' for k, v in ACCOUNTS.items()))
+def site(team, accounts, passable_dir) -> Iterator[Site]:
+    base = passable_dir  # everyone may pass through: only rpycdl's own modes protect
+    write_user_map(base / "users.toml")
     secret_file = base / "secret"
     secret_file.write_bytes(os.urandom(32).hex().encode())
     secret_file.chmod(0o600)
@@ -96,7 +73,6 @@ def site(team, accounts) -> Iterator[Site]:
         yield Site(base, cluster, team, state, locks_a, port_a, port_b, process.popen.pid, secret_file, home)
     finally:
         cluster.close()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 def _make_alice_job():
@@ -271,13 +247,13 @@ def test_refusals_name_the_identity_and_what_to_do(site, tmp_path):
     with site.connect("root") as root:  # an admin certificate, whose account would be root
         with pytest.raises(rpycdl.NotAllowedError, match="jobs never run as root"):
             root.root.run_code(abs, -1)
-    own = tmp_path / "ca"  # the team's CA, copied: carol's certificate is not left in the session's directory
+    own = tmp_path / "ca"  # the team's CA, copied: dave's certificate is not left in the session's directory
     shutil.copytree(site.team.dir, own)
-    assert cli.main(["certs", "user", str(own), "carol"]) == 0
+    assert cli.main(["certs", "user", str(own), "dave"]) == 0
     with rpycdl.connect(host="127.0.0.1", port=site.port_a, secret_file=str(site.secret_file),
-                        **Team(str(own)).user("carol")) as carol:
-        with pytest.raises(rpycdl.NotAllowedError, match="'carol', does not exist on this server"):
-            carol.root.submit(abs, -1)
+                        **Team(str(own)).user("dave")) as dave:
+        with pytest.raises(rpycdl.NotAllowedError, match="'dave', does not exist on this server"):
+            dave.root.submit(abs, -1)
 
 
 def test_unverified_clients_are_refused_or_run_as_the_guest(site, accounts, tmp_path):

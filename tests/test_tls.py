@@ -26,7 +26,8 @@ def tls_port(server, team) -> int:
 def test_certs_writes_keys_readable_only_by_their_owner_and_never_overwrites(team, capsys):
     names = sorted(os.listdir(team.dir))
     assert names == ["ca.crt", "ca.key", "server-localhost.crt", "server-localhost.key", "user-alice.crt",
-                     "user-alice.key", "user-bob.crt", "user-bob.key", "user-root.crt", "user-root.key"]
+                     "user-alice.key", "user-bob.crt", "user-bob.key", "user-carol.crt", "user-carol.key",
+                     "user-root.crt", "user-root.key"]
     for name in names:
         mode = stat.S_IMODE(os.stat(os.path.join(team.dir, name)).st_mode)
         assert mode == (0o600 if name.endswith(".key") else 0o644), (name, oct(mode))
