@@ -6,7 +6,9 @@ A server that requires authentication greets every client with one line from its
 `RPYCDL-AUTH tls`, `RPYCDL-AUTH secret` or `RPYCDL-AUTH tls+secret`; a server over its connection limit
 answers `RPYCDL-REFUSED <why>` and closes, whatever its mode; a busy one drops a connection still
 authenticating with `RPYCDL-BUSY <why>` (or, during TLS, a plain close), and the client connects again
-(ConnectionDroppedError). A client with credentials reads the greeting, then does every step it names (TLS first,
+(ConnectionDroppedError). A server without authentication closes a connection that said nothing within its grace
+time with `RPYCDL-UNAUTHENTICATED <why>`: a client with credentials, waiting for a greeting, then knows that none
+will come. A client with credentials reads the greeting, then does every step it names (TLS first,
 then the secret), each of which also proves the server; a client without credentials sees the
 line where it expected RPyC's first reply. The greeting steers nothing the client has not
 configured, so a forged one can only make a connection fail.
@@ -142,6 +144,13 @@ def refuse(sock: socket.socket, why: str) -> None:
     sock.close()
 
 
+def unasked(sock: socket.socket, why: str) -> None:
+    """Close a connection that said nothing to a server without authentication, telling a client that waits for
+    a greeting (one with credentials) that none will come."""
+    _send_line(sock, f"UNAUTHENTICATED {why}")
+    sock.close()
+
+
 def drop(sock: socket.socket, why: str | None) -> None:
     """Close a connection the server drops before it authenticated, telling the client to try again (unless
     `why` is None: a TLS client would take the line for a broken handshake, and retries on the close alone)."""
@@ -188,6 +197,10 @@ def read_banner(sock: socket.socket, first: bytes = b"") -> set[str]:
         raise LimitError(f"the server refused the connection: {text[len('RPYCDL-REFUSED '):]}")
     if text.startswith("RPYCDL-AUTH "):
         return set(text[len("RPYCDL-AUTH "):].split("+"))
+    if text.startswith("RPYCDL-UNAUTHENTICATED "):
+        raise AuthFailedError(f"the server asks for no authentication ({text[len('RPYCDL-UNAUTHENTICATED '):]}): "
+                              "does it require authentication? A server that does not never gets anything from a "
+                              "client with credentials")
     raise AuthFailedError(f"no greeting from the server (it said {text[:40]!r}): does it require authentication? "
                           "A server that does not never gets anything from a client with credentials")
 

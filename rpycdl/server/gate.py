@@ -172,14 +172,21 @@ class Gate:
                 self._forget(startup)
                 startup.handshake.sock.close()
                 self._tally.refused(startup.source, "auth", AUTH_FAILED, str(failed))
+            elif not startup.handshake.heard and not self._credentials.mode:
+                # a client with credentials waits for a greeting that a server without authentication never
+                # sends: it is told so, rather than to try again
+                self._drop(startup, "grace", f"nothing said in {self._startups.grace:g} s", unasked=True)
             else:
                 self._drop(startup, "grace", f"handshake not completed in {self._startups.grace:g} s")
 
-    def _drop(self, startup: _Startup, reason: str, why: str) -> None:
+    def _drop(self, startup: _Startup, reason: str, why: str, unasked: bool = False) -> None:
         self._forget(startup)
         self._tally.dropped(startup.source, reason, why)
         sock = startup.handshake.sock
-        auth.drop(sock, None if isinstance(sock, ssl.SSLSocket) else f"{why}; try again")
+        if unasked:
+            auth.unasked(sock, why)
+        else:
+            auth.drop(sock, None if isinstance(sock, ssl.SSLSocket) else f"{why}; try again")
 
     def _forget(self, startup: _Startup) -> None:
         fd = startup.handshake.sock.fileno()
