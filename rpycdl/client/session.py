@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
@@ -180,10 +181,31 @@ class Session:
         return f"<rpycdl.Session {self.id or '(not open)'} on {', '.join(self.uuids) or 'no GPU yet'}>"
 
 
+_SINKS: weakref.WeakKeyDictionary[Any, Callable[[str], None]] = weakref.WeakKeyDictionary()
+"""Each stream's sink, as long as the stream lives."""
+
+
 def sink(out: IO[str]) -> Callable[[str], None]:
-    """What a job's output is handed to: written to `out`, flushed at once."""
+    """What a job's output is handed to: written to `out`, flushed at once. The same stream gets the same sink
+    each call, so that the server, which keeps a connection's last sinks (ConnectionLink.keep_sinks), finds
+    the proxy it holds already and drops none (RPyC asks the client to let go of each proxy dropped: a request
+    and its reply, per sink per call)."""
+    with contextlib.suppress(KeyError, TypeError):  # TypeError: a stream that cannot be a key
+        return _SINKS[out]
+    try:
+        write = _writer(weakref.ref(out))
+    except TypeError:  # a stream that takes no weak reference: a sink of its own each call
+        return _writer(lambda: out)
+    with contextlib.suppress(TypeError):
+        _SINKS[out] = write
+    return write
+
+
+def _writer(stream: Callable[[], IO[str] | None]) -> Callable[[str], None]:
     def write(text: str) -> None:
-        out.write(text)
-        out.flush()
+        out = stream()
+        if out is not None:  # None: the stream is gone, and with it whoever read it
+            out.write(text)
+            out.flush()
 
     return write

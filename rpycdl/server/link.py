@@ -26,6 +26,7 @@ class ConnectionLink:
     _spare: runner.JobProcess | None
     _busy: bool
     _after_reply: list[Callable[[], None]]
+    _sinks: tuple[Any, ...]
     end_session: Callable[[str], None]  # SessionCalls'
 
     def socket_fds(self) -> list[int]:
@@ -43,6 +44,13 @@ class ConnectionLink:
 
     def push(self, receive: Callable[[Any], None], layout: codec.Layout, fd: int) -> int:
         return bulk.push(self._conn, receive, layout, fd)
+
+    def keep_sinks(self, options: dict[str, Any]) -> dict[str, Any]:
+        """`options`, whose client's output sinks (stdout, stderr) are kept until the connection's next call: an
+        rpycdl client sends the same ones each call (rpycdl.client.session.sink), so RPyC finds their proxies
+        here instead of dropping them after each call, which costs a request to the client and its reply each."""
+        self._sinks = (options.get("stdout"), options.get("stderr"))
+        return options
 
     def take_spare(self) -> runner.JobProcess | None:
         spare, self._spare = self._spare, None
