@@ -54,6 +54,8 @@ class ConnectionLink:
 
     def take_spare(self) -> runner.JobProcess | None:
         spare, self._spare = self._spare, None
+        if spare is not None:  # the next job's is asked for now, while the client waits for this one: a core is free
+            self._new_spare()
         return spare
 
     def defer(self, end: Callable[[], None]) -> None:
@@ -69,12 +71,16 @@ class ConnectionLink:
             self._after_reply.pop(0)()
 
     def _ended(self) -> None:
-        """A job of this connection ended: the next one's process is started now, while the client reads the
-        reply, so that it is ready when the next request comes."""
+        """A job of this connection ended: if its process was not the spare (whose taker asked for the next
+        one), the next one's process is started now, while the client reads the reply."""
         self._busy = False
         if self._spare is None:
-            with contextlib.suppress(LimitError):  # none to spare: the next job starts one as its request comes
-                self._spare = runner.JobProcess(self.context.launcher)
+            self._new_spare()
+
+    def _new_spare(self) -> None:
+        """Ask the forkserver for the next job's process (its reply is read when a job takes it)."""
+        with contextlib.suppress(LimitError):  # none to spare: the next job starts one as its request comes
+            self._spare = runner.JobProcess(self.context.launcher)
 
     def on_disconnect(self, conn: rpyc.Connection) -> None:
         self.end_session("its client went away")
