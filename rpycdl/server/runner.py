@@ -162,7 +162,8 @@ class LoadCheck:
 
     def close(self) -> None:
         """Stop the check (if still running) and release what it holds."""
-        procs.kill_group(self._process.pid)
+        with contextlib.suppress(LimitError):  # never started by its launcher: nothing of it runs
+            procs.kill_group(self._process.pid)
         self._process.wait()
         self._process.close()
         os.close(self.fd)
