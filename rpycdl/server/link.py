@@ -26,7 +26,7 @@ class ConnectionLink:
     _spare: runner.JobProcess | None
     _busy: bool
     _after_reply: list[Callable[[], None]]
-    _sinks: tuple[Any, ...]
+    _sinks: list[tuple[Any, ...]]
     end_session: Callable[[str], None]  # SessionCalls'
 
     def socket_fds(self) -> list[int]:
@@ -46,10 +46,13 @@ class ConnectionLink:
         return bulk.push(self._conn, receive, layout, fd)
 
     def keep_sinks(self, options: dict[str, Any]) -> dict[str, Any]:
-        """`options`, whose client's output sinks (stdout, stderr) are kept until the connection's next call: an
-        rpycdl client sends the same ones each call (rpycdl.client.session.sink), so RPyC finds their proxies
-        here instead of dropping them after each call, which costs a request to the client and its reply each."""
-        self._sinks = (options.get("stdout"), options.get("stderr"))
+        """`options`, whose client's output sinks (stdout, stderr) are kept until the reply to the connection's next
+        call: an rpycdl client sends the same ones each call (rpycdl.client.session.sink), so RPyC finds their
+        proxies here instead of dropping them after each call, which costs a request to the client and its reply
+        each. Those of the call before are let go of after the reply (after_reply), never during a call: RPyC's
+        request to drop one would reach the client between the request to send a call's buffers and their raw
+        bytes (wire.bulk.pull)."""
+        self._sinks.append((options.get("stdout"), options.get("stderr")))
         return options
 
     def take_spare(self) -> runner.JobProcess | None:
@@ -67,6 +70,7 @@ class ConnectionLink:
     def after_reply(self) -> None:
         """Finish what the last call left for after its reply (the end of its job: jobflow). The
         server calls this once each request is answered, and when the client has gone."""
+        del self._sinks[:-1]  # the last call's stay (keep_sinks); the others go now, as the reply did
         while self._after_reply:
             self._after_reply.pop(0)()
 

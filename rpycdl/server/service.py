@@ -48,6 +48,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._busy = False  # one job at a time per connection: a second would be served inside the first
         self._after_reply: list[Callable[[], None]] = []
+        self._sinks: list[tuple[Any, ...]] = []  # the client's callbacks kept between calls (keep_sinks)
 
     # -- running a job ----------------------------------------------------------------
 
