@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 import rpyc
@@ -96,10 +97,10 @@ class Session:
         self._root._check_size(len(payload) + codec.layout_bytes(layout))
         sock, received = bulk.bulk_socket(conn), []
         send = (lambda: self._root._send(sock, buffers)) if buffers else None
-        receive = lambda result: received.extend(self._root._receive(sock, result))  # noqa: E731
         out, err = stdout or sys.stdout, stderr or sys.stderr
-        outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
-                                      timeout)
+        with self._root._receiver.taken(received) as receive:
+            outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
+                                          timeout)
         return codec.decode_outcome(outcome, received)
 
     def close(self) -> int:
@@ -179,6 +180,40 @@ class Session:
 
     def __repr__(self) -> str:
         return f"<rpycdl.Session {self.id or '(not open)'} on {', '.join(self.uuids) or 'no GPU yet'}>"
+
+
+class Receiver:
+    """A connection's callback for a result's out-of-band buffers (wire.bulk.push), the same object for each of
+    its calls, so that the server, which keeps it between calls (ConnectionLink.keep_sinks), drops no proxy of
+    it. One call at a time: a call made while another holds it (which the server refuses) gets one of its own.
+
+    Args:
+        read: reads the buffers of a result's layout from the connection.
+    """
+
+    def __init__(self, read: Callable[[Any], list[Any]]) -> None:
+        self._read = read
+        self._lock = threading.Lock()
+        self._into: list[Any] | None = None
+
+    @contextlib.contextmanager
+    def taken(self, into: list[Any]) -> Iterator[Callable[[Any], None]]:
+        """The callback for one call, putting what it receives `into` the call's list."""
+        if not self._lock.acquire(blocking=False):
+            yield lambda layout: into.extend(self._read(layout))
+            return
+        self._into = into
+        try:
+            yield self
+        finally:
+            self._into = None
+            self._lock.release()
+
+    def __call__(self, layout: Any) -> None:
+        into = self._into
+        if into is None:
+            raise InvalidRequestError("no call of this connection waits for a result")
+        into.extend(self._read(layout))
 
 
 _SINKS: weakref.WeakKeyDictionary[Any, Callable[[str], None]] = weakref.WeakKeyDictionary()

@@ -45,14 +45,14 @@ class ConnectionLink:
     def push(self, receive: Callable[[Any], None], layout: codec.Layout, fd: int) -> int:
         return bulk.push(self._conn, receive, layout, fd)
 
-    def keep_sinks(self, options: dict[str, Any]) -> dict[str, Any]:
-        """`options`, whose client's output sinks (stdout, stderr) are kept until the reply to the connection's next
-        call: an rpycdl client sends the same ones each call (rpycdl.client.session.sink), so RPyC finds their
-        proxies here instead of dropping them after each call, which costs a request to the client and its reply
-        each. Those of the call before are let go of after the reply (after_reply), never during a call: RPyC's
-        request to drop one would reach the client between the request to send a call's buffers and their raw
-        bytes (wire.bulk.pull)."""
-        self._sinks.append((options.get("stdout"), options.get("stderr")))
+    def keep_sinks(self, options: dict[str, Any], *callbacks: Any) -> dict[str, Any]:
+        """`options`, whose client's output sinks (stdout, stderr), and its other `callbacks` (a result's receiver),
+        are kept until the reply to the connection's next call: an rpycdl client sends the same ones each call
+        (rpycdl.client.session.sink, Receiver), so RPyC finds their proxies here instead of dropping them after
+        each call, which costs a request to the client and its reply each. Those of the call before are let go
+        of after the reply (after_reply), never during a call: RPyC's request to drop one would reach the client
+        between the request to send a call's buffers and their raw bytes (wire.bulk.pull)."""
+        self._sinks.append((options.get("stdout"), options.get("stderr"), *callbacks))
         return options
 
     def take_spare(self) -> runner.JobProcess | None:

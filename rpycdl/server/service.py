@@ -83,7 +83,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
         says their sizes; once the request is checked, the client's `send()` writes them raw on the
         connection (bulk.pull); a result's go back raw to its `receive(layout)` (bulk.push)."""
         try:
-            options = self.keep_sinks(request.named(request.CALL_OPTIONS, args, kwargs))
+            options = self.keep_sinks(request.named(request.CALL_OPTIONS, args, kwargs), receive)
             layout = codec.check_layout(layout)
             request.check_size(payload, "payload", self.context.limits.max_payload, codec.layout_bytes(layout))
             checked = self._request(options, body=codec.check_payload(payload, len(layout)),
