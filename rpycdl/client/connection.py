@@ -22,7 +22,7 @@ from rpycdl.client import channel, failures
 from rpycdl.client.detached import DetachedCalls
 from rpycdl.client.displays import GPUStatus, client_row
 from rpycdl.client.notices import Notices
-from rpycdl.client.session import Session, sink
+from rpycdl.client.session import Receiver, Session, sink
 from rpycdl.defaults import MIN_MAX_PAYLOAD
 from rpycdl.errors import ConnectionFailedError, ConnectionLostError, InvalidRequestError, LimitError
 from rpycdl.security import auth
@@ -47,6 +47,7 @@ class RemoteRoot(DetachedCalls):
         self._connection = connection
         self._max_payload: int | None = None
         self._buffers_beside = True  # False once the server turned out to predate run_buffers
+        self._receiver = Receiver(lambda layout: self._receive(bulk.bulk_socket(self._conn), layout))
 
     @property
     def _conn(self) -> rpyc.Connection:
@@ -135,9 +136,9 @@ class RemoteRoot(DetachedCalls):
             return None
         sock = bulk.bulk_socket(self._connection.live())
         try:
-            return self._connection.call("run_buffers", payload, layout,
-                        (lambda: self._send(sock, buffers)) if buffers else None,
-                        lambda result: received.extend(self._receive(sock, result)), *options)
+            send = (lambda: self._send(sock, buffers)) if buffers else None
+            with self._receiver.taken(received) as receive:
+                return self._connection.call("run_buffers", payload, layout, send, receive, *options)
         except AttributeError as exc:
             if "run_buffers" not in str(exc):
                 raise

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 import rpyc
@@ -95,10 +97,10 @@ class Session:
         self._root._check_size(len(payload) + codec.layout_bytes(layout))
         sock, received = bulk.bulk_socket(conn), []
         send = (lambda: self._root._send(sock, buffers)) if buffers else None
-        receive = lambda result: received.extend(self._root._receive(sock, result))  # noqa: E731
         out, err = stdout or sys.stdout, stderr or sys.stderr
-        outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
-                                      timeout)
+        with self._root._receiver.taken(received) as receive:
+            outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
+                                          timeout)
         return codec.decode_outcome(outcome, received)
 
     def close(self) -> int:
@@ -180,10 +182,65 @@ class Session:
         return f"<rpycdl.Session {self.id or '(not open)'} on {', '.join(self.uuids) or 'no GPU yet'}>"
 
 
+class Receiver:
+    """A connection's callback for a result's out-of-band buffers (wire.bulk.push), the same object for each of
+    its calls, so that the server, which keeps it between calls (ConnectionLink.keep_sinks), drops no proxy of
+    it. One call at a time: a call made while another holds it (which the server refuses) gets one of its own.
+
+    Args:
+        read: reads the buffers of a result's layout from the connection.
+    """
+
+    def __init__(self, read: Callable[[Any], list[Any]]) -> None:
+        self._read = read
+        self._lock = threading.Lock()
+        self._into: list[Any] | None = None
+
+    @contextlib.contextmanager
+    def taken(self, into: list[Any]) -> Iterator[Callable[[Any], None]]:
+        """The callback for one call, putting what it receives `into` the call's list."""
+        if not self._lock.acquire(blocking=False):
+            yield lambda layout: into.extend(self._read(layout))
+            return
+        self._into = into
+        try:
+            yield self
+        finally:
+            self._into = None
+            self._lock.release()
+
+    def __call__(self, layout: Any) -> None:
+        into = self._into
+        if into is None:
+            raise InvalidRequestError("no call of this connection waits for a result")
+        into.extend(self._read(layout))
+
+
+_SINKS: weakref.WeakKeyDictionary[Any, Callable[[str], None]] = weakref.WeakKeyDictionary()
+"""Each stream's sink, as long as the stream lives."""
+
+
 def sink(out: IO[str]) -> Callable[[str], None]:
-    """What a job's output is handed to: written to `out`, flushed at once."""
+    """What a job's output is handed to: written to `out`, flushed at once. The same stream gets the same sink
+    each call, so that the server, which keeps a connection's last sinks (ConnectionLink.keep_sinks), finds
+    the proxy it holds already and drops none (RPyC asks the client to let go of each proxy dropped: a request
+    and its reply, per sink per call)."""
+    with contextlib.suppress(KeyError, TypeError):  # TypeError: a stream that cannot be a key
+        return _SINKS[out]
+    try:
+        write = _writer(weakref.ref(out))
+    except TypeError:  # a stream that takes no weak reference: a sink of its own each call
+        return _writer(lambda: out)
+    with contextlib.suppress(TypeError):
+        _SINKS[out] = write
+    return write
+
+
+def _writer(stream: Callable[[], IO[str] | None]) -> Callable[[str], None]:
     def write(text: str) -> None:
-        out.write(text)
-        out.flush()
+        out = stream()
+        if out is not None:  # None: the stream is gone, and with it whoever read it
+            out.write(text)
+            out.flush()
 
     return write

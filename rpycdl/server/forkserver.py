@@ -35,7 +35,7 @@ import socket
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rpycdl.defaults import FORKSERVER_MODULE, SECRET_VARIABLE_PREFIXES, STORE_SECRET_VARIABLES, SWEEP_INTERVAL
 from rpycdl.errors import LimitError, RpycdlError
@@ -54,16 +54,47 @@ log = logging.getLogger("rpycdl.forkserver")
 # -- the server's side ----------------------------------------------------------------------------
 
 
-@dataclass
 class Launched:
-    """A process the forkserver forked for this one: its pid and start time, a pidfd (readable once it
-    has exited), and the control socket its end comes on."""
+    """A process the forkserver forks for this one: its pid and start time, a pidfd (readable once it
+    has exited), and the control socket its end comes on. The forkserver's reply (pid, start time, pidfd)
+    is read when one of them is first needed, so that the requester goes on while the forkserver forks
+    (a connection's next spare is asked for after a job, and taken by the next job); reading it raises
+    LimitError if the forkserver could not fork, or is gone."""
 
-    pid: int
-    start: int
-    pidfd: int
-    control: socket.socket
-    status: int | None = field(default=None)
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.status: int | None = None
+        self._told: tuple[int, int, int] | None = None
+        self._failed = ""
+
+    @property
+    def pid(self) -> int:
+        return self._reply()[0]
+
+    @property
+    def start(self) -> int:
+        return self._reply()[1]
+
+    @property
+    def pidfd(self) -> int:
+        return self._reply()[2]
+
+    def _reply(self) -> tuple[int, int, int]:
+        if self._told is None and not self._failed:
+            try:
+                data, fds_back, _, _ = socket.recv_fds(self.control, PID.size, 1)
+            except OSError as exc:
+                data, fds_back, self._failed = b"", [], f"its forkserver: {exc}"
+            if len(data) == PID.size and fds_back:
+                self._told = (*PID.unpack(data), fds_back[0])
+            else:
+                for fd in fds_back:
+                    os.close(fd)
+                self._failed = self._failed or "its forkserver could not fork"
+        if self._told is None:
+            raise LimitError(f"this server could not start a process for the job ({self._failed}); try again later "
+                             "or use another server")
+        return self._told
 
     def name_job(self, job_id: str) -> None:
         """Tell the forkserver the job's id: what the job starts keeps it in its environment."""
@@ -74,18 +105,20 @@ class Launched:
         """Block until the process and everything of its job are gone; its wait status."""
         if self.status is None:
             data = b""
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, LimitError):  # never forked: its status says killed, as for a death
+                self._reply()
                 data = self.control.recv(STATUS.size)
             # No end told: the forkserver died, and its children with it (they die with their parent).
             self.status = STATUS.unpack(data)[0] if len(data) == STATUS.size else signal.SIGKILL
         return self.status
 
     def close(self) -> None:
-        """Let go of the process (killed by the forkserver if still running) and of its descriptors."""
+        """Let go of the process (killed by the forkserver if still running) and of its descriptors (a reply not
+        read yet goes with the control socket)."""
         self.control.close()
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
+        if self._told is not None and self._told[2] >= 0:
+            os.close(self._told[2])
+            self._told = (*self._told[:2], -1)
 
 
 class ForkServer:
@@ -129,10 +162,11 @@ class ForkServer:
         return procs.alive(*self._identity)
 
     def launch(self, kind: str, fds: list[int]) -> Launched:
-        """A new process of `kind` ("job" or "check") with `fds` as its descriptors (closed here once sent).
+        """A new process of `kind` ("job" or "check") with `fds` as its descriptors (closed here once sent);
+        the forkserver's reply is read when the Launched is first asked for its pid (Launched's LimitError).
 
         Raises:
-            LimitError: the forkserver is gone, or could not fork.
+            LimitError: the forkserver is gone.
         """
         ours, control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         message = [json.dumps({"kind": kind}).encode()]
@@ -150,17 +184,11 @@ class ForkServer:
                 control.close()
                 for fd in fds:
                     os.close(fd)
-            data, fds_back, _, _ = socket.recv_fds(ours, PID.size, 1)
         except OSError as exc:
             ours.close()
             raise LimitError(f"this server could not start a process for the job (its forkserver: {exc}); try again "
                              "later or use another server") from None
-        if len(data) != PID.size or not fds_back:
-            ours.close()
-            raise LimitError("this server could not start a process for the job (its forkserver could not fork); "
-                             "try again later or use another server")
-        pid, start = PID.unpack(data)
-        return Launched(pid, start, fds_back[0], ours)
+        return Launched(ours)
 
     def close(self) -> None:
         """Close this process's connection (the forkserver leaves once every connection has closed, and its

@@ -71,17 +71,17 @@ def finish(context: ServerContext, record: JobRecord, saved: Mapping[str, Identi
     context.files.remove_working_dir(record.job_id)
 
 
-def upload(context: ServerContext, record: JobRecord,
-           saved: Mapping[str, Identity] | None = None) -> dict[str, object] | None:
+def upload(context: ServerContext, record: JobRecord, saved: Mapping[str, Identity] | None = None) -> None:
     """Upload what the job left in its output directory to the store under its user (files `saved`
     before and unchanged since are not sent again), record it in the ledger, and remove the directory; if
-    the store fails, keep the directory and record why. Returns the ledger's artifacts entry (None: the
-    job left nothing)."""
+    the store fails, keep the directory and record why. A job that left nothing has its empty directory
+    removed, and nothing recorded (outputs() tells it: state "none")."""
     job_id, ledger = record.job_id, context.ledger
     output = context.files.output_dir(job_id)
-    if not output.is_dir() or not any(output.iterdir()):
-        shutil.rmtree(output, ignore_errors=True)
-        return ledger.artifacts(job_id)
+    with contextlib.suppress(OSError):  # gone, or not empty
+        output.rmdir()  # empty, as most jobs leave it: gone in one call
+    if not output.is_dir():
+        return
     ledger.set_artifacts(job_id, "uploading", [])
     try:
         uploaded = context.store.upload(record.user, job_id, output, skip=saved, move=True)
@@ -94,7 +94,6 @@ def upload(context: ServerContext, record: JobRecord,
     else:
         ledger.set_artifacts(job_id, "uploaded", [artifact.listed() for artifact in uploaded])
         shutil.rmtree(output, ignore_errors=True)
-    return ledger.artifacts(job_id)
 
 
 def outputs(context: ServerContext, record: JobRecord) -> dict[str, Any]:

@@ -26,6 +26,7 @@ class ConnectionLink:
     _spare: runner.JobProcess | None
     _busy: bool
     _after_reply: list[Callable[[], None]]
+    _sinks: list[tuple[Any, ...]]
     end_session: Callable[[str], None]  # SessionCalls'
 
     def socket_fds(self) -> list[int]:
@@ -44,8 +45,20 @@ class ConnectionLink:
     def push(self, receive: Callable[[Any], None], layout: codec.Layout, fd: int) -> int:
         return bulk.push(self._conn, receive, layout, fd)
 
+    def keep_sinks(self, options: dict[str, Any], *callbacks: Any) -> dict[str, Any]:
+        """`options`, whose client's output sinks (stdout, stderr), and its other `callbacks` (a result's receiver),
+        are kept until the reply to the connection's next call: an rpycdl client sends the same ones each call
+        (rpycdl.client.session.sink, Receiver), so RPyC finds their proxies here instead of dropping them after
+        each call, which costs a request to the client and its reply each. Those of the call before are let go
+        of after the reply (after_reply), never during a call: RPyC's request to drop one would reach the client
+        between the request to send a call's buffers and their raw bytes (wire.bulk.pull)."""
+        self._sinks.append((options.get("stdout"), options.get("stderr"), *callbacks))
+        return options
+
     def take_spare(self) -> runner.JobProcess | None:
         spare, self._spare = self._spare, None
+        if spare is not None:  # the next job's is asked for now, while the client waits for this one: a core is free
+            self._new_spare()
         return spare
 
     def defer(self, end: Callable[[], None]) -> None:
@@ -57,16 +70,21 @@ class ConnectionLink:
     def after_reply(self) -> None:
         """Finish what the last call left for after its reply (the end of its job: jobflow). The
         server calls this once each request is answered, and when the client has gone."""
+        del self._sinks[:-1]  # the last call's stay (keep_sinks); the others go now, as the reply did
         while self._after_reply:
             self._after_reply.pop(0)()
 
     def _ended(self) -> None:
-        """A job of this connection ended: the next one's process is started now, while the client reads the
-        reply, so that it is ready when the next request comes."""
+        """A job of this connection ended: if its process was not the spare (whose taker asked for the next
+        one), the next one's process is started now, while the client reads the reply."""
         self._busy = False
         if self._spare is None:
-            with contextlib.suppress(LimitError):  # none to spare: the next job starts one as its request comes
-                self._spare = runner.JobProcess(self.context.launcher)
+            self._new_spare()
+
+    def _new_spare(self) -> None:
+        """Ask the forkserver for the next job's process (its reply is read when a job takes it)."""
+        with contextlib.suppress(LimitError):  # none to spare: the next job starts one as its request comes
+            self._spare = runner.JobProcess(self.context.launcher)
 
     def on_disconnect(self, conn: rpyc.Connection) -> None:
         self.end_session("its client went away")

@@ -3,7 +3,8 @@ output, its result or exception, timeout, cancel, and nothing of it left running
 
 The job process (rpycdl.server.child) is forked before its payload is needed: a connection's
 first job process is forked with the connection process, before a client connects (a spare,
-given its payload down a pipe), and any other as its request arrives. It waits there for its
+given its payload down a pipe), the next as a job takes the spare (ConnectionLink.take_spare), and
+one as its request arrives only where none is ready. It waits there for its
 GPUs, which it gets through the environment before the payload is unpickled (so before any
 framework is imported). Its stdout and stderr are pipes at the file-descriptor level, so the
 output of any process it starts is streamed too. However it ends, its group is killed before
@@ -161,7 +162,8 @@ class LoadCheck:
 
     def close(self) -> None:
         """Stop the check (if still running) and release what it holds."""
-        procs.kill_group(self._process.pid)
+        with contextlib.suppress(LimitError):  # never started by its launcher: nothing of it runs
+            procs.kill_group(self._process.pid)
         self._process.wait()
         self._process.close()
         os.close(self.fd)
@@ -192,9 +194,7 @@ class JobProcess:
                 os.close(fd)
             self._files.close()
             raise
-        self.pid = self._process.pid
-        self.identity: procs.Pid = (self.pid, self._process.start)
-        self._pidfd = self._process.pidfd
+        self._closed = False
         self._out, self._err, self._res = out_r, err_r, res_r
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
@@ -202,10 +202,27 @@ class JobProcess:
         self._buffers: list[Any] = []
         self._status: int | None = None
 
+    @property
+    def pid(self) -> int:
+        """Its pid (its group's and session's id too). Raises LimitError if its launcher could not start it."""
+        return self._process.pid
+
+    @property
+    def identity(self) -> procs.Pid:
+        """Its pid and start time."""
+        return self.pid, self._process.start
+
+    @property
+    def _pidfd(self) -> int:
+        return -1 if self._closed else self._process.pidfd
+
     def give(self, body: bytes, buffers: list[Any] | None = None) -> bool:
         """Name the payload `body` and its out-of-band `buffers` (sent when it runs); False if it cannot
-        take one (named already, or gone)."""
-        if self._body is not None or self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]:
+        take one (named already, gone, or never started)."""
+        try:
+            if self._body is not None or self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]:
+                return False
+        except LimitError:  # its launcher could not start it: the caller starts another
             return False
         self._body, self._buffers = body, buffers or []
         return True
@@ -373,18 +390,19 @@ class JobProcess:
     def close(self) -> None:
         """Kill the job process and everything it started, and wait until none of them runs (its launcher
         says when). Closing twice is harmless."""
-        if self._pidfd < 0:
+        if self._closed:
             return
-        procs.kill_group(self.pid)
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        self._reap()
+        with contextlib.suppress(LimitError):  # never started by its launcher: nothing of it runs
+            procs.kill_group(self.pid)
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            self._reap()
+        self._closed = True
         self._process.close()
         self._files.close()
         for fd in (self._go_w, self._out, self._err, self._res):
             if fd >= 0:
                 os.close(fd)
-        self._pidfd = -1
 
     def _reap(self) -> int:
         if self._status is None:

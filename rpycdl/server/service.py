@@ -48,6 +48,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._busy = False  # one job at a time per connection: a second would be served inside the first
         self._after_reply: list[Callable[[], None]] = []
+        self._sinks: list[tuple[Any, ...]] = []  # the client's callbacks kept between calls (keep_sinks)
 
     # -- running a job ----------------------------------------------------------------
 
@@ -69,7 +70,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
         by name): ngpus, stdout, stderr, timeout, queue_timeout, on_state, gpus, gpu_memory.
         Returns outcome bytes (see rpycdl.client)."""
         try:
-            options = request.named(request.CALL_OPTIONS, args, kwargs)
+            options = self.keep_sinks(request.named(request.CALL_OPTIONS, args, kwargs))
             request.check_size(payload, "payload", self.context.limits.max_payload)
             body = codec.check_payload(payload)
             return self._run(self._request(options, body=body, output=request.output(options)))
@@ -82,7 +83,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
         says their sizes; once the request is checked, the client's `send()` writes them raw on the
         connection (bulk.pull); a result's go back raw to its `receive(layout)` (bulk.push)."""
         try:
-            options = request.named(request.CALL_OPTIONS, args, kwargs)
+            options = self.keep_sinks(request.named(request.CALL_OPTIONS, args, kwargs), receive)
             layout = codec.check_layout(layout)
             request.check_size(payload, "payload", self.context.limits.max_payload, codec.layout_bytes(layout))
             checked = self._request(options, body=codec.check_payload(payload, len(layout)),
@@ -102,6 +103,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
         Returns the job's value and raises its exception, as the original servers did."""
         try:
             options = request.named(("timeout", "queue_timeout", "gpus", "gpu_memory"), (), options)
+            self.keep_sinks({"stdout": stdout, "stderr": stderr})
             request.check_size(fn, "fn", self.context.limits.max_payload)
             codec.check_pickle(fn, "fn")
             args = netrefs.materialize(args, self.context.limits.max_payload)  # lists and dicts come by reference
@@ -126,7 +128,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
             require_extra("site", "docker")  # only servers that run containers need docker
             from rpycdl.server import containers
 
-            options = request.named(request.CONTAINER_OPTIONS, args, kwargs)
+            options = self.keep_sinks(request.named(request.CONTAINER_OPTIONS, args, kwargs))
             place = [options.pop(name, None) for name in ("env", "workdir", "mounts")]
             command, env, workdir, mounts = netrefs.materialize((command, *place), self.context.limits.max_payload)
             spec = containers.check_job(image, command, env=env, workdir=workdir, mounts=mounts)

@@ -151,6 +151,7 @@ class SessionCalls:
     _conn: Any
     _ended: Callable[[], None]
     _request: Callable[..., request.JobRequest]
+    keep_sinks: Callable[..., dict[str, Any]]  # ConnectionLink's
 
     def exposed_session_open(self, *args: Any, **kwargs: Any) -> bytes:
         """Open a session (request.SESSION_OPTIONS, positionally or by name): it waits in line for its GPUs,
@@ -177,7 +178,7 @@ class SessionCalls:
         client's callbacks. Returns outcome bytes."""
         try:
             session = self._open_session()
-            options = request.named(request.SESSION_CALL_OPTIONS, args, kwargs)
+            options = self.keep_sinks(request.named(request.SESSION_CALL_OPTIONS, args, kwargs), receive)
             layout = codec.check_layout(layout)
             request.check_size(payload, "payload", self.context.limits.max_payload, codec.layout_bytes(layout))
             body = codec.check_payload(payload, len(layout))
