@@ -141,18 +141,20 @@ class PssPeak:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), sum(_pss(pid) for pid in _tree(self.pid))))
+            self.samples.append((time.monotonic(), sum(pss_of(pid) for pid in process_tree(self.pid))))
             time.sleep(self.interval)
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants."""
     pids = [pid]
     for child in procs.children(pid):
-        pids.extend(_tree(child))
+        pids.extend(process_tree(child))
     return pids
 
 
-def _pss(pid: int) -> int:
+def pss_of(pid: int) -> int:
+    """A process's proportional set size in bytes (0 if it is gone)."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
