@@ -26,7 +26,7 @@ def start_server(tree: Path, lock_dir: str) -> tuple[subprocess.Popen[str], int]
     """A fake:4 server running `tree`'s rpycdl; returns it and its port."""
     argv = [sys.executable, "-m", "rpycdl", "serve", "--service", "pytorch", "--gpus", "fake:4", "--port", "0",
             "--registry", "none", "--lock-dir", lock_dir]
-    if os.geteuid() == 0 and "--one-account" in (tree / "rpycdl" / "cli" / "serving.py").read_text():
+    if os.geteuid() == 0 and "--one-account" in "".join(p.read_text() for p in (tree / "rpycdl").rglob("serving.py")):
         argv.append("--one-account")  # as root, a tree that runs jobs as their owners: one account, as before
     server = subprocess.Popen(argv, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)

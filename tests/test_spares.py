@@ -35,19 +35,20 @@ from rpycdl.defaults import SPARE_CONNECTIONS
 from rpycdl.wire import codec
 
 
-def _ready_jobs(pid: int) -> set[int]:
+def _ready_jobs(pid: int, holding: int = 0) -> set[int]:
     """The job processes held ready (children of the server's forkserver), once there is one for each spare
-    and each idle connection, each running its own code (named rpycdl-job: right after the fork it still has
+    and for each of `holding` idle connections (those that ran a second job hold their next job's process; one
+    that ran one job holds none), each running its own code (named rpycdl-job: right after the fork it still has
     the forkserver's name), and no other job runs."""
     def jobs() -> set[int] | None:
         held = children(forkserver(pid))
         spares = spare_processes(pid)
-        if len(spares) != SPARE_CONNECTIONS or len(held) != len(spares) + len(connection_processes(pid)) or any(
+        if len(spares) != SPARE_CONNECTIONS or len(held) != len(spares) + holding or any(
                 comm(job) != "rpycdl-job" for job in held):
             return None
         return set(held)
 
-    return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares, and every spare and connection with its job process")
+    return wait_until(jobs, what=f"{SPARE_CONNECTIONS} spares with their job process, {holding} held by connections")
 
 
 def _bindable(port: int) -> bool:
@@ -94,8 +95,8 @@ def test_the_first_job_of_a_connection_runs_in_a_job_process_forked_before_it_co
     assert second not in ready and second != first  # later jobs of the connection: forked as they come
     [serving] = connection_processes(pid)
     assert comm(serving) == "rpycdl-conn"
-    # The spare that took the client was replaced, with its job; the connection holds its next job's process.
-    assert len(_ready_jobs(pid) - ready) == 2
+    # The spare that took the client was replaced, with its job; the connection holds its third job's process.
+    assert len(_ready_jobs(pid, holding=1) - ready) == 2
 
 
 def test_a_payload_with_out_of_band_buffers_runs_in_the_spare_too(server, cluster, connect):
@@ -239,7 +240,7 @@ def test_a_server_that_cannot_fork_refuses_clearly_and_recovers(server, cluster,
         assert any("could not fork a connection process" in line for line in log)
         assert all(conn.root.run_code(lambda x: x, "still served") == "still served" for conn in taken)
         lift()
-        _ready_jobs(pid)  # the parent forks spares again on its next turn
+        _ready_jobs(pid, holding=len(taken))  # the parent forks spares again on its next turn
         assert connect(port).root.run_code(lambda x: x + 1, 1) == 2
         wait_until(lambda: idle(taken[0]), what="every GPU free, nobody waiting")  # released just after the reply
 
@@ -251,10 +252,12 @@ def test_a_connection_whose_job_cannot_be_forked_refuses_the_call_clearly_and_go
     conn = connect(port)
     assert conn.root.run_code(lambda x: x, "in the spare job") == "in the spare job"
     (serving,) = wait_until(lambda: connection_processes(pid), what="the connection process")
-    wait_until(lambda: idle(conn), what="the first job's end")
-    with _forks_fail(forkserver(pid)) as lift:  # the next job takes the process started after the first
+    # The second job's process is forked as it comes; as it takes it, the third job's is started.
+    assert conn.root.run_code(lambda x: x, "forked for it") == "forked for it"
+    wait_until(lambda: idle(conn), what="the second job's end")
+    with _forks_fail(forkserver(pid)) as lift:  # the next job takes the process started for it
         assert conn.root.run_code(lambda x: x, "in the one made ready") == "in the one made ready"
-        wait_until(lambda: idle(conn), what="the second job's end")
+        wait_until(lambda: idle(conn), what="the third job's end")
         descriptors = len(os.listdir(f"/proc/{serving}/fd"))
         error = refusal(lambda: conn.root.run_code(lambda x: x, "refused", ngpus=2))
         assert isinstance(error, rpycdl.LimitError) and "could not start a process for the job" in str(error), \

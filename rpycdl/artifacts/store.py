@@ -25,12 +25,13 @@ import tempfile
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import BinaryIO
-
-import fsspec
+from typing import TYPE_CHECKING, BinaryIO
 
 from rpycdl.artifacts.files import COPY_CHUNK, Identity, check_name, copy_range, identity, open_beneath
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import fsspec
 
 MULTIPART_THRESHOLD = 64 * 1024**2
 """Bytes of each part of an upload to S3 (s3fs's block size): a larger file goes up in parts."""
@@ -86,12 +87,12 @@ class ArtifactStore:
                 raise InvalidRequestError(f"the artifact store {url!r} names no bucket: s3://BUCKET[/PREFIX]")
             options = {"key": key, "secret": secret, "skip_instance_cache": True, "use_listings_cache": False,
                        "client_kwargs": {"endpoint_url": endpoint_url, "region_name": region}}
-            return cls(url, root, lambda: fsspec.filesystem("s3", **options), bucket)
+            return cls(url, root, lambda: _filesystem("s3", **options), bucket)
         path = url.removeprefix("file://")
         if not os.path.isabs(path):
             raise InvalidRequestError(f"the artifact store {url!r} is neither an absolute directory, a file:// URL "
                                       "nor an s3://BUCKET[/PREFIX] URL")
-        return cls(url, os.path.normpath(path), lambda: fsspec.filesystem("file"))
+        return cls(url, os.path.normpath(path), lambda: _filesystem("file"))
 
     @property
     def _fs(self) -> fsspec.AbstractFileSystem:
@@ -356,3 +357,12 @@ def _regular_files(directory: int, prefix: str = "") -> Iterator[tuple[str, int,
                 yield from _regular_files(fd, f"{prefix}{name}/")
         finally:
             os.close(fd)
+
+
+def _filesystem(protocol: str, **options: object) -> fsspec.AbstractFileSystem:
+    """fsspec's filesystem for `protocol`, fsspec imported on a store's first use: the server parent, and every
+    connection process forked from it, would otherwise carry it and asyncio (about 7 MB) for stores that most
+    connections never touch."""
+    import fsspec
+
+    return fsspec.filesystem(protocol, **options)

@@ -195,6 +195,10 @@ class Receiver:
         self._read = read
         self._lock = threading.Lock()
         self._into: list[Any] | None = None
+        # What the server is handed: one bound method, made once. RPyC proxies a method with a class it has
+        # (builtins.method), where a proxy of a Receiver needs the client asked for the class's methods first
+        # (HANDLE_INSPECT: a request of the server's and its reply, once on each connection).
+        self._callback = self.__call__
 
     @contextlib.contextmanager
     def taken(self, into: list[Any]) -> Iterator[Callable[[Any], None]]:
@@ -204,7 +208,7 @@ class Receiver:
             return
         self._into = into
         try:
-            yield self
+            yield self._callback
         finally:
             self._into = None
             self._lock.release()

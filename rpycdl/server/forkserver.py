@@ -58,7 +58,7 @@ class Launched:
     """A process the forkserver forks for this one: its pid and start time, a pidfd (readable once it
     has exited), and the control socket its end comes on. The forkserver's reply (pid, start time, pidfd)
     is read when one of them is first needed, so that the requester goes on while the forkserver forks
-    (a connection's next spare is asked for after a job, and taken by the next job); reading it raises
+    (a connection's next spare is asked for as its job takes one, and taken by the next job); reading it raises
     LimitError if the forkserver could not fork, or is gone."""
 
     def __init__(self, control: socket.socket) -> None:

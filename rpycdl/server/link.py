@@ -1,7 +1,7 @@
 """What a job's flow needs of the client connection it runs for (jobflow.Link), as the RPyC service of that
 connection provides it: the client's socket, serving the client while the job runs, large results beside
-RPyC, the connection's spare job process (one ready for the next job, started as each job ends), and the
-end of a job left for after its reply."""
+RPyC, the connection's spare job process (one ready for the next job, started as each job from the second on
+takes one), and the end of a job left for after its reply."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from rpycdl.wire import bulk, codec
 
 
 class ConnectionLink:
-    """jobflow.Link for GPUService: its `_conn`, `_spare`, `_busy` and `_after_reply` are the service's."""
+    """jobflow.Link for GPUService: its `_conn`, `_spare`, `_taken`, `_busy` and `_after_reply` are the service's."""
 
     context: ServerContext
     _conn: rpyc.Connection
     _spare: runner.JobProcess | None
+    _taken: int  # job processes its jobs took so far (take_spare)
     _busy: bool
     _after_reply: list[Callable[[], None]]
     _sinks: list[tuple[Any, ...]]
@@ -56,8 +57,12 @@ class ConnectionLink:
         return options
 
     def take_spare(self) -> runner.JobProcess | None:
+        """The spare job process, if one is ready. From a connection's second job on, the next job's is asked for
+        now, while the client waits for this one (a core is free); not for its first, so that a connection that
+        runs one job and closes (the usual round trip) has no spare forked only to be killed at its close."""
         spare, self._spare = self._spare, None
-        if spare is not None:  # the next job's is asked for now, while the client waits for this one: a core is free
+        self._taken += 1
+        if self._taken > 1:
             self._new_spare()
         return spare
 
@@ -75,10 +80,11 @@ class ConnectionLink:
             self._after_reply.pop(0)()
 
     def _ended(self) -> None:
-        """A job of this connection ended: if its process was not the spare (whose taker asked for the next
-        one), the next one's process is started now, while the client reads the reply."""
+        """A job of this connection ended: from its second job on, if no spare is ready (the forkserver had
+        none to give as the job took its process), the next one's process is started now, while the client
+        reads the reply."""
         self._busy = False
-        if self._spare is None:
+        if self._spare is None and self._taken > 1:
             self._new_spare()
 
     def _new_spare(self) -> None:

@@ -3,8 +3,8 @@ output, its result or exception, timeout, cancel, and nothing of it left running
 
 The job process (rpycdl.server.child) is forked before its payload is needed: a connection's
 first job process is forked with the connection process, before a client connects (a spare,
-given its payload down a pipe), the next as a job takes the spare (ConnectionLink.take_spare), and
-one as its request arrives only where none is ready. It waits there for its
+given its payload down a pipe), from its second job on the next as a job takes the spare
+(ConnectionLink.take_spare), and one as its request arrives where none is ready (a second job). It waits there for its
 GPUs, which it gets through the environment before the payload is unpickled (so before any
 framework is imported). Its stdout and stderr are pipes at the file-descriptor level, so the
 output of any process it starts is streamed too. However it ends, its group is killed before

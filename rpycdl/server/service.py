@@ -39,6 +39,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
 
     def __init__(self, spare: runner.JobProcess | None = None) -> None:
         self._spare = spare
+        self._taken = 0
 
     def on_connect(self, conn: rpyc.Connection) -> None:
         self._conn = conn
