@@ -326,3 +326,40 @@ def test_ctrl_c_in_the_middle_of_a_large_result_ends_the_call_at_once(cluster, s
     wait_until(lambda: [job["state"] for job in status.root.jobs()] == ["CANCELLED"], what="the job to be cancelled")
     wait_idle(status)
     assert connect(port).root.run_code(lambda x: x, "still serving") == "still serving"
+
+
+FRESH_SINKS_CLIENT = textwrap.dedent('''
+    import io
+    import sys
+
+    import numpy as np
+
+    import rpycdl
+
+    port, calls = int(sys.argv[1]), int(sys.argv[2])
+    conn = rpycdl.connect(host="127.0.0.1", port=port)
+    rng = np.random.default_rng(3)
+    for call in range(calls):
+        array = rng.random((2 + call % 2) * 2**17)  # 2 or 3 MiB of float64
+        out = io.StringIO()  # a new stream each call: the server lets go of the one before's proxy
+
+        def job(values):
+            print("sum", float(values.sum()))
+            return values * 2
+
+        doubled = conn.root.run_code(job, array, stdout=out)
+        assert (doubled == array * 2).all() and out.getvalue().split() == ["sum", str(float(array.sum()))], call
+        print("call", call, flush=True)
+    print("done", calls, flush=True)
+''')
+
+
+def test_multi_mib_arguments_with_a_new_stdout_each_call_never_interleave_with_rpyc(server, np):
+    """Large arguments while the server drops the sink of the call before: RPyC's messages (its request to let
+    go of a proxy, and the client's reply) used to land between the request for the buffers and their raw bytes,
+    which put the stream out of step (a hang or a dropped connection)."""
+    port = server("pytorch", "fake:1")
+    calls = 40
+    client = subprocess.run([sys.executable, "-c", FRESH_SINKS_CLIENT, str(port), str(calls)],
+                            capture_output=True, text=True, timeout=120)  # a hang fails here, naming the last call
+    assert client.returncode == 0 and f"done {calls}" in client.stdout, client.stdout + client.stderr

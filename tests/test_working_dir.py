@@ -211,9 +211,13 @@ def test_too_large_or_hostile_working_directories_are_refused(server, connect, l
 
     def put(data: bytes, digest: str | None = None) -> Any:  # what a hostile client can send
         raw = conn.root._conn
-        sock = bulk.bulk_socket(raw)
+
+        def send(framed: bool) -> None:
+            with bulk.sending(raw, framed) as sock:
+                bulk.send_buffers(sock, [pickle.PickleBuffer(data)])
+
         return codec.decode_outcome(call(raw, "put_working_dir", digest or blake3.blake3(data).hexdigest(),
-                                         len(data), lambda: bulk.send_buffers(sock, [pickle.PickleBuffer(data)])))
+                                         len(data), send))
 
     escape = io.BytesIO()
     with tarfile.open(fileobj=escape, mode="w", format=tarfile.PAX_FORMAT) as archive:

@@ -13,7 +13,6 @@ from typing import Any
 
 import rpyc
 from rpyc.core import netref
-from rpyc.core.channel import Channel
 
 from rpycdl.defaults import CONNECT_TIMEOUT
 from rpycdl.errors import (
@@ -25,7 +24,7 @@ from rpycdl.errors import (
     connection_failed,
 )
 from rpycdl.security import auth, tls
-from rpycdl.wire.stream import BulkSocketStream
+from rpycdl.wire.stream import BulkSocketStream, FramedChannel
 
 RETRY_PAUSE, RETRY_PAUSE_MAX = 0.02, 0.5
 """Seconds between a client's tries to get through a busy server's handshake: the first pause, and the most."""
@@ -121,7 +120,7 @@ def _connect(host: str, port: int, config: dict[str, Any], secret: bytes | None,
         try:
             if secret is not None or tls_context is not None:
                 sock = _authenticate(sock, host, secret, tls_context)
-            conn = rpyc.connect_channel(Channel(ClientSocketStream(sock), compress=False), service=_ClientService,
+            conn = rpyc.connect_channel(FramedChannel(ClientSocketStream(sock), compress=False), service=_ClientService,
                                         config=config)
             try:
                 conn.root  # noqa: B018 - the first request: the server may still refuse our certificate

@@ -47,7 +47,7 @@ class RemoteRoot(DetachedCalls):
         self._connection = connection
         self._max_payload: int | None = None
         self._buffers_beside = True  # False once the server turned out to predate run_buffers
-        self._receiver = Receiver(lambda layout: self._receive(bulk.bulk_socket(self._conn), layout))
+        self._receiver = Receiver(self._receive)
 
     @property
     def _conn(self) -> rpyc.Connection:
@@ -134,9 +134,9 @@ class RemoteRoot(DetachedCalls):
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if not self._buffers_beside:
             return None
-        sock = bulk.bulk_socket(self._connection.live())
+        self._connection.live()
         try:
-            send = (lambda: self._send(sock, buffers)) if buffers else None
+            send = functools.partial(self._send, buffers) if buffers else None
             with self._receiver.taken(received) as receive:
                 return self._connection.call("run_buffers", payload, layout, send, receive, *options)
         except AttributeError as exc:
@@ -145,14 +145,16 @@ class RemoteRoot(DetachedCalls):
             self._buffers_beside = False
             return None
 
-    def _send(self, sock: Any, buffers: list[Any]) -> None:
-        """The call's out-of-band buffers, written raw on the connection (bulk.pull)."""
-        with stream.closed_on_failure(self._conn):
+    def _send(self, buffers: list[Any], framed: bool = False) -> None:
+        """The call's out-of-band buffers, written raw on the connection (bulk.pull), in a bulk frame if the
+        server asks for one (a server from before bulk frames does not)."""
+        with stream.closed_on_failure(self._conn), bulk.sending(self._conn, framed) as sock:
             bulk.send_buffers(sock, buffers)
 
-    def _receive(self, sock: Any, layout: Any) -> list[Any]:
-        """A result's out-of-band buffers, read raw from the connection (bulk.push)."""
-        with stream.closed_on_failure(self._conn):
+    def _receive(self, layout: Any, framed: bool = False) -> list[Any]:
+        """A result's out-of-band buffers, read raw from the connection (bulk.push), in a bulk frame if the
+        server says so."""
+        with stream.closed_on_failure(self._conn), bulk.receiving(self._conn, framed=framed) as sock:
             return bulk.receive_buffers(sock, codec.check_layout(layout))
 
     def run_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
@@ -236,11 +238,11 @@ class RemoteRoot(DetachedCalls):
         known = manifests.known(scanned, server)
         if known is not None and self._connection.call("has_working_dir", known):
             return known
-        sock, sent = bulk.bulk_socket(self._conn), {}
+        sent: dict[str, Any] = {}
         racy = manifests.racy(scanned)
 
-        def send() -> None:  # the server's callback: the archive, raw; a file changed meanwhile is told after
-            with stream.closed_on_failure(self._conn):
+        def send(framed: bool = False) -> None:  # the server's callback: the archive, raw; a file changed meanwhile
+            with stream.closed_on_failure(self._conn), bulk.sending(self._conn, framed) as sock:  # is told after
                 try:
                     sent["racy"] = scanned.stream(functools.partial(stream.send_view, sock), racy)
                 except InvalidRequestError as exc:

@@ -8,6 +8,7 @@ with its connection (what it held is gone)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import weakref
@@ -21,7 +22,7 @@ from rpycdl.client import channel, failures
 from rpycdl.client.notices import Notices
 from rpycdl.defaults import SESSION_INTERRUPT_GRACE
 from rpycdl.errors import ConnectionLostError, InvalidRequestError
-from rpycdl.wire import bulk, codec, stream
+from rpycdl.wire import codec, stream
 
 if TYPE_CHECKING:
     from rpycdl.client.connection import RemoteRoot
@@ -95,8 +96,8 @@ class Session:
         payload, buffers = codec.encode_call(fn, args)
         layout = codec.layout(buffers)
         self._root._check_size(len(payload) + codec.layout_bytes(layout))
-        sock, received = bulk.bulk_socket(conn), []
-        send = (lambda: self._root._send(sock, buffers)) if buffers else None
+        received: list[Any] = []
+        send = functools.partial(self._root._send, buffers) if buffers else None
         out, err = stdout or sys.stdout, stderr or sys.stderr
         with self._root._receiver.taken(received) as receive:
             outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
@@ -188,10 +189,10 @@ class Receiver:
     it. One call at a time: a call made while another holds it (which the server refuses) gets one of its own.
 
     Args:
-        read: reads the buffers of a result's layout from the connection.
+        read: reads the buffers of a result's layout from the connection (in a bulk frame if told so).
     """
 
-    def __init__(self, read: Callable[[Any], list[Any]]) -> None:
+    def __init__(self, read: Callable[[Any, bool], list[Any]]) -> None:
         self._read = read
         self._lock = threading.Lock()
         self._into: list[Any] | None = None
@@ -204,7 +205,7 @@ class Receiver:
     def taken(self, into: list[Any]) -> Iterator[Callable[[Any], None]]:
         """The callback for one call, putting what it receives `into` the call's list."""
         if not self._lock.acquire(blocking=False):
-            yield lambda layout: into.extend(self._read(layout))
+            yield lambda layout, framed=False: into.extend(self._read(layout, framed))
             return
         self._into = into
         try:
@@ -213,11 +214,11 @@ class Receiver:
             self._into = None
             self._lock.release()
 
-    def __call__(self, layout: Any) -> None:
+    def __call__(self, layout: Any, framed: bool = False) -> None:
         into = self._into
         if into is None:
             raise InvalidRequestError("no call of this connection waits for a result")
-        into.extend(self._read(layout))
+        into.extend(self._read(layout, framed))
 
 
 _SINKS: weakref.WeakKeyDictionary[Any, Callable[[str], None]] = weakref.WeakKeyDictionary()

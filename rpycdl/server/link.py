@@ -51,8 +51,8 @@ class ConnectionLink:
         are kept until the reply to the connection's next call: an rpycdl client sends the same ones each call
         (rpycdl.client.session.sink, Receiver), so RPyC finds their proxies here instead of dropping them after
         each call, which costs a request to the client and its reply each. Those of the call before are let go
-        of after the reply (after_reply), never during a call: RPyC's request to drop one would reach the client
-        between the request to send a call's buffers and their raw bytes (wire.bulk.pull)."""
+        of after the reply (after_reply), not during a call, which they would slow down (that request, or its
+        reply, may well come around a call's buffers: bulk frames keep it out of their bytes, wire.bulk)."""
         self._sinks.append((options.get("stdout"), options.get("stderr"), *callbacks))
         return options
 

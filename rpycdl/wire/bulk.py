@@ -1,12 +1,19 @@
 """Large buffers beside RPyC: the out-of-band buffers of rpycdl.wire.codec travel raw on the
 connection's socket, written straight from the sender's memory and read straight into fresh
-memory of the receiver, without a pickle, a frame or a copy.
+memory of the receiver, without a pickle or a copy.
 
 The side that needs them makes an RPyC request to a callback of the other side (`pull`, `push`),
-and the raw bytes travel between that request and its reply. Meanwhile neither side sends or reads
-an RPyC message, only the raw bytes move, so the stream never gets out of step; on any failure in
-the middle the connection is closed at once (stream.closed_on_failure: RPyC's own close would wait
-for an answer that never comes)."""
+and the raw bytes travel between that request and its reply, in one bulk frame: RPyC's frame header
+with a flag of its own (stream.BULK_FLAG), then the bytes. No RPyC message can fall among them, as
+none can be written or read where raw bytes are expected:
+- the writer holds RPyC's send lock from the header to the last byte (sending): a message another
+  thread sends meanwhile (the garbage collector's request to release a proxy, a job's output) waits
+  in RPyC's send queue and goes after, whole;
+- the reader holds RPyC's receive lock and, until the bulk header comes, serves the messages the peer
+  sent before it as RPyC's serve() would (receiving): a reply to our own request to release a proxy,
+  say, that was on its way when we asked for the bytes. The bytes count is the layout's, known to both.
+On any failure in the middle the connection is closed at once (stream.closed_on_failure: RPyC's own
+close would wait for an answer that never comes)."""
 
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import rpyc
 
 from rpycdl.defaults import SPOOL_MIN
 from rpycdl.wire.codec import layout_bytes
-from rpycdl.wire.stream import CHUNK, closed_on_failure, receive_view, send_view
+from rpycdl.wire.stream import BULK_FLAG, CHUNK, FramedChannel, closed_on_failure, receive_view, send_view
 
 PIECE = 1024**2
 """Bytes received at a time by pull_pieces: one buffer, reused, small enough to stay in the CPU's caches."""
@@ -43,6 +50,67 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def bulk_socket(conn: rpyc.Connection) -> socket.socket:
     """The socket under an RPyC connection."""
     return conn._channel.stream.sock
+
+
+BULK_HEADER = FramedChannel.FRAME_HEADER.pack(0, BULK_FLAG)
+"""What a bulk frame begins with, before its raw bytes."""
+
+
+@contextlib.contextmanager
+def sending(conn: rpyc.Connection, framed: bool = True) -> Iterator[socket.socket]:
+    """The socket to write raw bytes on, after a bulk frame's header (unless not `framed`: a peer from before
+    bulk frames), with RPyC's send lock held until they are all written: another thread's message, or one
+    the garbage collector makes here, waits in RPyC's send queue, and goes once they are through."""
+    with conn._sendlock:
+        sock = bulk_socket(conn)
+        if framed:
+            send_view(sock, memoryview(BULK_HEADER))
+        yield sock
+    while conn._send_queue and conn._sendlock.acquire(blocking=False):  # as RPyC's _send drains it
+        try:
+            if conn._send_queue:
+                conn._channel.send(conn._send_queue.pop(0))
+        finally:
+            conn._sendlock.release()
+
+
+@contextlib.contextmanager
+def receiving(conn: rpyc.Connection, reply: rpyc.AsyncResult | None = None,
+              framed: bool = True) -> Iterator[socket.socket]:
+    """The socket to read a bulk frame's raw bytes from, once its header came (unless not `framed`), with RPyC's
+    receive lock held until they are all read (no other thread reads them as a message). RPyC's messages that
+    came before the header are served on the way, as RPyC's serve() would (nested requests included).
+
+    Raises:
+        EOFError: `reply` (to our request for the bytes) came first: the peer sends none (its error, if any,
+            is the cause).
+    """
+    channel = conn._channel
+    try:
+        with conn._recvlock:
+            while framed:
+                length, flag = channel.FRAME_HEADER.unpack(channel.stream.read(channel.FRAME_HEADER.size))
+                if flag == BULK_FLAG:
+                    break
+                data = channel.rest(length, flag)
+                conn._recvlock.acquire()  # _dispatch lets go of it once, as it does in serve()
+                conn._dispatch(data)
+                if reply is not None and reply._is_ready:  # not .ready, which would read on
+                    raise EOFError("the peer answered the request for its buffers without sending them (an rpycdl "
+                                   "client from before bulk frames?)") from _error(reply)
+            yield bulk_socket(conn)
+    finally:
+        with conn._recv_event:  # threads waiting for the lock (RPyC's serve) look again
+            conn._recv_event.notify_all()
+
+
+def _error(reply: rpyc.AsyncResult) -> BaseException | None:
+    """The error a reply carries, if any."""
+    try:
+        reply.value  # noqa: B018 - raises it
+    except Exception as exc:  # noqa: BLE001 - whatever the peer raised
+        return exc
+    return None
 
 
 def allocate(size: int, readonly: bool, spool: str | None = None) -> tuple[Any, ctypes.Array]:
@@ -143,12 +211,12 @@ def _populated(address: int, size: int) -> Iterator[None]:
 
 def pull(conn: rpyc.Connection, send: Callable[[], None], layout: Sequence[tuple[int, bool]],
          spool: str | None = None) -> list[Any]:
-    """Read the buffers of `layout` from the peer: its callback `send` writes them raw (send_buffers)
-    right after our request to call it, before its reply (large writable ones into files of `spool`)."""
-    call = rpyc.async_(send)
-    reply = call()
-    with closed_on_failure(conn):
-        buffers = receive_buffers(bulk_socket(conn), layout, spool)
+    """Read the buffers of `layout` from the peer: its callback `send(framed=True)` writes them in a bulk frame
+    (sending, send_buffers) after our request to call it, before its reply (large writable ones into files of
+    `spool`)."""
+    reply = rpyc.async_(send)(True)  # framed: in a bulk frame
+    with closed_on_failure(conn), receiving(conn, reply) as sock:
+        buffers = receive_buffers(sock, layout, spool)
     reply.wait()
     return buffers
 
@@ -158,11 +226,11 @@ def pull_pieces(conn: rpyc.Connection, send: Callable[[], None], size: int, sink
     """Read `size` bytes from the peer as pull() does, handing them to `sink` piece by piece through one
     buffer (a piece is valid only during the call): memory bounded whatever the size. Should `sink`
     raise, the rest is read all the same (the stream stays in step), then its exception raised."""
-    reply = rpyc.async_(send)()
+    reply = rpyc.async_(send)(True)
     failure: Exception | None = None
     buffer = memoryview(bytearray(min(size, piece)))
-    with closed_on_failure(conn):
-        sock, done = bulk_socket(conn), 0
+    with closed_on_failure(conn), receiving(conn, reply) as sock:
+        done = 0
         while done < size:
             view = buffer[:min(len(buffer), size - done)]
             receive_view(sock, view)
@@ -178,16 +246,15 @@ def pull_pieces(conn: rpyc.Connection, send: Callable[[], None], size: int, sink
 
 
 def push(conn: rpyc.Connection, receive: Callable[[Any], None], layout: Sequence[tuple[int, bool]], fd: int) -> int:
-    """Send the peer buffers of `layout` read from the pipe `fd`: its callback `receive(layout)`
-    reads them (receive_buffers) while we write them raw after our request to call it.
+    """Send the peer buffers of `layout` read from the pipe `fd`: its callback `receive(layout, framed=True)`
+    reads them (receiving, receive_buffers) while we write them in a bulk frame after our request to call it.
 
     Returns:
         How many bytes came from `fd` (all of them unless it ended early; see forward).
     """
-    call = rpyc.async_(receive)
-    reply = call(tuple(layout))
-    with closed_on_failure(conn):
-        sent = forward(bulk_socket(conn), fd, layout_bytes(layout))
+    reply = rpyc.async_(receive)(tuple(layout), True)  # framed: in a bulk frame
+    with closed_on_failure(conn), sending(conn) as sock:
+        sent = forward(sock, fd, layout_bytes(layout))
     reply.wait()
     return sent
 

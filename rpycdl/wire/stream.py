@@ -70,8 +70,42 @@ class BulkSocketStream(SocketStream):
         return bool(pending and pending()) or super().poll(timeout)
 
 
-class LimitedChannel(Channel):
-    """A Channel that drops the connection rather than read a frame over `max_frame` bytes, or
+BULK_FLAG = 0xB5
+"""The flag byte of a bulk frame's header: RPyC's frame header (length, compressed flag), with a flag RPyC never
+writes (it writes 0 or 1) and length 0. The raw bytes of large buffers follow it, as many as the reader's layout
+says (rpycdl.wire.bulk)."""
+
+
+class FramedChannel(Channel):
+    """RPyC's channel, reading a frame in two steps (its header, then rest()), so that rpycdl.wire.bulk can tell a
+    bulk frame from RPyC's; a bulk frame where RPyC reads a message of its own drops the connection."""
+
+    __slots__ = ()
+
+    def recv(self) -> bytes:
+        length, compressed = self.FRAME_HEADER.unpack(self.stream.read(self.FRAME_HEADER.size))
+        if compressed == BULK_FLAG:
+            self._drop("raw bytes came where an RPyC message was expected")
+        return self.rest(length, compressed)
+
+    def rest(self, length: int, compressed: int) -> bytes:
+        """The rest of an RPyC frame whose header said `length` and `compressed`: its message."""
+        data = self.stream.read(length + len(self.FLUSHER), keep=length)
+        return zlib.decompress(data) if compressed else data
+
+    def _drop(self, reason: str) -> NoReturn:
+        """Close the connection unread: the peer sees it end; RPyC sees EOFError, as if it had left."""
+        try:
+            peer = "{}:{}".format(*self.stream.sock.getpeername()[:2])
+        except (OSError, TypeError):
+            peer = "the peer"
+        log.warning("dropped the connection of %s: %s", peer, reason)
+        self.close()
+        raise EOFError(reason)
+
+
+class LimitedChannel(FramedChannel):
+    """A FramedChannel that drops the connection rather than read a frame over `max_frame` bytes, or
     inflate a compressed one (as original clients send them) to more."""
 
     __slots__ = ("max_frame",)
@@ -80,9 +114,7 @@ class LimitedChannel(Channel):
         super().__init__(stream, compress=False)
         self.max_frame = max_frame
 
-    def recv(self) -> bytes:
-        header = self.stream.read(self.FRAME_HEADER.size)
-        length, compressed = self.FRAME_HEADER.unpack(header)
+    def rest(self, length: int, compressed: int) -> bytes:
         if length > self.max_frame:
             self._drop(f"a frame of {length} bytes is over this server's limit of {self.max_frame} (--max-frame)")
         data = self.stream.read(length + len(self.FLUSHER), keep=length)
@@ -101,16 +133,6 @@ class LimitedChannel(Channel):
         if not inflater.eof:
             self._drop(f"a compressed frame of {len(data)} bytes is cut short")
         return inflated
-
-    def _drop(self, reason: str) -> NoReturn:
-        """Close the connection unread: the peer sees it end; RPyC sees EOFError, as if it had left."""
-        try:
-            peer = "{}:{}".format(*self.stream.sock.getpeername()[:2])
-        except (OSError, TypeError):
-            peer = "a client"
-        log.warning("dropped the connection of %s: %s", peer, reason)
-        self.close()
-        raise EOFError(reason)
 
 
 def channel(sock: socket.socket, max_frame: int, stall: float | None = None) -> Channel:

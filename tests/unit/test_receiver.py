@@ -19,7 +19,7 @@ def test_a_stream_gets_the_same_sink_each_call_and_a_sink_writes_and_flushes():
 
 
 def test_a_receiver_puts_buffers_into_the_list_of_the_call_holding_it_and_a_second_call_gets_its_own():
-    receiver = Receiver(lambda layout: [f"buffer of {size} bytes" for size, _ in layout])
+    receiver = Receiver(lambda layout, framed: [f"buffer of {size} bytes" for size, _ in layout])
     first, second = [], []
     with receiver.taken(first) as receive:
         # a bound method, which RPyC proxies without asking the client for its class's methods

@@ -25,6 +25,7 @@ METHODS = [
     (SocketStream, "_connect", ["host", "port", "family", "socktype", "proto", "timeout", "nodelay", "keepalive",
                                 "attempts"]),  # the client's socket, authenticated before RPyC
     (netref, "class_factory", ["id_pack", "methods"]),
+    (rpyc.Connection, "_dispatch", ["self", "data"]),  # serves what comes before a bulk frame (wire.bulk)
 ]
 
 
@@ -44,9 +45,12 @@ def test_the_private_attributes_rpycdl_uses_are_there():
     try:
         assert hasattr(server, "_prevhandler"), "ForkingServer._prevhandler (the SIGCHLD handler it replaced)"
         conn = rpyc.Connection(rpyc.VoidService(), Channel(SocketStream(left)), config={"credentials": None})
-        for attribute in ("_config", "_channel", "_remote_root"):
+        for attribute in ("_config", "_channel", "_remote_root",  # and wire.bulk's, which keep bulk frames whole:
+                          "_sendlock", "_send_queue", "_recvlock", "_recv_event"):
             assert hasattr(conn, attribute), f"rpyc {rpyc.__version__}'s Connection has no {attribute}"
         assert conn._channel.stream.sock is left and "sync_request_timeout" in conn._config
+        assert hasattr(rpyc.AsyncResult(conn), "_is_ready"), "AsyncResult._is_ready (wire.bulk.receiving)"
+        assert Channel.FRAME_HEADER.size == 5 and Channel.FLUSHER == b"\n", "RPyC's frame (wire.stream.BULK_FLAG)"
     finally:
         server.close()
         left.close()
