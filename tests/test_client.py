@@ -176,3 +176,19 @@ def _listening(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_job_the_client_is_told_runs_is_in_the_ledger_already(server, connect):
+    """The "running" a client hears comes after the job's row is saved: another connection finds the job at once
+    (it used to come before, and `conn.root.job(id)` then said "no job ... here")."""
+    port = server("pytorch", "fake:1")
+    conn, other = connect(port), connect(port)
+    found: list[str] = []
+
+    def on_state(state: str, info: dict) -> None:
+        if state == "running":
+            found.append(other.root.job(info["job_id"]).id)
+
+    ids = [conn.root.run_code(lambda _: __import__("os").environ["RPYCDL_JOB_ID"], None, on_state=on_state)
+           for _ in range(20)]
+    assert found == ids

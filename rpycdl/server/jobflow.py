@@ -178,9 +178,15 @@ class JobFlow:
             raise QueueTimeoutError(f"{exc}{'; ' + held if held else ''}") from None
         record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
         record.gpus = grant.gpus
+        return grant
+
+    def _save_running(self, *_: Any) -> None:
+        """Save the job's row as it starts, then tell the client it runs: whoever the client tells can find it."""
+        grant = self.grant
+        assert grant is not None
+        self.context.ledger.save(self.record)
         self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),
                    share_bytes=grant.share_bytes)
-        return grant
 
     def _on_position(self, ahead: int) -> None:
         if self._waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
@@ -257,7 +263,7 @@ class JobFlow:
         assert job is not None  # run() forks it for every payload
         self._start_saves()
         return job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
-                       account=self.request.account, on_start=lambda _: self.context.ledger.save(self.record),
+                       account=self.request.account, on_start=self._save_running,
                        **self._following(self.request.output, self.request.timeout))
 
     def _start_saves(self) -> None:
@@ -292,7 +298,7 @@ class JobFlow:
         from rpycdl.server import containers  # docker is only needed by servers that run containers
 
         ctx, record, output = self.context, self.record, self.request.output
-        ctx.ledger.save(record)
+        self._save_running()
         env = {key: value for key, value in self._environment().items() if key.startswith("RPYCDL_")}
         account = self.request.account
         try:

@@ -47,7 +47,7 @@ class SessionFlow(JobFlow):
             record.pgid, record.leader_start = self.job.identity
             self.grant = self._acquire()
             self._start_saves()
-            self.context.ledger.save(record)
+            self._save_running()
             self.job.start_session(self._environment(), self.request.account)
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
