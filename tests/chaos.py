@@ -365,8 +365,10 @@ def make_job() -> Callable[[dict[str, Any]], str]:
             if args["session"]:
                 open(os.path.join(args["reports"], f"{job_id}.session"), "w").close()
             if "RPYCDL_WORKING_DIR" in os.environ:  # its copy of the project, whole: what it holds goes to the test
-                with open(os.path.join(args["reports"], f"{job_id}.workdir"), "w") as mark:
+                # written whole or not at all (renamed into place), as a job killed meanwhile leaves no half mark
+                with open(tmp, "w") as mark:
                     mark.write(f"{os.path.getsize('data.bin')} {__import__('train').PROJECT}")
+                os.replace(tmp, os.path.join(args["reports"], f"{job_id}.workdir"))
         for argv in args["children"]:
             subprocess.Popen([sys.executable if arg == "{python}" else arg for arg in argv], stdin=subprocess.DEVNULL)
         time.sleep(args["hold"])

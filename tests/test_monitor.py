@@ -88,7 +88,8 @@ def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_pa
     assert value(samples, "rpycdl_job_queue_wait_seconds_bucket", service="pytorch", le="1.0") == sum(
         wait <= 1.0 for wait in waits), waits
     ran = sum((row["ended"] - row["started"]).total_seconds() for row in rows)
-    assert 0 < value(samples, "rpycdl_job_run_seconds_sum", service="pytorch") == pytest.approx(ran)
+    # the rows' datetimes hold microseconds: each run time is exact to 1 µs
+    assert 0 < value(samples, "rpycdl_job_run_seconds_sum", service="pytorch") == pytest.approx(ran, abs=1e-5)
     assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") is None
     assert all(value(samples, "rpycdl_gpu_memory_granted_bytes", uuid=uuid) == 0 for uuid in UUIDS)
     assert scrape(monitor) == samples  # counted once, however often it is scraped
