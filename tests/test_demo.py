@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -20,8 +21,16 @@ pytestmark = pytest.mark.slow
 
 
 def _demo(*args: str) -> subprocess.Popen[str]:
+    """`rpycdl demo ARGS` in a process group of its own (as a shell starts it), so that a test that fails can
+    take its registry, server and monitor down with it (`_kill_group`)."""
     return subprocess.Popen([sys.executable, "-m", "rpycdl", "demo", *args], cwd=REPO, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_group(demo: subprocess.Popen[str]) -> None:
+    """Kill a demo's whole process group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(demo.pid, signal.SIGKILL)
 
 
 def _bash(commands: list[str]) -> subprocess.CompletedProcess[str]:
@@ -66,6 +75,10 @@ def test_a_kept_demo_serves_what_it_prints_until_ctrl_c():
                               env=ENV).stdout == "3\n"
     finally:
         demo.send_signal(signal.SIGINT)
-        rest, _ = demo.communicate(timeout=60)
+        try:
+            rest, _ = demo.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # it ignored Ctrl-C: take it down, and say so
+            _kill_group(demo)
+            raise
     assert demo.returncode == 0, "\n".join(lines) + rest
     assert "rpycdl demo: stopping the server and the registry" in rest
