@@ -68,7 +68,7 @@ def main() -> None:
             assert cli.main(["certs", *argv]) == 0
         credentials = {"tls_cert": f"{team}/user-alice.crt", "tls_key": f"{team}/user-alice.key",
                        "tls_ca": f"{team}/ca.crt"}
-        _, port = cluster.add_server("pytorch", "fake:2", "--tls-cert", f"{team}/server-localhost.crt",
+        server, port = cluster.add_server("pytorch", "fake:2", "--tls-cert", f"{team}/server-localhost.crt",
                                      "--tls-key", f"{team}/server-localhost.key", "--tls-ca", f"{team}/ca.crt")
         connect_and_run(port, credentials, 5)  # warm up
         rows = [("no flood", *connect_and_run(port, credentials, args.calls))]
@@ -76,6 +76,10 @@ def main() -> None:
             rows.append((f"{args.connections} silent connections from {source}",
                          *flooded(source, port, args.connections,
                                   lambda: connect_and_run(port, credentials, args.calls))))
+        if any(failed for _, _, failed in rows):  # what the server said, for whoever looks into it
+            code = server.popen.poll()
+            print(f"  the server {'still runs' if code is None else f'exited with {code}'}; its last lines:",
+                  *server.lines[-20:], sep="\n    ", file=sys.stderr)
     print(f"rpycdl from {os.path.dirname(rpycdl.__file__)}")
     print(f"Machine: {platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}\n")
     print("| connect (TLS), run ngpus=1, close | p50 | p99 | x no flood (p50) | failed |")
