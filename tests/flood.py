@@ -1,7 +1,8 @@
 """A flood of silent connections, as a hostile client makes them (a helper of tests/test_flood.py and
 bench/bench_flood.py, run as a process of its own): COUNT connections from the source address SOURCE to
 HOST:PORT that say nothing, each opened again as soon as the server closes it, until stdin closes. It
-prints `holding COUNT` once all are open, and at the end how many times it connected.
+prints `holding COUNT` once all are open, `connected N` (how many times it connected so far) for each line it
+reads, and the same at the end.
 
     python tests/flood.py SOURCE HOST PORT COUNT
 """
@@ -35,9 +36,15 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     selector = selectors.DefaultSelector()
     connects = 0
+
+    def answer() -> None:
+        for _ in sys.stdin:
+            print(f"connected {connects}", flush=True)
+        stop.set()
+
+    threading.Thread(target=answer, daemon=True).start()
     for _ in range(count):
         selector.register(_open(source, host, port), selectors.EVENT_READ)
         connects += 1
@@ -60,7 +67,7 @@ def main() -> None:
                 connects += 1
             except OSError:  # out of ports for a moment: one fewer
                 pass
-    print(f"connected {connects} times", flush=True)
+    print(f"connected {connects}", flush=True)
 
 
 if __name__ == "__main__":

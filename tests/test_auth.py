@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import rpycdl
+from rpycdl.errors import ConnectionDroppedError
+from rpycdl.security import auth
 from rpycdl.site.local import one_account, start
 
 
@@ -68,6 +70,28 @@ def test_a_silent_client_does_not_block_others(secured, secret):
         assert time.monotonic() - started < 3
     finally:
         idle.close()
+
+
+def test_a_hello_that_comes_in_pieces_is_taken_and_a_false_one_refused(secured, secret):
+    key = auth.load_secret(secret)
+    assert key is not None
+    sock = socket.create_connection(("127.0.0.1", secured))
+    sock.sendall(auth.HELLO[:4])
+    time.sleep(0.2)  # (the gate may look before the rest comes, or after: both are taken)
+    sock.sendall(auth.HELLO[4:])
+    assert auth.read_banner(sock) == {"secret"}
+    auth.client_handshake(sock, key)  # the server read the hello, not the proof, in those bytes
+    sock.close()
+    false = socket.create_connection(("127.0.0.1", secured))
+    false.sendall(auth.HELLO[:4])
+    time.sleep(0.2)
+    false.sendall(b"X" * 60)
+    assert auth.read_banner(false) == {"secret"}
+    with pytest.raises((rpycdl.AuthFailedError, ConnectionDroppedError)):  # closed (with unread bytes: reset)
+        auth.client_handshake(false, key)
+    false.close()
+    with rpycdl.connect(host="127.0.0.1", port=secured, secret_file=secret) as conn:  # and it serves on
+        assert conn.root.run_code(lambda x: x, 1) == 1
 
 
 def test_the_client_refuses_a_server_that_does_not_know_the_secret(server, secret, tmp_path):

@@ -17,7 +17,9 @@ from helpers import children, connection_processes, scrape, server_pid, server_p
 from rpyc.core.channel import Channel
 
 import rpycdl
-from rpycdl.security import auth
+from rpycdl.client import credentials
+from rpycdl.defaults import PER_SOURCE_STARTUPS
+from rpycdl.security import auth, tls
 
 FLOOD = str(Path(__file__).with_name("flood.py"))
 MiB = 1 << 20
@@ -102,6 +104,28 @@ def test_a_flood_from_another_address_keeps_no_user_out(server, cluster, team, m
 
 def test_a_flood_from_the_users_own_address_keeps_the_user_out_for_a_moment_at_most(server, cluster, team, monitor):
     _flood_while_a_user_works(server, cluster, team, monitor, "127.0.0.1")
+
+
+def _connected(hostile: subprocess.Popen[str]) -> int:
+    """How many times the flood has connected so far."""
+    assert hostile.stdin is not None and hostile.stdout is not None
+    hostile.stdin.write("\n")
+    hostile.stdin.flush()
+    return int(hostile.stdout.readline().split()[1])
+
+
+def test_a_client_that_said_hello_stays_while_the_flood_of_its_address_is_dropped_around_it(server, team):
+    """However slow the client is to go on after its hello, the gate drops only the flood's silent connections
+    of its address to make room, never this one: the user's place does not hang on the machine's speed."""
+    port = server("pytorch", "fake:2", *team.server_args())
+    context = credentials.resolve(**team.user("alice")).tls_context()
+    with flood("127.0.0.1", port) as hostile:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(auth.HELLO)
+        assert auth.read_banner(sock) == {"tls"}  # the gate took it
+        after = _connected(hostile) + 2 * PER_SOURCE_STARTUPS
+        wait_until(lambda: _connected(hostile) >= after, 60, "the flood of its address to be dropped and come again")
+        tls.connect(sock, context, "localhost").close()  # dropped meanwhile: ConnectionDroppedError
 
 
 # -- frames that announce more than the limit -------------------------------------------------------------------

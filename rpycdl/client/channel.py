@@ -55,7 +55,8 @@ class ClientSocketStream(BulkSocketStream):
 
 def _authenticate(sock: socket.socket, host: str, secret: bytes | None,
                   tls_context: ssl.SSLContext | None) -> socket.socket:
-    """Read the server's greeting and take every step it asks for; returns the socket to use."""
+    """Say hello, read the server's greeting and take every step it asks for; returns the socket to use."""
+    sock.sendall(auth.HELLO)
     modes = auth.read_banner(sock)
     missing = [mode for mode, have in (("tls", tls_context), ("secret", secret)) if mode in modes and not have]
     if missing or not modes <= {"tls", "secret"}:

@@ -8,9 +8,11 @@ answers `RPYCDL-REFUSED <why>` and closes, whatever its mode; a busy one drops a
 authenticating with `RPYCDL-BUSY <why>` (or, during TLS, a plain close), and the client connects again
 (ConnectionDroppedError). A server without authentication closes a connection that said nothing within its grace
 time with `RPYCDL-UNAUTHENTICATED <why>`: a client with credentials, waiting for a greeting, then knows that none
-will come. A client with credentials reads the greeting, then does every step it names (TLS first,
-then the secret), each of which also proves the server; a client without credentials sees the
-line where it expected RPyC's first reply. The greeting steers nothing the client has not
+will come. A client with credentials says `RPYCDL-HELLO` as soon as it is connected (HELLO: the gate knows it
+then for a client that speaks, and never drops it to make room for another of its address, as it drops a silent
+one; a server without authentication answers it with `RPYCDL-UNAUTHENTICATED` at once), reads the greeting,
+then does every step it names (TLS first, then the secret), each of which also proves the server; a client
+without credentials sees the line where it expected RPyC's first reply. The greeting steers nothing the client has not
 configured, so a forged one can only make a connection fail.
 
 The shared-secret handshake (HMAC-SHA256, fresh nonces both ways, so nothing can be replayed):
@@ -44,6 +46,10 @@ from rpycdl.security import tls
 NONCE = 32
 PROOF = hashlib.sha256().digest_size
 BANNER = b"RPYCDL-"
+HELLO = BANNER + b"HELLO\n"
+"""What a client with credentials sends as soon as it is connected, before the server's greeting. The server takes
+it and goes on; a client that does not send it (an older one) is served as well, but counts as silent until its
+first handshake bytes come."""
 MAX_BANNER = 512
 USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 """What a user name looks like (a certificate's common name, or a declared OS user)."""

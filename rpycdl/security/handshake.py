@@ -48,7 +48,8 @@ class ServerHandshake:
     """One connection's handshake. The gate calls advance() once at the start and whenever the socket is
     readable, until it returns True (then `sock`, TLS-wrapped if TLS was used, and `identity` are the
     connection's) or raises AuthFailedError (the client failed, or left). `heard` says whether the client has
-    sent anything yet; `deadline` is when the gate drops it."""
+    sent anything yet (a client with credentials says auth.HELLO as soon as it is connected, so that is usually
+    true from the start); `deadline` is when the gate drops it."""
 
     def __init__(self, sock: socket.socket, credentials: ServerCredentials, grace: float) -> None:
         sock.setblocking(False)
@@ -60,13 +61,12 @@ class ServerHandshake:
         self._credentials = credentials
         self._steps = self._run()
 
-    def advance(self, readable: bool = True) -> bool:
+    def advance(self) -> bool:
         """Take the steps the bytes that came allow; True once the client is in.
 
         Raises:
             AuthFailedError: the client failed a step, sent nonsense, or hung up.
         """
-        self.heard |= readable
         try:
             next(self._steps)
         except StopIteration:
@@ -74,29 +74,47 @@ class ServerHandshake:
         return False
 
     def _run(self) -> Steps:
-        mode, credentials = self._credentials.mode, self._credentials
-        if not mode:  # no authentication: the client is in once it has said something
-            yield from self._first_byte()
+        credentials = self._credentials
+        if not credentials.mode:  # no authentication: the client is in once it has said something
+            first = yield from self._first_bytes()
+            if auth.HELLO.startswith(first):  # a client with credentials (no RPyC frame starts so: 1.3 GB)
+                auth.unasked(self.sock, "this server asks for no credentials")
+                raise AuthFailedError("a client with credentials came, and this server asks for none")
             return
-        greeting = auth.BANNER + f"AUTH {mode}\n".encode()
+        # the greeting, and the secret's nonce with it where no TLS comes first; then the client's first bytes
+        nonce_s = os.urandom(auth.NONCE) if credentials.secret is not None else b""
+        greeting = auth.BANNER + f"AUTH {credentials.mode}\n".encode()
+        self._send(greeting if credentials.tls is not None else greeting + nonce_s)
+        yield from self._hello()
         if credentials.tls is not None:
-            self._send(greeting)
-            greeting = b""
             yield from self._tls(credentials.tls)
+            if nonce_s:
+                self._send(nonce_s)
         if credentials.secret is not None:
-            yield from self._secret(credentials.secret, greeting)
+            yield from self._secret(credentials.secret, nonce_s)
 
-    def _first_byte(self) -> Steps:
+    def _first_bytes(self) -> Generator[None, None, bytes]:
+        """Wait for the client's first bytes and return as many as a hello has, leaving them unread."""
         while True:
             try:
-                if self.sock.recv(1, socket.MSG_PEEK):
-                    return
+                first = self.sock.recv(len(auth.HELLO), socket.MSG_PEEK)
             except (BlockingIOError, InterruptedError):
                 yield
                 continue
             except OSError as exc:
-                raise AuthFailedError(f"the client left before its first request ({exc.strerror})") from None
-            raise AuthFailedError("the client left before its first request")
+                raise AuthFailedError(f"the client left before saying anything ({exc.strerror})") from None
+            if not first:
+                raise AuthFailedError("the client left before saying anything")
+            self.heard = True
+            return first
+
+    def _hello(self) -> Steps:
+        """Take the client's auth.HELLO, if its first bytes are that (an older client's go on to the handshake)."""
+        first = yield from self._first_bytes()
+        if first == auth.HELLO:
+            self.sock.recv(len(auth.HELLO))
+        elif auth.HELLO.startswith(first) and (yield from self._read(len(auth.HELLO))) != auth.HELLO:  # in pieces
+            raise AuthFailedError("the client sent neither a hello nor a handshake")
 
     def _tls(self, context: ssl.SSLContext) -> Steps:
         wrapped = context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
@@ -138,26 +156,29 @@ class ServerHandshake:
             pass
         raise failure
 
-    def _secret(self, secret: bytes, greeting: bytes) -> Steps:
-        nonce_s = os.urandom(auth.NONCE)
-        self._send(greeting + nonce_s)
-        reply = bytearray()
-        want = auth.NONCE + auth.PROOF
-        while len(reply) < want:
+    def _secret(self, secret: bytes, nonce_s: bytes) -> Steps:
+        """Check the client's proof of the secret (`nonce_s` was sent) and send ours."""
+        reply = yield from self._read(auth.NONCE + auth.PROOF, "the shared-secret handshake")
+        nonce_c, proof = reply[:auth.NONCE], reply[auth.NONCE:]
+        if not hmac.compare_digest(proof, auth.proof(secret, b"client", nonce_s, nonce_c)):
+            raise AuthFailedError("wrong shared secret")
+        self._send(auth.proof(secret, b"server", nonce_c, nonce_s))
+
+    def _read(self, count: int, during: str = "the handshake") -> Generator[None, None, bytes]:
+        """Read `count` bytes, as they come (`during` names the step, for errors)."""
+        data = bytearray()
+        while len(data) < count:
             try:
-                chunk = self.sock.recv(want - len(reply))
+                chunk = self.sock.recv(count - len(data))
             except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
                 yield
                 continue
             except OSError as exc:
-                raise AuthFailedError(f"the shared-secret handshake failed: {_reason(exc)}") from None
+                raise AuthFailedError(f"{during} failed: {_reason(exc)}") from None
             if not chunk:
-                raise AuthFailedError("the client left during the shared-secret handshake")
-            reply += chunk
-        nonce_c, proof = bytes(reply[:auth.NONCE]), bytes(reply[auth.NONCE:])
-        if not hmac.compare_digest(proof, auth.proof(secret, b"client", nonce_s, nonce_c)):
-            raise AuthFailedError("wrong shared secret")
-        self._send(auth.proof(secret, b"server", nonce_c, nonce_s))
+                raise AuthFailedError(f"the client left during {during}")
+            data += chunk
+        return bytes(data)
 
     def _send(self, data: bytes) -> None:
         """Send a few bytes at once: they fit in the socket's buffer, which the client has not filled."""

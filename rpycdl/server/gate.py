@@ -6,8 +6,10 @@ hands on the connections that got in (DLServer forks or wakes their connection p
 
 A connection that has not authenticated costs a socket and a few objects here: memory, no process. A new one
 from a source at its bound replaces the oldest of that source's that has sent nothing yet, so that a flood of
-silent connections from one address cannot keep a user of the same address out for long; it is dropped itself
-only when all of them are talking.
+silent connections from one address cannot keep a user of the same address out: rpycdl's client says hello
+(rpycdl.security.auth.HELLO) as soon as it is connected, before it waits in the listening socket's queue, so its
+connection has spoken by the time the gate takes it. A new one is dropped itself only when all of its source's
+are talking.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rpycdl.defaults import ACCEPT_BATCH
 from rpycdl.errors import AuthFailedError, InvalidRequestError
@@ -68,7 +70,7 @@ def parse_max_startups(text: str, ceiling: int) -> tuple[int, int, int]:
 class _Startup:
     handshake: ServerHandshake
     source: str
-    since: float = field(default_factory=time.monotonic)
+    fd: int  # the socket's, kept: a failed handshake may have closed it
 
 
 class Gate:
@@ -109,7 +111,7 @@ class Gate:
             elif callable(key.data):
                 key.data()
             elif self._pending.get(key.fd) is key.data:  # (not dropped earlier in this turn)
-                self._advance(key.data, True, done)
+                self._advance(key.data, done)
         if incoming:
             self._accept(done)
         self._expire()
@@ -126,10 +128,10 @@ class Gate:
             source = str(address[0])
             if not self._admit(sock, source):
                 continue
-            startup = _Startup(self._credentials.handshake(sock, self._startups.grace), source)
-            self._pending[sock.fileno()] = startup
-            self._selector.register(sock.fileno(), selectors.EVENT_READ, startup)
-            self._advance(startup, False, done)
+            startup = _Startup(self._credentials.handshake(sock, self._startups.grace), source, sock.fileno())
+            self._pending[startup.fd] = startup
+            self._selector.register(startup.fd, selectors.EVENT_READ, startup)
+            self._advance(startup, done)
 
     def _admit(self, sock: socket.socket, source: str) -> bool:
         """Whether a new connection may start its handshake, making room for it if its source is at its bound."""
@@ -152,9 +154,9 @@ class Gate:
             return False
         return True
 
-    def _advance(self, startup: _Startup, readable: bool, done: list[tuple[ServerHandshake, str]]) -> None:
+    def _advance(self, startup: _Startup, done: list[tuple[ServerHandshake, str]]) -> None:
         try:
-            complete = startup.handshake.advance(readable)
+            complete = startup.handshake.advance()
         except AuthFailedError as exc:
             self._forget(startup)
             startup.handshake.sock.close()
@@ -189,9 +191,8 @@ class Gate:
             auth.drop(sock, None if isinstance(sock, ssl.SSLSocket) else f"{why}; try again")
 
     def _forget(self, startup: _Startup) -> None:
-        fd = startup.handshake.sock.fileno()
-        del self._pending[fd]
-        self._selector.unregister(fd)
+        del self._pending[startup.fd]
+        self._selector.unregister(startup.fd)
 
     def close_in_child(self) -> None:
         """In a process just forked from the gate's: close its copies of the connections still authenticating
