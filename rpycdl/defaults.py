@@ -194,6 +194,12 @@ STARTUP_GRACE = 5.0
 """Seconds a connection may take to authenticate (and, on a server without authentication, to send its first
 byte) before the server drops it."""
 
+ACCEPT_DEFER = 1
+"""Seconds the kernel keeps a new connection that has sent nothing to itself before the server's gate is told
+of it (TCP_DEFER_ACCEPT): rpycdl's clients speak at once (a hello, or RPyC's first request) and go straight to
+the gate, while a flood of silent connections waits in the kernel rather than in the gate's queue before them
+(an older client with credentials, which waits for the greeting, waits this long too)."""
+
 ACCEPT_BATCH = 8
 """Connections the server parent accepts at most per turn of its loop, between turns that advance the handshakes
 already under way (so that a flood of new ones never starves those)."""

@@ -5,6 +5,9 @@ prints `holding COUNT` once all are open, `connected N` (how many times it conne
 reads, and the same at the end.
 
     python tests/flood.py SOURCE HOST PORT COUNT
+
+Its drivers start it with `start` (which returns once the server has dropped as many connections as it holds)
+and ask `connected` as they go.
 """
 
 from __future__ import annotations
@@ -13,8 +16,39 @@ import errno
 import resource
 import selectors
 import socket
+import subprocess
 import sys
 import threading
+import time
+
+
+def start(source: str, host: str, port: int, count: int, timeout: float = 60.0) -> subprocess.Popen[str]:
+    """Run the flood in a process of its own, and return once the server has taken and dropped `count` of its
+    connections (it sees silent ones only after the kernel has held them for rpycdl.defaults.ACCEPT_DEFER):
+    from then on the flood is at the server's gate. End it by closing its stdin (`communicate("")`).
+
+    Raises:
+        TimeoutError: the server had not dropped as many after `timeout` seconds.
+    """
+    process = subprocess.Popen([sys.executable, __file__, source, host, str(port), str(count)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().startswith(f"holding {count}")
+    deadline = time.monotonic() + timeout
+    while connected(process) < 2 * count:
+        if time.monotonic() > deadline:
+            process.communicate("", timeout=30)
+            raise TimeoutError(f"the server at {host}:{port} dropped fewer than {count} of the flood's connections "
+                               f"in {timeout:g} s")
+        time.sleep(0.05)
+    return process
+
+
+def connected(process: subprocess.Popen[str]) -> int:
+    """How many times the flood running as `process` (started by `start`) has connected so far."""
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write("\n")
+    process.stdin.flush()
+    return int(process.stdout.readline().split()[1])
 
 
 def _open(source: str, host: str, port: int) -> socket.socket:

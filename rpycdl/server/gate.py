@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rpycdl.defaults import ACCEPT_BATCH
+from rpycdl.defaults import ACCEPT_BATCH, ACCEPT_DEFER
 from rpycdl.errors import AuthFailedError, InvalidRequestError
 from rpycdl.security import auth
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
@@ -80,6 +80,7 @@ class Gate:
     def __init__(self, listener: socket.socket, credentials: ServerCredentials, startups: Startups,
                  tally: Tally, chance: Callable[[], float] = random.random) -> None:
         listener.setblocking(False)
+        listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, ACCEPT_DEFER)
         self._listener = listener
         self._credentials = credentials
         self._startups = startups
