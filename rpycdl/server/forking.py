@@ -219,9 +219,8 @@ class DLServer(ForkingServer):
                 self._refuse(sock, source, f"this server serves at most {limit} authenticated connections at once "
                                            "(--max-connections)")
             elif isinstance(sock, ssl.SSLSocket):  # TLS state cannot move to another process: fork one with it
-                pid = self._fork(lambda parent: self._serve(sock, handshake.identity, parent))
-                with self._forking:
-                    self._connections.add(pid)
+                with self._forking:  # forked and counted at once: the sweeper would kill it as a leftover between
+                    self._connections.add(self._fork(lambda parent: self._serve(sock, handshake.identity, parent)))
             elif len(self._spares) <= self._queued and self._fork_failed:
                 raise OSError("no spare connection process, and none could be forked")
             else:
