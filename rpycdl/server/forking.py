@@ -360,7 +360,10 @@ class DLServer(ForkingServer):
         grants of its dead connection processes; clear those of dead servers; end dead jobs' records; remove
         the files of jobs whose maker died before recording them."""
         ctx = self.context
-        clean = procs.kill_until_gone(self._adopted, KILL_WAIT)  # each is reaped by _handle_sigchld
+        adopted = self._adopted()
+        if adopted:
+            log.warning("killing processes left by dead connection processes: %s", adopted)
+        clean = not adopted or procs.kill_until_gone(self._adopted, KILL_WAIT)  # each reaped by _handle_sigchld
         if not clean:
             log.warning("processes left by dead connection processes still run after SIGKILL: %s", self._adopted())
 
