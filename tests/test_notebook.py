@@ -119,6 +119,10 @@ def test_an_interrupt_cancels_the_job_in_one_line_and_the_next_call_on_the_same_
     held: list[str] = []
 
     def interrupt_once_it_runs(cell: Cell) -> bool:
+        # once the job's output is in the cell: the client has read what came before it, the job's id among it
+        # (the server's holder record alone comes a moment before the client is told)
+        if "holding" not in cell.stream():
+            return False
         held.extend(holder["job_id"] for holder in _holders(mine))
         if held:
             notebook.interrupt()
