@@ -1,11 +1,12 @@
 """The self-test's checks of warm starts and of isolation on real GPUs (rpycdl.site.selftest runs them): a
-CUDA call through a server whose forkserver preloaded torch, a job of a second account seeing exactly its
-GPU, and the watchdog stopping a job that reaches a GPU it was not granted."""
+CUDA call through a server whose forkserver preloaded torch, CUDA calls on a warm session, a job of a second
+account seeing exactly its GPU, and the watchdog stopping a job that reaches a GPU it was not granted."""
 
 from __future__ import annotations
 
 import os
 import pwd
+import statistics
 import subprocess
 import tempfile
 import time
@@ -14,6 +15,9 @@ from typing import Any
 import rpycdl
 from rpycdl.gpu.inventory import GPU
 from rpycdl.site.local import LocalCluster
+
+_warm: Any = None
+"""What a session's first call of warm_session leaves on its GPU (in the session's process)."""
 
 SECOND_ACCOUNT = "rpycdl-selftest"
 """The account the second-account check runs a job as (made if missing)."""
@@ -48,6 +52,24 @@ def _reach_other(indices: list[int]) -> str:
     return f"still running with {held.numel()} floats on GPU {other}"
 
 
+def _session_load(_: Any) -> dict[str, Any]:
+    """Runs in a session: puts a tensor on the session's GPU, where the next calls find it."""
+    import os
+
+    import torch
+
+    global _warm
+    _warm = torch.zeros(256, device="cuda")
+    return {"count": torch.cuda.device_count(), "granted": os.environ["RPYCDL_GPU_UUIDS"],
+            "uuid": str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))}
+
+
+def _session_step(_: Any) -> float:
+    """Runs in a session after _session_load: one small CUDA kernel on the tensor it left, waited for."""
+    _warm.add_(1)
+    return float(_warm[0])
+
+
 def forkserver_untouched(server: int) -> str:
     """The server parent and its forkserver hold no GPU device open (promise 6, with a preload)."""
     found = []
@@ -75,6 +97,25 @@ def preloaded_cuda_call(port: int, server: int) -> str:
     untouched = forkserver_untouched(server)
     return (f"torch was imported when each job started; call to result {', '.join(f'{t:.2f}' for t in times)} s "
             f"(target: under 0.6 s); {untouched}")
+
+
+def warm_session(port: int) -> str:
+    """A session with one GPU: a first call loads a tensor onto it, then 20 calls each run a kernel on that
+    tensor; the first call's time and the others' median and slowest."""
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn, conn.root.session(ngpus=1) as session:
+        start = time.perf_counter()
+        seen = session.run(_session_load)
+        first = time.perf_counter() - start
+        times = []
+        for step in range(1, 21):
+            start = time.perf_counter()
+            value = session.run(_session_step)
+            times.append(time.perf_counter() - start)
+            assert value == step, f"call {step} found the tensor at {value}: the session lost its globals"
+    assert seen["count"] == 1 and seen["granted"].endswith(seen["uuid"].removeprefix("GPU-")), seen
+    median = statistics.median(times) * 1e3
+    return (f"first call (import, CUDA context, tensor) {first:.2f} s; then a CUDA call {median:.2f} ms at the median, "
+            f"{max(times) * 1e3:.2f} ms at most, of 20 (target: under 5 ms); the session saw only {seen['granted']}")
 
 
 def second_account(gpus: list[GPU]) -> str:

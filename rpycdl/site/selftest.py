@@ -212,6 +212,8 @@ def run_selftest(report_path: str | None = None) -> int:
                      "(where there is another)", lambda: _least_busy(gpus))
         report.check("a CUDA call through run_code on a server whose forkserver preloaded torch",
                      lambda: selfchecks.preloaded_cuda_call(port, server.popen.pid))
+        report.check("CUDA calls on a warm session find what its first call left on the GPU",
+                     lambda: selfchecks.warm_session(port))
         report.check("a job of a second account sees exactly its GPU", lambda: selfchecks.second_account(gpus))
         report.check("a job reaching a GPU it was not granted is stopped by the watchdog",
                      lambda: selfchecks.reaching_another_gpu(port, gpus))
