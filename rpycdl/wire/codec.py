@@ -1,6 +1,7 @@
 """What travels between client, connection process and job process: dill payloads and outcomes.
 
-A payload is `MAGIC + (major, minor) + dill((fn, args, fn_is_dill))`: the Python version comes
+A payload is `MAGIC + (major, minor) + dill((fn, args, fn_is_dill))` (fn as dill bytes of its own where
+the client keeps them between calls: rpycdl.wire.function_bytes): the Python version comes
 first so a server can refuse code from another Python before unpickling anything. After that pickle
 may come a second one: the source lines of the client's own functions (rpycdl.wire.tracebacks), which
 the job puts in linecache so that its traceback shows them; a server before them reads the first pickle
@@ -33,7 +34,7 @@ from typing import IO, Any
 import dill
 
 from rpycdl.errors import InvalidRequestError, RemoteError, RpycdlError, VersionMismatchError
-from rpycdl.wire import tracebacks
+from rpycdl.wire import function_bytes, tracebacks
 
 MAGIC = b"RPYCDL1"
 PYTHON = sys.version_info[:2]
@@ -153,7 +154,8 @@ def encode_call(fn: Any, args: Any, out_of_band: bool = True) -> tuple[bytes, li
     if fn_is_dill:
         check_pickle(bytes(fn), "fn")  # refuse unreadable dill bytes here, not after waiting for GPUs
     try:
-        body, buffers = dumps((bytes(fn) if fn_is_dill else fn, args, fn_is_dill), out_of_band)
+        sent = bytes(fn) if fn_is_dill else function_bytes.kept(fn, lambda kept: dumps(kept)[0])
+        body, buffers = dumps((fn if sent is None else sent, args, sent is not None), out_of_band)
     except MemoryError:
         raise
     except Exception as exc:  # one line naming what could not be pickled, not dill's frames
@@ -169,7 +171,7 @@ def _unsendable(fn: Any, args: Any, exc: Exception) -> str:
     code = getattr(fn, "__code__", None)
     parts: list[tuple[str, Any]] = []
     if isinstance(code, types.CodeType):
-        names = _global_names(code)
+        names = function_bytes.global_names(code)
         parts += [(f"{fn.__name__}'s global {name!r}", fn.__globals__[name]) for name in names
                   if name in fn.__globals__]
         for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
@@ -186,15 +188,6 @@ def _unsendable(fn: Any, args: Any, exc: Exception) -> str:
                    "create or import it inside the function, or pass what the function needs as its argument")
             return f"{what} ({type(value).__name__}) cannot be sent: {_first_line(part_exc)}; {fix}"
     return f"the call cannot be sent: {_first_line(exc)}"
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-    """The names `code` and the functions defined in it look up, in order, each once."""
-    names = dict.fromkeys(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.update(dict.fromkeys(_global_names(const)))
-    return list(names)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -269,8 +262,11 @@ def load_call(body: bytes, buffers: Sequence[Any] = ()) -> tuple[Any, Any]:
         raise InvalidRequestError(f"the payload holds a {type(call).__name__}, not an rpycdl call")
     fn, args, fn_is_dill = call
     if fn_is_dill:
-        check_pickle(fn, "fn")
-        fn = dill.loads(fn)
+        try:
+            fn = dill.loads(fn)
+        except Exception:
+            check_pickle(fn, "fn")  # unreadable bytes are told as such; a function that cannot be built as what it is
+            raise
     if not callable(fn):
         raise InvalidRequestError(f"the payload holds a {type(fn).__name__}, not a callable")
     return fn, args
