@@ -354,7 +354,7 @@ class JobProcess:
         """Forward output and read the result until the job ends, or must (run's loop)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         open_fds = [self._out, self._err, self._res]
-        next_stop_check, next_reap = 0.0, time.monotonic() + STOP_POLL
+        next_stop_check = next_reap = time.monotonic() + STOP_POLL  # a call that ends sooner reads no ledger
         ending: Ending | None = None
         reason = ""
         while ending is None:

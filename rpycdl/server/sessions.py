@@ -54,7 +54,7 @@ class SessionFlow(JobFlow):
             record.error, record.error_type = str(exc) or type(exc).__name__, type(exc).__name__
             self.close()
             raise
-        self.opened = self._active = time.monotonic()
+        self.opened = self._active = self._looked = time.monotonic()
         self._saved = 0.0
         self._interrupted: float | None = None
         self._watch = self._stopper()  # between calls: a cancel, or the watchdog (one that lasts: it counts time)
@@ -107,11 +107,15 @@ class SessionFlow(JobFlow):
         timeout = self.request.timeout
         return None if timeout is None else max(0.001, timeout - (time.monotonic() - self.opened))
 
-    def tick(self) -> None:
-        """Between calls: end the session if its process died, it was cancelled, it was idle for its
-        idle_timeout or alive for its timeout, or the watchdog stops it."""
+    def tick(self) -> float:
+        """Between calls, every SESSION_TICK seconds (a connection serves a request at a time, and asks after
+        each): end the session if its process died, it was cancelled, it was idle for its idle_timeout or
+        alive for its timeout, or the watchdog stops it. Returns seconds until the next look."""
         job, now = self.job, time.monotonic()
         assert job is not None
+        if now - self._looked < SESSION_TICK:  # a call just ran: a look (a ledger read, NVML's) waits its time
+            return SESSION_TICK - (now - self._looked)
+        self._looked = now
         idle = self.request.idle_timeout or SESSION_IDLE_TIMEOUT
         why: tuple[runner.Ending, str] | None = None
         if job.ended():
@@ -124,6 +128,7 @@ class SessionFlow(JobFlow):
             why = self._watch(job.pid)
         if why is not None:
             self._end_with(runner.Result(*why[:1], reason=why[1]))
+        return SESSION_TICK
 
     def close(self, reason: str = "") -> None:
         """End the session: its process and what it started go, then its GPUs; its row says how it ended
@@ -208,8 +213,7 @@ class SessionCalls:
         """Look at the open session between calls (SessionFlow.tick); seconds until the next look."""
         if self._session is None or not self._session.open_now:
             return 1.0
-        self._session.tick()
-        return SESSION_TICK
+        return self._session.tick()
 
     def end_session(self, reason: str) -> None:
         """End the open session, if any (its client went)."""
