@@ -334,7 +334,11 @@ def _answer(go: Go, buffers: list[Any], res_w: int, namespace: SessionGlobals | 
     sys.stdout.flush()
     sys.stderr.flush()
     layout = codec.layout(result)
-    write_all(res_w, COUNT.pack(len(layout)) + b"".join(ENTRY.pack(*entry) for entry in layout))
+    header = COUNT.pack(len(layout)) + b"".join(ENTRY.pack(*entry) for entry in layout)
+    if not result:  # one write: the connection process wakes once
+        write_all(res_w, header + SIZE.pack(len(outcome)) + outcome)
+        return
+    write_all(res_w, header)
     for buffer in result:
         with buffer.raw() as view:
             bulk.lend_to_pipe(res_w, view)
