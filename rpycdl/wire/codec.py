@@ -28,7 +28,7 @@ import pickletools
 import sys
 import traceback
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import dill
@@ -254,22 +254,27 @@ def load_call(body: bytes, buffers: Sequence[Any] = ()) -> tuple[Any, Any]:
         call = dill.Unpickler(file, buffers=buffers).load()
         trailer = file.read()
         if trailer:
-            check_pickle(trailer, "the payload's source lines")
-            tracebacks.remember(pickle.loads(trailer))
+            tracebacks.remember(_loads_checked(trailer, "the payload's source lines", pickle.loads))
     except pickle.UnpicklingError as exc:  # opcodes that read well but do not build (b"." alone)
         raise InvalidRequestError(f"the payload is not readable dill data ({exc})") from None
     if not isinstance(call, tuple) or len(call) != 3:
         raise InvalidRequestError(f"the payload holds a {type(call).__name__}, not an rpycdl call")
     fn, args, fn_is_dill = call
     if fn_is_dill:
-        try:
-            fn = dill.loads(fn)
-        except Exception:
-            check_pickle(fn, "fn")  # unreadable bytes are told as such; a function that cannot be built as what it is
-            raise
+        fn = _loads_checked(fn, "fn", dill.loads)
     if not callable(fn):
         raise InvalidRequestError(f"the payload holds a {type(fn).__name__}, not a callable")
     return fn, args
+
+
+def _loads_checked(data: bytes, what: str, loads: Callable[[bytes], Any]) -> Any:
+    """`loads(data)`; if it fails, InvalidRequestError where the bytes are not a pickle at all (check_pickle,
+    which walks every opcode in Python: only then), else the failure itself (a module the server lacks)."""
+    try:
+        return loads(data)
+    except Exception:
+        check_pickle(data, what)
+        raise
 
 
 def encode_value(value: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
