@@ -279,12 +279,41 @@ def _loads_checked(data: bytes, what: str, loads: Callable[[bytes], Any]) -> Any
 
 def encode_value(value: Any, out_of_band: bool = False) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """Serialise a return value, and (with `out_of_band`) return its large buffers beside it; a
-    value dill cannot serialise becomes an error outcome."""
+    value dill cannot serialise becomes an error outcome. Small plain data (`plain`) takes the standard
+    pickler: dill's, pure Python, costs a fresh job process about 0.3 ms for a pair of floats, the standard
+    one 0.05 ms."""
+    if plain(value):
+        return encode_data(value), []
     try:
         body, buffers = dumps(value, out_of_band)
     except Exception as exc:
         return encode_error(TypeError(f"the job's return value could not be serialised: {exc}"), tb=""), []
     return OK + body, buffers
+
+
+PLAIN_MAX = 256
+"""Most items (scalars and containers, counted together) a value `plain` accepts."""
+_SCALARS = (type(None), bool, int, float, complex)
+_CONTAINERS = (tuple, list, dict, set, frozenset)
+
+
+def plain(value: Any) -> bool:
+    """Whether `value` is small plain data, which the standard pickler writes as dill would: None, numbers,
+    strings and bytes under OUT_OF_BAND_MIN, and tuples, lists, dicts and sets of them (those types exactly,
+    no subclass: a named tuple or an enum of the job's script is dill's), PLAIN_MAX items in all."""
+    todo, count = [value], 0
+    while todo:
+        item = todo.pop()
+        count += 1
+        kind = type(item)
+        if count > PLAIN_MAX:
+            return False
+        if kind in _SCALARS or (kind in (str, bytes) and len(item) < OUT_OF_BAND_MIN):
+            continue
+        if kind not in _CONTAINERS or len(item) > PLAIN_MAX:
+            return False
+        todo.extend(item.items() if kind is dict else item)
+    return True
 
 
 def encode_ok(value: Any) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import sys
 
 import dill
@@ -106,3 +107,36 @@ def test_a_call_that_cannot_be_pickled_is_refused_in_one_line_naming_the_culprit
     with pytest.raises(InvalidRequestError, match=refusal) as refused:
         codec.encode_call(fn, args)
     assert "\n" not in str(refused.value) and refused.value.__cause__ is None
+
+
+PLAIN_DATA = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+                          | st.binary(), lambda inner: st.lists(inner, max_size=5) | st.tuples(inner, inner)
+                          | st.dictionaries(st.text(max_size=5), inner, max_size=5), max_leaves=40)
+
+
+@given(PLAIN_DATA)
+def test_small_plain_data_is_pickled_by_the_standard_pickler_into_the_bytes_dill_writes(value):
+    assert codec.plain(value)
+    outcome, buffers = codec.encode_value(value, out_of_band=True)
+    assert outcome == codec.OK + pickle.dumps(value, protocol=5) == codec.OK + codec.dumps(value, True)[0]
+    assert buffers == [] and codec.decode_outcome(outcome) == value
+
+
+class Pair(tuple):  # a tuple subclass, as a named tuple of the job's script is
+    pass
+
+
+@pytest.mark.parametrize("value", [Pair((1, 2)), [0] * (codec.PLAIN_MAX + 1), bytes(codec.OUT_OF_BAND_MIN),
+                                   {"nested": [[0] * 200, [0] * 200]}, {1, 2, len}, object()],
+                         ids=["subclass", "too many items", "large bytes", "too many items nested", "a function",
+                              "an object"])
+def test_anything_else_stays_with_dill(value):
+    assert not codec.plain(value)
+
+
+def test_a_list_holding_itself_is_not_plain_and_still_travels():
+    value: list[object] = [1]
+    value.append(value)
+    assert not codec.plain(value)
+    back = codec.decode_outcome(codec.encode_value(value)[0])
+    assert back[0] == 1 and back[1] is back
