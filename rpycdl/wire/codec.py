@@ -143,7 +143,9 @@ def _version_text(version: tuple[int, int]) -> str:
 
 
 def encode_call(fn: Any, args: Any, out_of_band: bool = True) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    """Serialise a call for the server. `fn` may be a callable or dill bytes of one.
+    """Serialise a call for the server. `fn` may be a callable or dill bytes of one. A function whose bytes are
+    kept (function_bytes) with plain arguments (`plain`) is pickled by the standard pickler, into the bytes dill
+    writes: dill's own, in Python, cost a session call about 0.01 ms more.
 
     Returns:
         The payload, and the buffers left out of it (none without `out_of_band`).
@@ -155,7 +157,11 @@ def encode_call(fn: Any, args: Any, out_of_band: bool = True) -> tuple[bytes, li
         check_pickle(bytes(fn), "fn")  # refuse unreadable dill bytes here, not after waiting for GPUs
     try:
         sent = bytes(fn) if fn_is_dill else function_bytes.kept(fn, lambda kept: dumps(kept)[0])
-        body, buffers = dumps((fn if sent is None else sent, args, sent is not None), out_of_band)
+        call = (fn if sent is None else sent, args, sent is not None)
+        if sent is not None and plain(call):  # the function as bytes, plain arguments: no dill needed
+            body, buffers = pickle.dumps(call, protocol=5), []
+        else:
+            body, buffers = dumps(call, out_of_band)
     except MemoryError:
         raise
     except Exception as exc:  # one line naming what could not be pickled, not dill's frames

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rpycdl.errors import InvalidRequestError, RemoteError, VersionMismatchError
-from rpycdl.wire import codec
+from rpycdl.wire import codec, function_bytes
 
 
 def test_a_call_round_trips_with_its_large_buffers_beside_it():
@@ -120,6 +120,20 @@ def test_small_plain_data_is_pickled_by_the_standard_pickler_into_the_bytes_dill
     outcome, buffers = codec.encode_value(value, out_of_band=True)
     assert outcome == codec.OK + pickle.dumps(value, protocol=5) == codec.OK + codec.dumps(value, True)[0]
     assert buffers == [] and codec.decode_outcome(outcome) == value
+
+
+def _double(x):
+    return 2 * x
+
+
+@given(PLAIN_DATA)
+def test_a_call_of_plain_arguments_is_pickled_by_the_standard_pickler_into_the_bytes_dill_writes(args):
+    payload, buffers = codec.encode_call(_double, args)
+    body = codec.check_payload(payload)
+    sent = function_bytes.kept(_double, lambda fn: codec.dumps(fn)[0])
+    assert buffers == [] and body == codec.dumps((sent, args, True), True)[0]
+    fn, loaded = codec.load_call(body)
+    assert loaded == args and fn(3) == 6
 
 
 class Pair(tuple):  # a tuple subclass, as a named tuple of the job's script is
