@@ -5,6 +5,7 @@ second (promise 3). Real servers and clients."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -40,10 +41,18 @@ def _make_calls():
     def fail(_):
         raise ValueError("on purpose")
 
-    return load, use, fail
+    def say(text_and_size):
+        import sys
+
+        text, size = text_and_size
+        print(text)
+        print(text.upper(), file=sys.stderr)
+        return bytes(size)
+
+    return load, use, fail, say
 
 
-load, use, fail = _make_calls()
+load, use, fail, say = _make_calls()
 MODEL = None  # the script's own, sent with `use`: the session's, once a call assigned it, wins
 
 
@@ -65,6 +74,21 @@ def test_a_session_keeps_its_globals_and_process_between_calls_and_survives_an_e
     wait_until(lambda: idle(conn), GRACE, "the GPUs to be free")
     assert not os.path.exists(f"/proc/{pid}") or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert conn.root.run_code(lambda x: x, "after") == "after"  # the connection serves jobs again
+
+
+def test_each_call_streams_where_it_says_and_large_results_come_back_out_of_band_on_every_call(server, connect):
+    """The client sends its receiver and sinks once per session (the server keeps them); a call that names
+    other streams gets its output there, and the next call that names the first ones again, there."""
+    conn = connect(server("pytorch", "fake:1"))
+    first, second, errors = io.StringIO(), io.StringIO(), io.StringIO()
+    large = 2 << 20  # out of band (over wire.codec.OUT_OF_BAND_MIN)
+    with conn.root.session(ngpus=1) as session:
+        assert session.run(say, ("one", 1), stdout=first, stderr=errors) == bytes(1)
+        assert session.run(say, ("two", large), stdout=first, stderr=errors) == bytes(large)
+        assert session.run(say, ("three", large), stdout=second, stderr=errors) == bytes(large)
+        assert session.run(say, ("four", 2), stdout=first, stderr=errors) == bytes(2)
+    assert first.getvalue() == "one\ntwo\nfour\n" and second.getvalue() == "three\n"
+    assert errors.getvalue() == "ONE\nTWO\nTHREE\nFOUR\n"
 
 
 def test_a_session_waits_its_turn_like_any_job(server, connect, tmp_path):

@@ -44,6 +44,7 @@ class Session:
         self.id: str | None = None
         self.uuids: list[str] = []
         self._calls: int | None = None  # once closed: how many calls it ran
+        self._callbacks: tuple[Any, ...] = (None, None, None)  # the server keeps them: sent once (run)
 
     def open(self) -> Session:
         """Wait in line for the GPUs (saying so where a person looks, as run_code does), then hold them and a
@@ -100,8 +101,10 @@ class Session:
         send = functools.partial(self._root._send, buffers) if buffers else None
         out, err = stdout or sys.stdout, stderr or sys.stderr
         with self._root._receiver.taken(received) as receive:
-            outcome = self._interruptible(conn, "session_call", payload, layout, send, receive, sink(out), sink(err),
-                                          timeout)
+            callbacks = (receive, sink(out), sink(err))
+            sent = [None if new is kept else new for new, kept in zip(callbacks, self._callbacks, strict=True)]
+            self._callbacks = callbacks  # the server takes them first thing, before it may refuse the call
+            outcome = self._interruptible(conn, "session_call", payload, layout, send, *sent, timeout)
         return codec.decode_outcome(outcome, received)
 
     def close(self) -> int:

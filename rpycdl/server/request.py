@@ -40,7 +40,8 @@ SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "i
 """The options of `session_open`."""
 
 SESSION_CALL_OPTIONS = ("stdout", "stderr", "timeout")
-"""The options of `session_call` after the payload, its layout and the client's send and receive callbacks."""
+"""The options of `session_call` after the payload, its layout and the client's send and receive callbacks (each
+of receive, stdout and stderr that is None: the session's, as its last call gave it)."""
 
 MAX_NAME = 64
 """The longest name a detached job may have."""

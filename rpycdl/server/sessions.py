@@ -55,9 +55,21 @@ class SessionFlow(JobFlow):
             self.close()
             raise
         self.opened = self._active = self._looked = time.monotonic()
+        self._callbacks: tuple[Any, ...] = (None, None, None)  # receive, stdout, stderr (callbacks)
         self._saved = 0.0
         self._interrupted: float | None = None
         self._watch = self._stopper()  # between calls: a cancel, or the watchdog (one that lasts: it counts time)
+
+    def callbacks(self, given: tuple[Any, ...], keep: Callable[..., Any]) -> tuple[Any, ...]:
+        """A call's (receive, stdout, stderr): those `given`, and the session's where one is None; the session
+        keeps them for its next calls. Those replaced are handed to `keep` (ConnectionLink.keep_sinks), which
+        lets go of them after a reply, not during the call."""
+        before = self._callbacks
+        self._callbacks = tuple(old if new is None else new for new, old in zip(given, before, strict=True))
+        replaced = [old for old, new in zip(before, self._callbacks, strict=True) if old is not new]
+        if replaced:
+            keep({}, *replaced)
+        return self._callbacks
 
     @property
     def open_now(self) -> bool:
@@ -180,10 +192,15 @@ class SessionCalls:
     def exposed_session_call(self, payload: bytes, layout: Any, send: Callable[[], None] | None,
                              receive: Callable[[Any], None] | None, *args: Any, **kwargs: Any) -> bytes:
         """Run a call in the open session (as run_buffers runs a job); request.SESSION_CALL_OPTIONS after the
-        client's callbacks. Returns outcome bytes."""
+        client's callbacks. Its result's receiver and its output's sinks (stdout, stderr) are the session's
+        from the call that gives them on: a call that gives None for one uses the one given last, so that an
+        rpycdl client sends them once (RPyC passes each by reference: a proxy made and looked up each call).
+        Returns outcome bytes."""
         try:
             session = self._open_session()
-            options = self.keep_sinks(request.named(request.SESSION_CALL_OPTIONS, args, kwargs), receive)
+            options = request.named(request.SESSION_CALL_OPTIONS, args, kwargs)
+            receive, options["stdout"], options["stderr"] = session.callbacks(
+                (receive, options.get("stdout"), options.get("stderr")), self.keep_sinks)
             layout = codec.check_layout(layout)
             request.check_size(payload, "payload", self.context.limits.max_payload, codec.layout_bytes(layout))
             body = codec.check_payload(payload, len(layout))
