@@ -9,6 +9,7 @@ makespan workload, measured after rpycdl's servers are stopped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import platform
@@ -18,12 +19,17 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import rpyc
 
 import rpycdl
 from rpycdl.site.local import LocalCluster
+
+
+def ms(milliseconds: float) -> str:
+    """Milliseconds as the tables show them: to 0.01 ms under 1 ms, to 0.1 ms above."""
+    return f"{milliseconds:.2f} ms" if milliseconds < 1 else f"{milliseconds:.1f} ms"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,42 +78,57 @@ server.start()
 def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
     """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method,
     close; the times, and CPU seconds per call (timed_cpu)."""
-    return _bare_rpyc(n, keep_open=False)
+    return _bare_rpyc(n)
 
 
-def bare_rpyc_open_call(n: int) -> tuple[list[float], float]:
-    """Baseline: a trivial method of a plain RPyC ForkingServer called on a connection kept open."""
-    return _bare_rpyc(n, keep_open=True)
-
-
-def _bare_rpyc(n: int, keep_open: bool) -> tuple[list[float], float]:
+@contextlib.contextmanager
+def echo_server() -> Iterator[int]:
+    """A plain RPyC ForkingServer (in its own process) with one trivial method; its port."""
     server = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
-    port = int(server.stdout.readline())
-    kept = rpyc.connect("127.0.0.1", port) if keep_open else None
-
-    def call() -> None:
-        if kept is not None:
-            kept.root.echo(1)
-            return
-        conn = rpyc.connect("127.0.0.1", port)
-        conn.root.echo(1)
-        conn.close()
-
     try:
-        return timed_cpu(call, n)
+        yield int(server.stdout.readline())
     finally:
-        if kept is not None:
-            kept.close()
         server.terminate()
         server.wait()
 
 
-def session_call(port: int, n: int) -> tuple[list[float], float]:
-    """A trivial function called on a session kept open (its GPU and process held between calls)."""
-    with rpycdl.connect(host="127.0.0.1", port=port) as conn, conn.root.session(ngpus=1) as session:
-        session.run(trivial, 1)  # its first call is the same as any other's: measured from the second
-        return timed_cpu(lambda: session.run(trivial, 1), n)
+def _bare_rpyc(n: int) -> tuple[list[float], float]:
+    with echo_server() as port:
+        def call() -> None:
+            conn = rpyc.connect("127.0.0.1", port)
+            conn.root.echo(1)
+            conn.close()
+
+        return timed_cpu(call, n)
+
+
+SESSION_BLOCK = 100
+"""Calls per block when a session call and its baseline alternate (session_call)."""
+
+
+def session_call(port: int, n: int) -> tuple[list[float], list[float], float]:
+    """A trivial function called on a session kept open (its GPU and process held between calls), and its
+    baseline, a trivial method of a plain RPyC ForkingServer called on a connection kept open: `n` of each, in
+    alternating blocks of SESSION_BLOCK, so that the machine's drift falls on both alike. Their times, and the
+    machine's CPU seconds per session call."""
+    session_times: list[float] = []
+    bare_times: list[float] = []
+    cpu = 0.0
+    with (echo_server() as echo_port, rpycdl.connect(host="127.0.0.1", port=port) as conn,
+          conn.root.session(ngpus=1) as session):
+        bare = rpyc.connect("127.0.0.1", echo_port)
+        try:
+            session.run(trivial, 1)  # their first calls are like no other: measured from the second
+            bare.root.echo(1)
+            for _ in range(max(1, n // SESSION_BLOCK)):
+                times, per_call = timed_cpu(lambda: session.run(trivial, 1), SESSION_BLOCK)
+                session_times += times
+                cpu += per_call * SESSION_BLOCK
+                bare_times += timed(lambda: bare.root.echo(1), SESSION_BLOCK)
+        finally:
+            bare.close()
+    return session_times, bare_times, cpu / len(session_times)
 
 
 def _jobs() -> tuple[Callable[[int], int], Callable[[float], tuple[float, float]]]:
@@ -345,8 +366,7 @@ def main() -> None:
         rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
         kept, kept_cpu = open_connection_round_trip(port, n)
         rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
-        open_call, _ = bare_rpyc_open_call(n)
-        in_session, session_cpu = session_call(port, n)
+        in_session, open_call, session_cpu = session_call(port, 10 * n)  # 0.5 ms each: 10 times as many
         rows.append(("call on an open session (ngpus=1)", in_session, open_call, "bare RPyC call, open connection"))
         if not args.round_trip:
             gaps = hand_off(port, 10 if args.quick else 40)
@@ -361,10 +381,10 @@ def main() -> None:
     for name, samples, baseline, what in rows:
         p50, p99 = percentile(samples, 50) * 1e3, percentile(samples, 99) * 1e3
         if baseline is None:
-            print(f"| {name} | {p50:.1f} ms | {p99:.1f} ms | | | {what} |")
+            print(f"| {name} | {ms(p50)} | {ms(p99)} | | | {what} |")
         else:
             b50 = percentile(baseline, 50) * 1e3
-            print(f"| {name} | {p50:.1f} ms | {p99:.1f} ms | {b50:.1f} ms | {p50 / b50:.2f}x | {what} |")
+            print(f"| {name} | {ms(p50)} | {ms(p99)} | {ms(b50)} | {p50 / b50:.2f}x | {what} |")
     if not args.round_trip:
         print(f"| makespan, 200 x 50 ms jobs, 8 clients, fake:4, mixed ngpus | {measured:.2f} s | | {ideal:.2f} s "
               f"| {measured / ideal:.2f}x | ideal (GPU-seconds / 4) |")
@@ -389,7 +409,7 @@ def main() -> None:
         print(f"| {name} | {r50:.1f} ms | {r99:.1f} ms | {o50:.1f} ms | {r50 / o50:.2f}x p50, {r99 / o99:.2f}x p99 |")
     s50 = percentile(in_session, 50) * 1e3
     r50 = percentile(theirs["round_trip"], 50) * 1e3
-    print(f"| Ray's reused worker against a call on an open session | {r50:.1f} ms | | {s50:.1f} ms (session) "
+    print(f"| Ray's reused worker against a call on an open session | {r50:.1f} ms | | {ms(s50)} (session) "
           f"| {r50 / s50:.2f}x |")
     first = theirs["first"] * 1e3
     print(f"| first task after ray.init | {first:.0f} ms | | {o50:.1f} ms | {first / o50:.0f}x |")
