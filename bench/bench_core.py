@@ -51,6 +51,40 @@ def timed_cpu(fn: Callable[[], object], n: int) -> tuple[list[float], float]:
     return samples, (busy_seconds() - start) / n
 
 
+def _process_cpu() -> dict[int, tuple[float, float, str]]:
+    """Each process's CPU seconds, its reaped children's, and its command line (Linux's /proc)."""
+    found = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline") as cmdline:
+                fields, command = stat.read().rsplit(")", 1)[1].split(), cmdline.read().replace("\0", " ")
+        except OSError:  # gone meanwhile
+            continue
+        found[int(pid)] = ((int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick,
+                           command)
+    return found
+
+
+def cpu_by_process(fn: Callable[[], object], n: int) -> dict[str, float]:
+    """CPU seconds per call of `fn`, by who spent them: this client, rpycdl's server and connection processes,
+    its forkserver (forking), and the job processes it forked (counted as it reaps them)."""
+    before = _process_cpu()
+    for _ in range(n):
+        fn()
+    spent = {"client": 0.0, "server and connection processes": 0.0, "forkserver": 0.0, "job processes": 0.0}
+    for pid, (own, reaped, command) in _process_cpu().items():
+        was = before.get(pid, (0.0, 0.0, ""))
+        if pid == os.getpid():
+            spent["client"] += own - was[0]
+        elif "rpycdl.server.forkserver" in command and pid in before:  # not a job forked meanwhile
+            spent["forkserver"] += own - was[0]
+            spent["job processes"] += reaped - was[1]
+        elif "rpycdl serve" in command:
+            spent["server and connection processes"] += own - was[0]
+    return {who: seconds / n for who, seconds in spent.items()}
+
+
 def timed(fn: Callable[[], object], n: int) -> list[float]:
     samples = []
     for _ in range(n):
@@ -365,6 +399,8 @@ def main() -> None:
         ours, ours_cpu = rpycdl_round_trip(port, n)
         rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
         kept, kept_cpu = open_connection_round_trip(port, n)
+        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+            by_process = cpu_by_process(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
         rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
         in_session, open_call, session_cpu = session_call(port, 10 * n)  # 0.5 ms each: 10 times as many
         rows.append(("call on an open session (ngpus=1)", in_session, open_call, "bare RPyC call, open connection"))
@@ -397,6 +433,8 @@ def main() -> None:
           f"{base_cpu * 1e3:.1f} ms ({ours_cpu / base_cpu:.2f}x), rpycdl on an open connection "
           f"{kept_cpu * 1e3:.1f} ms, a call on an open session {session_cpu * 1e3:.1f} ms; "
           f"{multiprocessing.cpu_count()} cores")
+    print("CPU per run ngpus=1 on an open connection, by process: " +
+          ", ".join(f"{who} {seconds * 1e3:.2f} ms" for who, seconds in by_process.items()))
     theirs = None if args.no_ray or args.round_trip else ray_benchmarks(n, 200, 8)
     if theirs is None:
         return
