@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pickle
 import signal
@@ -10,7 +11,7 @@ import socket
 import time
 
 import pytest
-from helpers import Background, gate_job, open_gate, wait_until
+from helpers import Background, connection_processes, gate_job, open_gate, wait_until
 
 import rpycdl
 from rpycdl.client import connect_to
@@ -176,6 +177,21 @@ def _listening(port: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_any_other_method_of_the_server_fails_as_an_rpycdl_error_once_its_connection_died(cluster, connect):
+    process, port = cluster.add_server("pytorch", "fake:1")
+    conn = connect(port)
+    server_info = conn.root.server_info  # no method of the client's own: the server's, through RPyC
+    assert json.loads(server_info())["port"] == port
+    with pytest.raises(AttributeError):
+        conn.root.no_such_method  # noqa: B018 - the lookup is what is tested
+    serving = wait_until(lambda: connection_processes(process.popen.pid), what="the connection's process")
+    os.kill(serving[0], signal.SIGKILL)
+    with pytest.raises(rpycdl.ConnectionLostError, match=rf"^the connection to 127\.0\.0\.1:{port} closed while "
+                                                         "calling server_info"):
+        server_info()
+    assert json.loads(conn.root.server_info())["port"] == port  # the next lookup opens it again
 
 
 def test_a_job_the_client_is_told_runs_is_in_the_ledger_already(server, connect):

@@ -255,7 +255,24 @@ class RemoteRoot(DetachedCalls):
         return digest
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._connection.live().root, name)
+        """Any other method of the server (`conn.root.server_info()`), as RPyC gives it, its answer unchanged; a
+        connection that dies meanwhile raises ConnectionLostError or ConnectionFailedError, as every call does.
+
+        Raises:
+            AttributeError: the server has no such method.
+        """
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        connection = self._connection
+        conn = connection.live()
+        with channel.reported(connection.address, f"getting {name}", lambda: connection._why(conn)):
+            method = getattr(conn.root, name)
+
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+            with channel.reported(connection.address, f"calling {name}", lambda: connection._why(conn)):
+                return method(*args, **kwargs)
+
+        return remote
 
 
 class Connection:
