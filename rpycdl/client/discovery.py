@@ -157,7 +157,8 @@ def job(ref: str, service: str | None = None, *, host: str | None = None, port: 
             try:
                 connection = connect_to(address, secret, tls_context, quiet)
             except (OSError, EOFError, AuthFailedError, LimitError) as exc:
-                unreached.append(f"{address[0]}:{address[1]} ({exc})")
+                where = f"{address[0]}:{address[1]}"  # said once: a failure to connect names it already
+                unreached.append(f"{where}: {str(exc).removeprefix(f'cannot reach the server at {where}: ')}")
                 continue
             try:
                 row = codec.decode_outcome(connection.call("job", ref))
