@@ -264,8 +264,11 @@ def forkserver(server_pid: int) -> int:
 
 
 def children(pid: int) -> list[int]:
-    """The live (not zombie) children of a process."""
-    listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    """The live (not zombie) children of a process; none if it is gone (it may end while a tree is walked)."""
+    try:
+        listed = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return []
     return [int(child) for child in listed if running(int(child))]
 
 

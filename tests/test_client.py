@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from helpers import Background, connection_processes, gate_job, open_gate, wait_until
+from helpers import Background, connection_processes, gate_job, open_gate, running, wait_until
 
 import rpycdl
 from rpycdl.client import connect_to
@@ -189,6 +189,7 @@ def test_any_other_method_of_the_server_fails_as_an_rpycdl_error_once_its_connec
         conn.root.no_such_method  # noqa: B018 - the lookup is what is tested
     serving = wait_until(lambda: connection_processes(process.popen.pid), what="the connection's process")
     os.kill(serving[0], signal.SIGKILL)
+    wait_until(lambda: not running(serving[0]), what="the connection's process to die")
     with pytest.raises(rpycdl.ConnectionLostError, match=rf"^the connection to 127\.0\.0\.1:{port} closed while "
                                                          "calling server_info"):
         server_info()
