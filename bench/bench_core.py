@@ -66,12 +66,10 @@ def _process_cpu() -> dict[int, tuple[float, float, str]]:
     return found
 
 
-def cpu_by_process(fn: Callable[[], object], n: int) -> dict[str, float]:
-    """CPU seconds per call of `fn`, by who spent them: this client, rpycdl's server and connection processes,
-    its forkserver (forking), and the job processes it forked (counted as it reaps them)."""
-    before = _process_cpu()
-    for _ in range(n):
-        fn()
+def cpu_by_process(before: dict[int, tuple[float, float, str]], n: int) -> dict[str, float]:
+    """CPU seconds per call of the `n` calls made since `before` (_process_cpu()), by who spent them: this client,
+    rpycdl's server and connection processes, its forkserver (forking), and the job processes it forked (counted
+    as it reaps them)."""
     spent = {"client": 0.0, "server and connection processes": 0.0, "forkserver": 0.0, "job processes": 0.0}
     for pid, (own, reaped, command) in _process_cpu().items():
         was = before.get(pid, (0.0, 0.0, ""))
@@ -109,12 +107,6 @@ server.start()
 """
 
 
-def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
-    """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method,
-    close; the times, and CPU seconds per call (timed_cpu)."""
-    return _bare_rpyc(n)
-
-
 @contextlib.contextmanager
 def echo_server() -> Iterator[int]:
     """A plain RPyC ForkingServer (in its own process) with one trivial method; its port."""
@@ -127,7 +119,9 @@ def echo_server() -> Iterator[int]:
         server.wait()
 
 
-def _bare_rpyc(n: int) -> tuple[list[float], float]:
+def bare_rpyc_round_trip(n: int) -> tuple[list[float], float]:
+    """Baseline: connect to a plain RPyC ForkingServer (in its own process), call a trivial method,
+    close; the times, and CPU seconds per call (timed_cpu)."""
     with echo_server() as port:
         def call() -> None:
             conn = rpyc.connect("127.0.0.1", port)
@@ -194,10 +188,13 @@ def rpycdl_round_trip(port: int, n: int) -> tuple[list[float], float]:
     return timed_cpu(call, n)
 
 
-def open_connection_round_trip(port: int, n: int) -> tuple[list[float], float]:
-    """Run a trivial function with ngpus=1 on a connection kept open; the times, and CPU seconds per call."""
+def open_connection_round_trip(port: int, n: int) -> tuple[list[float], float, dict[str, float]]:
+    """Run a trivial function with ngpus=1 on a connection kept open; the times, the machine's CPU seconds per
+    call, and those by process (cpu_by_process)."""
     with rpycdl.connect(host="127.0.0.1", port=port) as conn:
-        return timed_cpu(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
+        before = _process_cpu()
+        samples, cpu = timed_cpu(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
+        return samples, cpu, cpu_by_process(before, n)
 
 
 def hand_off(port: int, n: int) -> list[float]:
@@ -398,9 +395,7 @@ def main() -> None:
         base, base_cpu = bare_rpyc_round_trip(n)
         ours, ours_cpu = rpycdl_round_trip(port, n)
         rows.append(("round trip (connect, run ngpus=1, close)", ours, base, "bare RPyC connect+call+close"))
-        kept, kept_cpu = open_connection_round_trip(port, n)
-        with rpycdl.connect(host="127.0.0.1", port=port) as conn:
-            by_process = cpu_by_process(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
+        kept, kept_cpu, by_process = open_connection_round_trip(port, n)
         rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
         in_session, open_call, session_cpu = session_call(port, 10 * n)  # 0.5 ms each: 10 times as many
         rows.append(("call on an open session (ngpus=1)", in_session, open_call, "bare RPyC call, open connection"))
