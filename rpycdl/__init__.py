@@ -33,7 +33,9 @@ from rpycdl.errors import (
     NotAllowedError,
     QueueTimeoutError,
     RemoteError,
+    ResultIntegrityError,
     RpycdlError,
+    UnverifiableResultError,
     UploadTimeoutError,
     VersionMismatchError,
 )
@@ -47,7 +49,8 @@ __all__ = [
     "ConnectionLostError", "ContainerError", "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError",
     "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
     "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
-    "QueueTimeoutError", "RemoteError", "RpycdlError", "Session", "UploadTimeoutError", "VersionMismatchError",
+    "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError", "Session", "UnverifiableResultError",
+    "UploadTimeoutError", "VersionMismatchError",
     "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]
 

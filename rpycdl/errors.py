@@ -91,6 +91,20 @@ class JobNotFinishedError(RpycdlError):
     """A detached job's result was asked for without waiting, and the job has not ended yet."""
 
 
+class ResultIntegrityError(RpycdlError):
+    """A detached job's result was refused, nothing of it unpickled: its result file was not written by the job
+    (its seal does not match the key the client gave the job at submit: the file was replaced or changed on
+    the server; security.results). `job.result(verify=False)` unpickles it anyway, which runs whatever code it
+    holds: only for a result you trust."""
+
+
+class UnverifiableResultError(ResultIntegrityError):
+    """A detached job's result cannot be verified by this client, so it was refused, nothing of it unpickled:
+    the job was sealed with another client's key (submitted from another machine or account; an admin reading
+    another user's job), or has no seal (submitted before sealed results), or the server predates them.
+    `job.result(verify=False)` unpickles it unverified: only for a result you trust."""
+
+
 class LedgerError(RpycdlError):
     """The job ledger cannot be used (missing, corrupted, from a newer rpycdl): the message names its file."""
 
