@@ -56,6 +56,8 @@ class JobRecord:
     result_bytes: int | None = None
     cancel_requested: bool = False
     gpus: float = 0.0  # GPUs it was granted: ngpus, or its share's fraction of its GPU (0 before its grant)
+    result_nonce: str | None = None  # a detached job's seal (rpycdl.security.results), as its client gave it:
+    result_key_id: str | None = None  # the nonce its result key is derived from, and which client key (hex)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""

@@ -9,7 +9,9 @@ among unfinished rows: one live job of a name per user. `refusals(service, reaso
 requests the host's servers refused, one row per service and reason. `artifacts(job_id, state, files,
 error, updated)` says where a job's outputs stand; a job's row going takes it along (a trigger). Version 4
 adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair share counts; version 5
-`drops(service, reason, count)`, the connections the host's servers dropped before they authenticated.
+`drops(service, reason, count)`, the connections the host's servers dropped before they authenticated; version 6
+`jobs.result_nonce` and `jobs.result_key_id`, a detached job's seal (rpycdl.security.results; NULL for jobs
+without one).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ MIGRATIONS = [
     """
     CREATE TABLE drops (service TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
                         PRIMARY KEY (service, reason)) WITHOUT ROWID;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN result_nonce TEXT;
+    ALTER TABLE jobs ADD COLUMN result_key_id TEXT;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

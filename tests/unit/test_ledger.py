@@ -53,7 +53,8 @@ def test_a_row_keeps_every_field(ledger):
         error_type="ValueError", exit_code=3, user="alice", user_verified=True, name="train", detached=True,
         kind="command", service="pytorch", server="gpu1:18861",
         request={"timeout": 60.0, "command": ["python", "-c", "print('é')"], "env": {"A": None}},
-        log_bytes=77, result_bytes=88, cancel_requested=False, gpus=0.5)
+        log_bytes=77, result_bytes=88, cancel_requested=False, gpus=0.5, result_nonce="ab" * 16,
+        result_key_id="cd" * 8)
     defaults = JobRecord(job_id="x", server_id="", client="", ngpus=0)
     unset = [f.name for f in dataclasses.fields(JobRecord)
              if getattr(record, f.name) == getattr(defaults, f.name) and f.name != "cancel_requested"]
@@ -502,7 +503,7 @@ def test_refusals_counted_at_once_by_processes_and_threads_are_all_counted(ledge
     assert ledger.refusals() == {("pytorch", "connections"): 400}
 
 
-def test_a_version_1_ledger_gains_the_refusals_artifacts_gpus_and_drops_and_keeps_its_rows(tmp_path):
+def test_a_version_1_ledger_gains_the_refusals_artifacts_gpus_drops_and_seals_and_keeps_its_rows(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     record = job(state=JobState.SUCCEEDED, user="alice", name="train", ended=1000.0, request={"timeout": 5.0})
@@ -510,14 +511,15 @@ def test_a_version_1_ledger_gains_the_refusals_artifacts_gpus_and_drops_and_keep
         db.executescript(MIGRATIONS[0])
         db.execute("PRAGMA user_version = 1")
         db.execute("INSERT INTO meta VALUES ('ledger_id', 'the-old-ledgers-id')")
-        row = {column: value for column, value in to_row(record).items() if column not in ("gpus", "cancel_requested")}
+        row = {column: value for column, value in to_row(record).items()
+               if column not in ("gpus", "cancel_requested", "result_nonce", "result_key_id")}
         db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join(':' + column for column in row)})", row)
     db.close()
     ledger = Ledger(state)
     assert ledger.ledger_id == "the-old-ledgers-id"
     assert ledger.get(record.job_id) == record and ledger.count() == 1
     with ledger._db() as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 5
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 6
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'refusals'").fetchone() == ("refusals",)
     assert ledger.artifacts(record.job_id) is None
     assert ledger.refusals() == {}
