@@ -23,7 +23,7 @@ from rpycdl.errors import (
     RpycdlError,
 )
 from rpycdl.scheduler.ledger import JobRecord
-from rpycdl.security import auth, visibility
+from rpycdl.security import auth, results, visibility
 from rpycdl.server import jobdirs, request, status, supervisor
 from rpycdl.server.commands import run_command
 from rpycdl.server.context import ServerContext
@@ -54,7 +54,8 @@ class JobCalls:
     def exposed_submit(self, payload: bytes, *args: Any, **kwargs: Any) -> bytes:
         """Submit a detached job: a payload made by codec.encode_payload (everything in band); options
         (request.SUBMIT_OPTIONS, positionally or by name): ngpus, gpus, gpu_memory, timeout, queue_timeout,
-        name. Answers the job's row once its supervisor owns it."""
+        name, working_dir, seal (its result's: security.results). Answers the job's row once its supervisor
+        owns it."""
         def submit() -> dict[str, Any]:
             request.check_size(payload, "payload", self.context.limits.max_payload)
             return self._submit(args, kwargs, body=codec.check_payload(payload))
@@ -85,17 +86,17 @@ class JobCalls:
             spec = containers.check_job(asked["image"], asked["command"], env=asked["env"], workdir=asked["workdir"],
                                         mounts=asked["mounts"])
             options["ngpus"] = 1 if options.get("ngpus") is None else options["ngpus"]
-            name = request.check_name(options.pop("name", None))
+            name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
             checked = self._request(options, container=spec, detached=True, name=name)
-            return _shown(self.context, supervisor.hand_over(self.context, checked, asked), self._identity)
+            return _shown(self.context, supervisor.hand_over(self.context, checked, asked, seal), self._identity)
 
         return _answer(submit, self.context)
 
     def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], **job: Any) -> dict[str, Any]:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
-        name = request.check_name(options.pop("name", None))
+        name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
         checked = self._request(options, detached=True, name=name, **job)
-        return _shown(self.context, supervisor.hand_over(self.context, checked), self._identity)
+        return _shown(self.context, supervisor.hand_over(self.context, checked, seal=seal), self._identity)
 
     # -- any job of the ledger ---------------------------------------------------------
 
@@ -137,17 +138,24 @@ class JobCalls:
 
         return _answer(read)
 
-    def exposed_job_result(self, ref: Any) -> bytes:
+    def exposed_job_result(self, ref: Any, sealed: Any = False) -> bytes | tuple[str, bytes]:
         """A finished job's outcome: its value, or the exception it raised (or the error that ended it:
-        cancelled, timed out, lost, failed before it ran). JobNotFinishedError while it has not ended."""
+        cancelled, timed out, lost, failed before it ran). JobNotFinishedError while it has not ended.
+
+        With `sealed` (clients that verify results: security.results), ("result", the result file as it is,
+        its seal included) or ("error", this server's own outcome: an error); else the outcome alone, its
+        seal left unverified (clients from before sealed results)."""
         try:
             record = self._find(ref, mine=True)
             if not record.state.finished:
                 raise JobNotFinishedError(f"job {record.job_id} is {record.state.value}: it has not ended yet")
             stored = self.context.files.result(record.job_id)
-            return stored if stored is not None else codec.encode_error(_ended(record), tb="")
+            if stored is not None:
+                return ("result", stored) if sealed else results.unverified(stored)
+            outcome = codec.encode_error(_ended(record), tb="")
         except RpycdlError as exc:
-            return codec.encode_error(exc, tb="")
+            outcome = codec.encode_error(exc, tb="")
+        return ("error", outcome) if sealed else outcome
 
     def exposed_job_artifacts(self, ref: Any, retry: Any = False, wait: Any = None) -> bytes:
         """Where a job's outputs stand (its owner or an admin may ask): {"state": "none" (it left none),

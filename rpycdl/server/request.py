@@ -30,10 +30,11 @@ directory sent before (exposed_put_working_dir)."""
 CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
 """The options of `run_container` after the image and the command, likewise."""
 
-SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir")
-"""The options of `submit` and `submit_command` after the payload or the command."""
+SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal")
+"""The options of `submit` and `submit_command` after the payload or the command; `seal` is the client's seal
+of the job's result (rpycdl.security.results.Seal.sent), or None."""
 
-SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name")
+SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name", "seal")
 """The options of `submit_container` after the image and the command."""
 
 SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "idle_timeout", "on_state", "working_dir")

@@ -35,6 +35,7 @@ from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import Place
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import GPURequest, ShareRules
+from rpycdl.security import results
 from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
 from rpycdl.server import child, jobdirs, orphans, request, runner
@@ -56,7 +57,7 @@ END_RETRY = 1.0
 
 
 def hand_over(context: ServerContext, checked: request.JobRequest,
-              container: dict[str, Any] | None = None) -> JobRecord:
+              container: dict[str, Any] | None = None, seal: results.Seal | None = None) -> JobRecord:
     """Accept a detached job: write its files, take its place in line, start its supervisor, record it.
     Returns its ledger row once the supervisor owns it.
 
@@ -65,12 +66,16 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
         checked: the request (`detached`), with its payload `body`, or its container.
         container: the container request as the client gave it (image, command, env, workdir,
             mounts), which the supervisor checks again.
+        seal: the client's seal of the job's result: its nonce and key id go to the row, its key to a file
+            of the job's that this account alone reads (security.results.write_job_key).
 
     Raises:
         InvalidRequestError: the user has an unfinished job of that name.
         LimitError: the queue is full, or no process could be started.
     """
     record = JobFlow.new_record(context, checked)
+    if seal is not None:
+        record.result_nonce, record.result_key_id = seal.nonce, seal.key_id
     if checked.name is not None:
         existing = context.ledger.find(checked.name, checked.owner.user)
         if existing is not None and not existing.state.finished and existing.name == checked.name:
@@ -79,6 +84,8 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
     context.files.begin(record.job_id)
     try:
         context.files.create(record.job_id, _spec(context, checked, container), checked.body)
+        if seal is not None:
+            results.write_job_key(context.files.path(record.job_id), seal.key)
         jobdirs.prepare(context, record.job_id, checked)  # now: the cache may let its working directory go later
         place = context.locks.enqueue(need_of(context, record), queue_info(context, record, checked))
         try:
@@ -175,7 +182,12 @@ class Supervised:
         end()
 
     def keep(self, outcome: bytes) -> int | None:
-        return self._context.files.store_result(self._record.job_id, outcome)
+        """Write the job's result file: its outcome, sealed with the key its client gave it (if it gave one:
+        security.results), which its result is refused without."""
+        job_id, files = self._record.job_id, self._context.files
+        if self._record.result_nonce is not None:
+            outcome = results.seal(results.read_job_key(files.path(job_id), job_id), job_id, outcome)
+        return files.store_result(job_id, outcome)
 
 
 def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
@@ -257,6 +269,7 @@ def supervise(state_dir: str, job_id: str, place: Place, go_fd: int, secrets_fd:
             spare.close()
         log.close()
         context.files.drop_payload(job_id)
+        results.drop_job_key(context.files.path(job_id))  # its result is sealed, or it will have none
     _record_end(context, record)
     return 0
 
