@@ -249,7 +249,11 @@ USER_CERT_DAYS = 365
 """Validity of the certificates `rpycdl certs` issues, in days (`--days` overrides)."""
 
 CONFIG_FILE = "~/.config/rpycdl/credentials.toml"
-"""The client's credentials file (`secret_file`, `tls_cert`, `tls_key`, `tls_ca`, `registry`)."""
+"""The client's credentials file (`secret_file`, `tls_cert`, `tls_key`, `tls_ca`, `registry`, `result_key`)."""
+
+RESULT_KEY_FILE = "result-key"
+"""The client's result key (rpycdl.security.results), beside its credentials file unless `result_key` (or
+$RPYCDL_RESULT_KEY) names another path."""
 
 ENV_GPUS = "RPYCDL_GPUS"
 ENV_NVML_MODULE = "RPYCDL_NVML_MODULE"  # a module to use instead of pynvml: a stand-in that plays a driver
@@ -263,6 +267,7 @@ ENV_TLS_CERT = "RPYCDL_TLS_CERT"
 ENV_TLS_KEY = "RPYCDL_TLS_KEY"
 ENV_TLS_CA = "RPYCDL_TLS_CA"
 ENV_CONFIG = "RPYCDL_CONFIG"
+ENV_RESULT_KEY = "RPYCDL_RESULT_KEY"
 ENV_CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 ENV_NVIDIA_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 """CUDA's and the NVIDIA container runtime's: a server started with either set manages only the GPUs they

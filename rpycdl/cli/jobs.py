@@ -102,6 +102,11 @@ def add_commands(command: Command) -> None:
             sub.add_argument("-o", "--output", default=None, metavar="FILE",
                              help="save the value to FILE instead: bytes and str as they are, anything else "
                                   "pickled with dill (load it with dill.load)")
+            sub.add_argument("--no-verify", action="store_true",
+                             help="unpickle the result without checking that the job wrote it (its seal, made with "
+                                  "the result key of the client that submitted it): for a job of another machine "
+                                  "or account, or from before sealed results. It runs whatever code the result "
+                                  "holds: only for a result you trust")
         server_flags(sub)
 
 
@@ -261,7 +266,7 @@ def wait_exit_code(row: dict[str, Any]) -> int:
 def _result(args: argparse.Namespace) -> int:
     found = _find(args)
     try:
-        value = found.result(wait=not args.no_wait)
+        value = found.result(wait=not args.no_wait, verify=not args.no_verify)
     except JobNotFinishedError as exc:
         print(f"rpycdl result: {exc}: wait for it with rpycdl wait {found.id}", file=sys.stderr)
         return EXIT_QUEUE_TIMEOUT

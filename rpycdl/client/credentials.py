@@ -9,10 +9,15 @@ all optional; relative paths are relative to the file:
     tls_key = "user-alice.key"
     tls_ca = "ca.crt"
     registry = "10.0.0.2"
+    result_key = "result-key"
+
+`result_key` is this client's result key (rpycdl.security.results: the secret that seals its detached jobs'
+results), made on first need; by default `result-key` beside the credentials file.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 import sys
@@ -23,13 +28,15 @@ from rpycdl.defaults import (
     CONFIG_FILE,
     ENV_CONFIG,
     ENV_REGISTRY,
+    ENV_RESULT_KEY,
     ENV_SECRET_FILE,
     ENV_TLS_CA,
     ENV_TLS_CERT,
     ENV_TLS_KEY,
+    RESULT_KEY_FILE,
 )
 from rpycdl.errors import InvalidRequestError
-from rpycdl.security import auth, tls
+from rpycdl.security import auth, results, tls
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,7 +44,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 ENVIRONMENT = {"secret_file": ENV_SECRET_FILE, "tls_cert": ENV_TLS_CERT, "tls_key": ENV_TLS_KEY,
-               "tls_ca": ENV_TLS_CA, "registry": ENV_REGISTRY}
+               "tls_ca": ENV_TLS_CA, "registry": ENV_REGISTRY, "result_key": ENV_RESULT_KEY}
 """The environment variable of each setting."""
 
 
@@ -50,6 +57,7 @@ class Settings:
     tls_key: str | None = None
     tls_ca: str | None = None
     registry: str | None = None
+    result_key: str | None = None
 
     def secret(self) -> bytes | None:
         """The shared secret, or None."""
@@ -94,7 +102,7 @@ def read_config(path: Path) -> dict[str, str]:
 
 def resolve(**given: str | None) -> Settings:
     """Each setting from `given` (e.g. a CLI flag), else its environment variable, else the
-    credentials file. Keys: secret_file, tls_cert, tls_key, tls_ca, registry.
+    credentials file. Keys: secret_file, tls_cert, tls_key, tls_ca, registry, result_key.
 
     Raises:
         InvalidRequestError: an unknown key, or a bad credentials file.
@@ -111,3 +119,26 @@ def resolve(**given: str | None) -> Settings:
             value = config.get(key)
         values[key] = value
     return Settings(**values)
+
+
+def result_key_path() -> Path:
+    """This client's result key file: $RPYCDL_RESULT_KEY, else `result_key` in the credentials file, else
+    RESULT_KEY_FILE beside the credentials file."""
+    given = resolve().result_key
+    return (Path(given).expanduser() if given else config_path().parent / RESULT_KEY_FILE).absolute()
+
+
+def result_secret() -> tuple[bytes, Path]:
+    """This client's result secret (security.results.client_secret: made on first need) and its file.
+
+    Raises:
+        InvalidRequestError: the file cannot be made or read, or is not the user's alone.
+    """
+    path = result_key_path()
+    return _secret(path), path
+
+
+@functools.cache
+def _secret(path: Path) -> bytes:
+    """The secret in `path`, read once per process."""
+    return results.client_secret(path)

@@ -5,11 +5,15 @@ RemoteRoot), whose connection, size check and working directories they use."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rpycdl.client import credentials
 from rpycdl.client.displays import JobList, client_row
 from rpycdl.client.jobs import Job
+from rpycdl.errors import InvalidRequestError
+from rpycdl.security import results
 from rpycdl.wire import codec
 
 if TYPE_CHECKING:
@@ -44,8 +48,7 @@ class DetachedCalls:
         payload = codec.encode_payload(fn, args)
         self._check_size(len(payload))
         digest = self._working_dir(working_dir)
-        return self._submitted(self._connection.call("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout,
-                                    name, digest))
+        return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest)
 
     def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
                        gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
@@ -54,8 +57,8 @@ class DetachedCalls:
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         digest = self._working_dir(working_dir)
-        return self._submitted(self._connection.call("submit_command", list(command), ngpus, gpus, gpu_memory, timeout,
-                                    queue_timeout, name, digest))
+        return self._submitted("submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
+                               digest)
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -64,11 +67,27 @@ class DetachedCalls:
         """Submit a command in a container of `image` as a detached job (the generic `deeplearning`
         server only); arguments as for run_container, and `name` as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
-        return self._submitted(self._connection.call("submit_container", image, list(command), ngpus, env, workdir,
-                                    mounts, timeout, queue_timeout, name))
+        return self._submitted("submit_container", image, list(command), ngpus, env, workdir, mounts, timeout,
+                               queue_timeout, name)
 
-    def _submitted(self, outcome: bytes) -> Job:
-        return Job(codec.decode_outcome(outcome), self._connection)
+    def _submitted(self, name: str, *args: Any) -> Job:
+        """Call the submit `name` with `args` and a fresh seal of the job's result (security.results: made
+        with this client's result key), as the last option; the job's handle. A server that predates seals
+        refuses the option: the job is submitted again without, and its result is then read unverified only
+        (result(verify=False))."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        secret, _ = credentials.result_secret()
+        try:
+            return Job(codec.decode_outcome(self._connection.call(name, *args, results.new_seal(secret).sent())),
+                       self._connection)
+        except InvalidRequestError as exc:
+            if not str(exc).startswith("too many arguments"):
+                raise
+        job = Job(codec.decode_outcome(self._connection.call(name, *args)), self._connection)
+        where = job.info.get("server") or "this address"
+        warnings.warn(f"the server at {where} predates sealed results: job {job.id}'s result cannot be verified "
+                      "(result(verify=False) reads it unverified)", stacklevel=3)
+        return job
 
     def job(self, ref: str) -> Job:
         """The handle of a job of this server's host, by id, or by name among your jobs.

@@ -15,15 +15,26 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rpycdl.client import displays, failures, notices
+from rpycdl.client import credentials, displays, failures, notices
 from rpycdl.client.displays import client_row, job_text
 from rpycdl.defaults import CANCEL_WAIT, JOB_WAIT_MAX, UPLOAD_WAIT
-from rpycdl.errors import InvalidRequestError, JobNotFinishedError, RpycdlError, UploadTimeoutError
+from rpycdl.errors import (
+    InvalidRequestError,
+    JobNotFinishedError,
+    RpycdlError,
+    UnverifiableResultError,
+    UploadTimeoutError,
+)
+from rpycdl.security import results
 from rpycdl.states import JobState, held_by, waiting_behind
 from rpycdl.wire import codec
 
 if TYPE_CHECKING:
     from rpycdl.client.connection import Connection
+
+UNVERIFIED = ("result(verify=False) (rpycdl result --no-verify) unpickles it unverified, which runs whatever code it "
+              "holds: only for a result you trust. Nothing of it was unpickled")
+"""How a result this client cannot verify can be read all the same, ending its refusal."""
 
 
 @dataclass(frozen=True)
@@ -92,14 +103,19 @@ class Job:
         return self.info
 
     def _call(self, name: str, *args: Any, doing: str = "") -> Any:
-        """A call of the job's server answering outcome bytes, decoded; on a connection that has been closed,
-        on a new one to the same server. Ctrl-C of a call that waits (`doing` says for what) replaces the
-        handle's connection, whose server would answer nothing else until that wait is over."""
+        """A call of the job's server answering outcome bytes, decoded (as _ask)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return codec.decode_outcome(self._ask(name, *args, doing=doing))
+
+    def _ask(self, name: str, *args: Any, doing: str = "") -> Any:
+        """A call of the job's server, its answer as it came; on a connection that has been closed, on a new one
+        to the same server. Ctrl-C of a call that waits (`doing` says for what) replaces the handle's
+        connection, whose server would answer nothing else until that wait is over."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if self._connection.closed_by_user:
             self._connection = self._connection.reopen()
         try:
-            return codec.decode_outcome(self._connection.call(name, *args))
+            return self._connection.call(name, *args)
         except KeyboardInterrupt:
             if not doing:
                 raise
@@ -135,24 +151,68 @@ class Job:
             if JobState(self.info["state"]).finished or (deadline is not None and time.monotonic() >= deadline):
                 return _status(self.info, self.read_at)
 
-    def result(self, timeout: float | None = None, wait: bool = True) -> Any:
+    def result(self, timeout: float | None = None, wait: bool = True, verify: bool = True) -> Any:
         """The job's value, or the exception it raised re-raised here (from the job's frames, with the remote
         traceback), as run_code does; for a job that ended otherwise, the error that ended it
         (JobCancelledError, JobTimeoutError, JobLostError, ...). A command's value is its exit code. It waits
         for the job's end as wait() does (not for its outputs' upload: download() waits for that), then
         fetches the value; Ctrl-C stops the wait, not the job.
 
+        The result is unpickled only once its seal says that the job wrote it: the key this client gave the
+        job at submit (security.results, from this client's result key file) must have sealed it.
+
         Args:
             timeout: seconds to wait at most for the job to end (None: as long as it takes).
             wait: False: do not wait at all.
+            verify: False: unpickle the result without checking its seal (a job submitted from another
+                machine or account, an admin reading another user's job, a job from before sealed results).
+                Unpickling runs whatever code the result holds: only for a result you trust.
 
         Raises:
             JobNotFinishedError: the job had not ended in time.
+            ResultIntegrityError: the result file was not written by the job (replaced or changed on the
+                server); nothing of it was unpickled.
+            UnverifiableResultError: this client cannot verify the result (not its key, no seal, a server from
+                before seals); nothing of it was unpickled.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if wait and not self.wait(timeout).finished:
             raise JobNotFinishedError(f"job {self.id} has not ended after {timeout:g} s")
-        return self._call("job_result", self.id, doing=f"reading job {self.id}'s result")
+        doing = f"reading job {self.id}'s result"
+        try:
+            kind, data = self._ask("job_result", self.id, True, doing=doing)
+        except TypeError as exc:  # RPyC re-raises the server's own: one from before sealed results
+            if "positional argument" not in str(exc):
+                raise
+            if verify:
+                where = "{}:{}".format(*self._connection.address)
+                raise UnverifiableResultError(f"the server at {where} predates sealed results: it cannot send job "
+                                              f"{self.id}'s result for this client to verify. Ask a newer server of "
+                                              f"its host, or {UNVERIFIED}") from None
+            return codec.decode_outcome(results.unverified(self._ask("job_result", self.id, doing=doing)))
+        if kind != "result":  # the server's own answer: why there is no result
+            return codec.decode_outcome(data)
+        return codec.decode_outcome(self._verified(data) if verify else results.unverified(data))
+
+    def _verified(self, data: bytes) -> memoryview:
+        """The outcome in the job's result file `data`, once its seal is checked with the key this client gave
+        the job (derived from its secret and the nonce of the job's row)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        if "result_nonce" not in self.info:
+            self.refresh()  # the handle's row came from elsewhere: the job's own says how it was sealed
+        nonce, sealed_for = self.info.get("result_nonce"), self.info.get("result_key_id")
+        if nonce is None or sealed_for is None:
+            raise UnverifiableResultError(f"job {self.id} has no seal of its result (it was submitted by an rpycdl "
+                                          "client, or to a server, from before sealed results, or its server does "
+                                          f"not say): this client cannot tell that the job wrote it. {UNVERIFIED}")
+        secret, path = credentials.result_secret()
+        if results.key_id(secret) != sealed_for:
+            raise UnverifiableResultError(
+                f"job {self.id}'s result was sealed with the result key {sealed_for}, and this client's ({path}) is "
+                f"{results.key_id(secret)}: it was submitted from another machine or account. Read it where it was "
+                "submitted, or with a copy of that client's result key file (RPYCDL_RESULT_KEY, or result_key in the "
+                f"credentials file, names it); or {UNVERIFIED}")
+        return results.open_sealed(results.job_key(secret, nonce), self.id, data)
 
     def logs(self, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         """The job's output, line by line (each with its newline, as a file's lines): from its first line
