@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rpycdl.errors import InvalidRequestError, ResultIntegrityError
+from rpycdl.client.detached import DetachedCalls
+from rpycdl.errors import InvalidRequestError, ResultIntegrityError, UnverifiableResultError
 from rpycdl.security import results
 from rpycdl.wire import codec
 
@@ -132,3 +133,36 @@ def test_a_jobs_key_is_kept_for_this_account_alone_and_read_only_as_written(tmp_
 def test_a_verified_outcome_decodes_as_the_job_sent_it():
     key, outcome = os.urandom(32), codec.encode_ok({"loss": 0.1})
     assert codec.decode_outcome(results.open_sealed(key, "abc", results.seal(key, "abc", outcome))) == {"loss": 0.1}
+
+
+class OldServer:
+    """A connection to a server from before sealed results, as a client sees it: a submit's seal is one option
+    too many, and job_result takes no `sealed`."""
+
+    closed_by_user, session, address = False, None, ("gpu01", 18861)
+
+    def __init__(self, outcome: bytes) -> None:
+        self.outcome, self.calls = outcome, []
+
+    def call(self, name: str, *args: object) -> bytes:
+        self.calls.append((name, args))
+        if name.startswith("submit") and len(args) > 8:
+            return codec.encode_error(InvalidRequestError("too many arguments: at most 7 after the fixed ones"), tb="")
+        if name == "job_result" and len(args) > 1:
+            raise TypeError("exposed_job_result() takes 2 positional arguments but 3 were given")
+        if name == "job_result":
+            return self.outcome
+        return codec.encode_data({"job_id": "0123456789ab", "state": "SUCCEEDED", "server": "gpu01:18861"})
+
+
+def test_a_server_from_before_seals_takes_the_job_unsealed_and_its_result_reads_only_unverified(monkeypatch, tmp_path):
+    monkeypatch.setenv("RPYCDL_RESULT_KEY", str(tmp_path / "result-key"))
+    old = OldServer(codec.encode_ok("its value"))
+    calls = DetachedCalls()
+    calls._connection, calls._check_size, calls._working_dir = old, lambda size: None, lambda path: None
+    with pytest.warns(UserWarning, match="gpu01:18861 predates sealed results: job 0123456789ab's result"):
+        job = calls.submit_command(["true"])
+    assert [len(args) for name, args in old.calls] == [9, 8]  # with its seal, then without
+    with pytest.raises(UnverifiableResultError, match="the server at gpu01:18861 predates sealed results"):
+        job.result(wait=False)
+    assert job.result(wait=False, verify=False) == "its value"
