@@ -202,6 +202,7 @@ def test_a_job_of_another_user_reaches_nothing_of_alices_nor_of_the_servers(site
     targets = {
         "read": {"the ledger": site.state / "ledger.sqlite3", "her log": jobs / done.id / "log",
                  "her result": jobs / done.id / "result", "her payload": jobs / pending.id / "payload",
+                 "her result's key": jobs / pending.id / "result.key",
                  "her working copy": running_dir / "work" / "secret.txt",
                  "her output": running_dir / "output" / "out.txt", "her environment": f"/proc/{her_pid}/environ",
                  "her memory": f"/proc/{her_pid}/mem", "the TLS key": Path(site.team.dir) / "server-localhost.key",
