@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from rpycdl.client import Connection, connect_to, credentials
-from rpycdl.client.discovery import server_addresses
+from rpycdl.client import Connection, channel, connect_to, credentials
+from rpycdl.client.discovery import ASK_PATIENCE, ask_servers, server_addresses
 from rpycdl.defaults import (
     CONFIG_FILE,
     ENV_CONFIG,
@@ -71,9 +71,10 @@ def credential_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"the team's CA certificate (default: ${ENV_TLS_CA}, {where})")
 
 
-def servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[], Connection]]]:
+def servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[..., Connection]]]:
     """The servers a status/jobs/cancel command talks to, each with a way to connect to it
-    with the command's credentials (flags, else environment, else the credentials file)."""
+    with the command's credentials (flags, else environment, else the credentials file): connect_to's
+    other arguments (attempt=) are its."""
     settings = credentials.resolve(secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                    tls_ca=args.tls_ca, registry=args.registry)
     addresses = [(args.host, args.port)] if args.host else server_addresses(args.service, settings.registry)
@@ -82,16 +83,20 @@ def servers(args: argparse.Namespace) -> list[tuple[tuple[str, int], Callable[[]
 
 
 def each_server(args: argparse.Namespace, call: str, **options: Any) -> list[tuple[tuple[str, int], Any]]:
-    """Ask every server the command names for `call` (conn.root's, with `options`): its answer, or why
-    it could not."""
-    results = []
-    for address, open_connection in servers(args):
-        try:
-            with open_connection() as conn:
-                results.append((address, getattr(conn.root, call)(**options)))
-        except (OSError, EOFError, AuthFailedError, LimitError) as exc:  # one server's trouble is not the others'
-            results.append((address, exc))
-    return results
+    """Ask every server the command names for `call` (conn.root's, with `options`), all at once
+    (rpycdl.client.discovery.ask_servers): its answer, or why it could not, in the servers' order."""
+    openers = dict(servers(args))
+
+    def ask(address: tuple[str, int], attempt: channel.Attempt) -> Any:
+        with openers[address](attempt=attempt) as conn:
+            return getattr(conn.root, call)(**options)
+
+    answers = dict(ask_servers(list(openers), ask, patience=ASK_PATIENCE))
+    for answer in answers.values():
+        if isinstance(answer, BaseException) and not isinstance(answer, (OSError, EOFError, AuthFailedError,
+                                                                          LimitError)):
+            raise answer  # one server's trouble is not the others', but a bug is everyone's
+    return [(address, answers[address]) for address in openers]
 
 
 def report_unreached(args: argparse.Namespace, results: list[tuple[tuple[str, int], Any]]) -> int:

@@ -1,12 +1,14 @@
 """A client's connection to one server: the socket, the authentication the server asks for, and
 RPyC on top, with the server's first reply checked for a refusal or a greeting; the connection's
-failures (OSError, EOFError) as errors that name the server (`reported`)."""
+failures (OSError, EOFError) as errors that name the server (`reported`); an `Attempt` to connect that
+another thread may give up on."""
 
 from __future__ import annotations
 
 import random
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,65 @@ from rpycdl.wire.stream import BulkSocketStream, FramedChannel
 
 RETRY_PAUSE, RETRY_PAUSE_MAX = 0.02, 0.5
 """Seconds between a client's tries to get through a busy server's handshake: the first pause, and the most."""
+
+
+GAVE_UP = "the client gave up on this server"
+"""Why an Attempt given up (Attempt.abort) ended."""
+
+
+class Attempt:
+    """One attempt to connect to a server, which another thread may give up on (`abort`) while it has not
+    connected yet: its socket is shut down, so that whatever waits on it (the greeting, TLS, RPyC's first
+    answer) returns at once, and it connects no more. `on_connected` is called once it has connected."""
+
+    def __init__(self, on_connected: Callable[[], None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._on_connected = on_connected
+        self.state = "connecting"
+        """"connecting", then "connected", "failed" or "aborted"."""
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Watch `sock` (through a duplicate of its descriptor: TLS takes the socket's own).
+
+        Raises:
+            ConnectionAbortedError: the attempt was given up.
+        """
+        with self._lock:
+            if self.state == "aborted":
+                raise ConnectionAbortedError(GAVE_UP)
+            self._sockets.append(sock.dup())
+
+    def abort(self) -> bool:
+        """Give up on the attempt if it is still connecting; whether it was."""
+        with self._lock:
+            if self.state != "connecting":
+                return False
+            self.state = "aborted"
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:  # not connected (any more)
+                    pass
+            return True
+
+    def done(self, connected: bool) -> None:
+        """The attempt ended: connected or not.
+
+        Raises:
+            ConnectionAbortedError: it connected, but was given up meanwhile.
+        """
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
+            if self.state == "aborted":
+                if connected:
+                    raise ConnectionAbortedError(GAVE_UP)
+                return
+            self.state = "connected" if connected else "failed"
+        if connected and self._on_connected is not None:
+            self._on_connected()
 
 
 class ClientSocketStream(BulkSocketStream):
@@ -89,24 +150,45 @@ class _ClientService(rpyc.VoidService):
 
 
 def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None = None,
-            tls_context: ssl.SSLContext | None = None, timeout: float = CONNECT_TIMEOUT) -> rpyc.Connection:
+            tls_context: ssl.SSLContext | None = None, timeout: float = CONNECT_TIMEOUT,
+            attempt: Attempt | None = None) -> rpyc.Connection:
     """rpyc.connect(host, port, config=config) over the bulk transport, after the authentication
     the server asks for (rpycdl.auth), when this client has credentials. The first request
     (the root object) is made here, so a refusal is raised here. A busy server may drop the
     connection before it authenticated it (--max-startups): then it connects again, after a
-    growing pause, for `timeout` seconds.
+    growing pause, for `timeout` seconds. `attempt`: another thread may give up on it (Attempt.abort).
 
     Raises:
         AuthFailedError: the server and this client could not authenticate each other.
         LimitError: the server refused the connection (--max-connections).
         ConnectionDroppedError: the server kept dropping it for `timeout` seconds.
-        ConnectionFailedError: the server could not be reached.
+        ConnectionFailedError: the server could not be reached, or `attempt` was given up.
     """
+    if attempt is None:
+        return _connect_again(host, port, config, secret, tls_context, timeout, None)
+    try:
+        conn = _connect_again(host, port, config, secret, tls_context, timeout, attempt)
+    except BaseException:
+        attempt.done(connected=False)
+        raise
+    try:
+        attempt.done(connected=True)
+    except ConnectionAbortedError as exc:
+        conn.close()
+        raise _failure(exc, (host, port), "connecting") from None
+    return conn
+
+
+def _connect_again(host: str, port: int, config: dict[str, Any], secret: bytes | None,
+                   tls_context: ssl.SSLContext | None, timeout: float, attempt: Attempt | None) -> rpyc.Connection:
+    """_connect, again while the server drops the connection, for `timeout` seconds."""
     deadline, pause, tries = time.monotonic() + timeout, RETRY_PAUSE, 1
     while True:
         try:
-            return _connect(host, port, config, secret, tls_context)
+            return _connect(host, port, config, secret, tls_context, attempt)
         except ConnectionDroppedError as exc:
+            if attempt is not None and attempt.state == "aborted":  # dropped by the client itself
+                raise _failure(ConnectionAbortedError(GAVE_UP), (host, port), "connecting") from None
             if time.monotonic() + pause > deadline:
                 raise ConnectionDroppedError(f"{exc}; {tries} tries in {timeout:g} s: the server at {host}:{port} is "
                                              "busy with connections still authenticating") from None
@@ -115,10 +197,12 @@ def connect(host: str, port: int, config: dict[str, Any], secret: bytes | None =
 
 
 def _connect(host: str, port: int, config: dict[str, Any], secret: bytes | None,
-             tls_context: ssl.SSLContext | None) -> rpyc.Connection:
+             tls_context: ssl.SSLContext | None, attempt: Attempt | None) -> rpyc.Connection:
     with reported((host, port), "connecting"):
         sock = BulkSocketStream._connect(host, port, nodelay=True)
         try:
+            if attempt is not None:
+                attempt.adopt(sock)
             if secret is not None or tls_context is not None:
                 sock = _authenticate(sock, host, secret, tls_context)
             conn = rpyc.connect_channel(FramedChannel(ClientSocketStream(sock), compress=False), service=_ClientService,
