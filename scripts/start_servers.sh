@@ -53,7 +53,8 @@ Options:
   --port PORT           first server port, one more per further server (default: 18861)
   --gpus all|fake:N     every GPU of the host through the NVIDIA runtime (default: all),
                         or a simulated inventory without GPU access
-  --lock-dir DIR        host lock directory (default: /tmp/rpycdl-locks; made mode 1777)
+  --lock-dir DIR        host lock directory (default: /tmp/rpycdl-locks; made mode 1777, or 2751 root's
+                        for --user 0)
   --user UID[:GID]      user the servers run as (default: the image's, uid 1000); every
                         server sharing a lock directory must run as the same user
   --shm-size SIZE       shared memory per server, for data loaders (default: 8g)
@@ -202,9 +203,12 @@ fail() {
     exit 1
 }
 
+ROOT_SERVERS=0
+[[ ${RUN_AS%%:*} == 0 || ${RUN_AS%%:*} == root ]] && ROOT_SERVERS=1
 if [ ! -d "$LOCK_DIR" ]; then
     run mkdir -p "$LOCK_DIR"
-    run chmod 1777 "$LOCK_DIR"
+    # servers of uid 1000 share it with every container user; root servers keep it root's (rpycdl up alike)
+    if [ "$ROOT_SERVERS" = 1 ]; then run chmod 2751 "$LOCK_DIR"; else run chmod 1777 "$LOCK_DIR"; fi
 fi
 
 common=(--detach --pull never --network host --restart unless-stopped)
@@ -267,7 +271,11 @@ if [ "$MONITOR_PORT" != 0 ]; then
         monitor=(--label rpycdl.role=monitor --pid host -v "$LOCK_DIR:$LOCK_DIR"
                  -p "$publish:$MONITOR_PORT:$MONITOR_PORT" --health-cmd "python3 -c \"$health\""
                  --health-interval 10s --health-timeout 5s --health-retries 3 --health-start-period 10s)
-        [ -z "$RUN_AS" ] || monitor+=(--user "$RUN_AS")
+        if [ "$ROOT_SERVERS" = 1 ]; then  # a reader of root servers' directories, through their group (nobody)
+            monitor+=(--user "65534:$(stat -c %g "$LOCK_DIR" 2>/dev/null || echo 0)")
+        elif [ -n "$RUN_AS" ]; then
+            monitor+=(--user "$RUN_AS")
+        fi
         inventory=$GPUS
         if [ "$GPUS" = all ]; then
             monitor+=(--gpus "all,capabilities=utility" -e NVIDIA_DRIVER_CAPABILITIES=utility)

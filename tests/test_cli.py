@@ -265,7 +265,7 @@ def test_verbose_is_taken_after_the_subcommand_too(tmp_path, lock_dir):
                                env=cli_env(PYTHONUNBUFFERED="1"))
     try:
         assert process.stdout is not None
-        lines = [process.stdout.readline() for _ in range(2)]
+        lines = [process.stdout.readline() for _ in range(3)]
         assert any(" INFO " in line for line in lines), lines
     finally:
         process.terminate()

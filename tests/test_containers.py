@@ -288,6 +288,8 @@ def test_start_script_dry_run_passes_the_hosts_scheduling_and_mounts_its_fair_sh
                    f"-v {users}:/run/rpycdl/user-map:ro", "--user-map /run/rpycdl/user-map", "--user 0",
                    "--policy=fair", "--placement=spread"):
         assert option in server, option
+    monitor = next(line for line in out.splitlines() if "--name rpycdl-monitor " in line)
+    assert "--user 65534:" in monitor and "--user 0" not in monitor  # never root beside root servers
     refused = subprocess.run(["bash", str(REPO / "scripts/start_servers.sh"), "--dry-run", "--host", "10.0.0.5",
                               "--fair-share", str(settings), "pytorch"], capture_output=True, text=True)
     assert refused.returncode == 2 and "need authentication" in refused.stderr  # a fair-share file is no credential
@@ -912,3 +914,9 @@ def test_up_makes_an_existing_lock_directory_of_ours_writable_by_every_server(tm
     directory.mkdir(mode=0o700)
     prepare_lock_dir(str(directory))
     assert directory.stat().st_mode & 0o7777 == 0o1777
+    private = tmp_path / "private"  # root servers' (rpycdl up --user 0): root's, and never loosened
+    prepare_lock_dir(str(private), private=True)
+    assert private.stat().st_mode & 0o7777 == 0o2751
+    private.chmod(0o750)
+    prepare_lock_dir(str(private), private=True)
+    assert private.stat().st_mode & 0o7777 == 0o750

@@ -329,6 +329,15 @@ def _listen_failure(exc: OSError, protocol: str, host: str, port: int) -> str | 
     return None
 
 
+def _root_keeps(directory: str) -> bool:
+    """Whether `directory` is a lock directory of servers running as root (root's, not writable by others)."""
+    try:
+        status = os.stat(directory)
+    except OSError:
+        return False
+    return status.st_uid == 0 and not status.st_mode & 0o002
+
+
 def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
     """Why `rpycdl serve` could not start, and what to do, in one line."""
     listening = _listen_failure(exc, "tcp", args.host, args.port)
@@ -341,6 +350,10 @@ def _start_failure(exc: OSError, args: argparse.Namespace) -> str:
     def on_the_way(path: str) -> bool:  # in it, or on the way to it
         return bool(failed) and os.path.commonpath([failed, path]) in (failed, path)
 
+    if on_the_way(directory) and os.geteuid() != 0 and _root_keeps(directory):
+        return (f"cannot use the lock directory {directory}: {exc.strerror} ({exc.filename}). It is kept by servers "
+                "running as root, root's alone to change: run this server as root too, or choose another lock "
+                f"directory (--lock-dir, ${ENV_LOCK_DIR})")
     if on_the_way(directory):
         return (f"cannot use the lock directory {directory}: {exc.strerror} ({exc.filename}). Every server of "
                 f"the host writes there: make it a directory every user may write (chmod 1777 {directory}), "

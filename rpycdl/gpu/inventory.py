@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from rpycdl.defaults import ENV_CUDA_VISIBLE, ENV_GPUS, ENV_NVIDIA_VISIBLE, ENV_NVML_MODULE, ENV_SIMULATED_GPUS
 from rpycdl.errors import InvalidRequestError, NoInventoryError
 from rpycdl.scheduler import procs
-from rpycdl.scheduler.lockdir import shared_dir, shared_file
+from rpycdl.scheduler.lockdir import shared_dir, shared_file, writable
 from rpycdl.units import GiB, parse_size
 
 _T = TypeVar("_T")
@@ -115,9 +115,10 @@ class FakeInventory(Inventory):
 
     def use_lock_dir(self, lock_dir: str | os.PathLike[str]) -> None:
         """Keep the simulated driver's state in the lock directory's simulated-gpus/, a folder per GPU in
-        which every user's jobs write (sticky: none removes another's), made here if this process may."""
+        which every user's jobs write (no sticky bit: a job whose pid a dead one had replaces its record), made here
+        if this process may."""
         self.state_dir = Path(lock_dir) / "simulated-gpus"
-        for folder in (self.state_dir, *(self.state_dir / gpu.uuid for gpu in self._gpus)):
+        for folder in (self.state_dir, *(self.state_dir / gpu.uuid for gpu in self._gpus)) if writable() else ():
             with contextlib.suppress(OSError):  # a monitor of another user: the servers make them
                 folder.mkdir(exist_ok=True)
                 if folder.stat().st_uid == os.geteuid():
@@ -331,7 +332,7 @@ def _applied(words: list[str], devices: Sequence[tuple[int, GPU]]) -> bool:
             or all(word.isdigit() for word in words) and len(set(words)) == len(devices))
 
 
-SIMULATED_DIR_MODE = 0o1777
+SIMULATED_DIR_MODE = 0o777
 """simulated-gpus/ and its folders: every user's jobs record their "allocations" there (simulate_memory)."""
 
 

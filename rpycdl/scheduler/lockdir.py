@@ -1,5 +1,5 @@
 """The lock directory's files, for rpycdl.locks: created writable by every user (or private to root's on a
-host whose servers run jobs as their owners), JSON records
+host whose servers run as root), never loosened once made, never through a link, JSON records
 replaced atomically, this process's descriptors of the lock files, probes of the fcntl locks
 other processes hold (F_GETLK, which takes nothing), and the waiters' wake-up FIFOs."""
 
@@ -16,31 +16,50 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.errors import RpycdlError
+from rpycdl.scheduler import dirfds
 from rpycdl.scheduler.planning import Range
 
 _FDS: dict[str, int] = {}  # a descriptor of each lock file (and queue.lock), open for the process's life
 _FLOCK = "hhqqi4x"  # struct flock on Linux: type, whence, start, len, pid
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 SHARED_DIR_MODE = 0o777
 """Servers of every user (host processes, containers of other uids) write in the lock directory.
 No sticky bit: records are replaced by rename, which a sticky directory forbids across users."""
 SHARED_FILE_MODE = 0o666
 
-PRIVATE_DIR_MODE = 0o751
-"""On a host whose servers run each job as its owner (root servers: rpycdl.security.accounts): root writes,
-the directory's group (a monitor's) reads, others may only pass through, to their own jobs' directories."""
+PRIVATE_DIR_MODE = 0o2751
+"""On a host whose servers run as root: root writes, the directory's group (a monitor's) reads, others may only
+pass through, to their own jobs' directories. Set-group-ID: what is made in it takes its group, the one the
+operator gave the lock directory (docs/security.md, Modes)."""
 PRIVATE_FILE_MODE = 0o640
+PRIVATE_FIFO_MODE = 0o660
+"""A waiter's wake-up FIFO: its group (a monitor) opens it for writing to see the waiter lives."""
 PRIVATE_UMASK = 0o027
 
-_MODES = {"dir": SHARED_DIR_MODE, "file": SHARED_FILE_MODE}
+_MODES = {"dir": SHARED_DIR_MODE, "file": SHARED_FILE_MODE, "fifo": SHARED_FILE_MODE}
 """The modes this process gives what it creates in the lock and state directories."""
+
+_READ_ONLY: list[bool] = [False]
+"""Whether this process only reads the lock and state directories (a monitor): it makes and changes nothing."""
 
 
 def use_private_modes() -> None:
     """Give what this process creates in the lock and state directories the private modes (PRIVATE_DIR_MODE),
-    as the processes of a server that runs jobs as their owners do."""
-    _MODES.update(dir=PRIVATE_DIR_MODE, file=PRIVATE_FILE_MODE)
+    as the processes of a server running as root do."""
+    _MODES.update(dir=PRIVATE_DIR_MODE, file=PRIVATE_FILE_MODE, fifo=PRIVATE_FIFO_MODE)
     os.umask(PRIVATE_UMASK)
+
+
+def read_only() -> None:
+    """Make this process a reader of the lock and state directories: shared_dir and shared_file create
+    nothing, lock files are opened for reading (probes need no more), writes raise PermissionError."""
+    _READ_ONLY[0] = True
+
+
+def writable() -> bool:
+    """Whether this process may create and change files in the lock and state directories (not read_only)."""
+    return not _READ_ONLY[0]
 
 
 def file_mode() -> int:
@@ -48,38 +67,83 @@ def file_mode() -> int:
     return _MODES["file"]
 
 
+def fifo_mode() -> int:
+    """The mode of the wake-up FIFOs this process creates in the lock directory."""
+    return _MODES["fifo"]
+
+
+SKIPPED_BY_OWNER = ("output", "work")
+"""Directories in a job's directory that are its owner's (server.jobdirs): make_private leaves them as they are."""
+
+
 def make_private(root: Path, skip: tuple[str, ...] = ()) -> None:
-    """Take from every directory and file under `root` that this process owns what the private modes do not
-    give others (write for its group; all for the rest, but passing through directories): they may have been
-    made shared by a server that ran every job as itself. The subtrees named `skip` are left as they are."""
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = [name for name in dirs if name not in skip]
-        for name, passing in [(".", 0o001), *((name, 0) for name in files)]:
-            path = os.path.join(directory, name)
-            with contextlib.suppress(OSError):  # gone meanwhile
-                found = os.lstat(path)
-                mode = stat.S_IMODE(found.st_mode)
-                if found.st_uid == os.geteuid() and not stat.S_ISLNK(found.st_mode) and mode & PRIVATE_UMASK:
-                    os.chmod(path, mode & ~PRIVATE_UMASK | passing)
+    """Take from every directory and file under `root` the modes the private ones do not give (write for the
+    group; all for the rest, but passing through directories): a server that ran every job as itself may have
+    shared them. Done through descriptors, following no link; the directories named `skip` (at any depth) and the
+    jobs' own directories (SKIPPED_BY_OWNER) are left as they are.
+
+    Raises:
+        RpycdlError: an entry belongs to another account than this process's: another account could change
+            it still (or hold it open), so this process does not work in that tree.
+    """
+    foreign: list[str] = []
+
+    def tighten(fd: int, name: str, status: os.stat_result) -> None:
+        if stat.S_ISLNK(status.st_mode):
+            return
+        if status.st_uid != os.geteuid():
+            foreign.append(name)
+            return
+        mode = stat.S_IMODE(status.st_mode)
+        taken = 0o007 if stat.S_ISFIFO(status.st_mode) else PRIVATE_UMASK  # a FIFO's group writes: PRIVATE_FIFO_MODE
+        if mode & taken:
+            dirfds.chmod_entry(fd, name, mode & ~taken | (0o001 if stat.S_ISDIR(status.st_mode) else 0))
+
+    def skipped(where: tuple[str, ...]) -> bool:
+        return where[-1] in skip or (len(where) >= 3 and where[-3] == "jobs" and where[-1] in SKIPPED_BY_OWNER)
+
+    with dirfds.opened_dir(root) as top:
+        dirfds.walk(top, tighten, skipped)
+        tighten(top, ".", os.fstat(top))
+    if foreign:
+        raise RpycdlError(f"{root} holds files of other accounts than root ({', '.join(sorted(foreign)[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}): a server running as root works only in a tree "
+                          "no other account can change. Stop every server using it and remove it (its ledger "
+                          "too, or chown -R root it), or choose another --lock-dir/--state-dir")
 
 
 def shared_dir(path: Path) -> None:
-    """Create a directory of the lock directory, with this process's mode for it if we own it."""
-    path.mkdir(parents=True, exist_ok=True)
-    if path.stat().st_uid == os.geteuid():
-        with contextlib.suppress(PermissionError):
-            os.chmod(path, _MODES["dir"])
+    """Make a directory of the lock directory (its parents too) with this process's mode for it; one that
+    exists keeps its mode and owner. Nothing in a read-only process."""
+    if _READ_ONLY[0] or path.is_dir():
+        return
+    shared_dir(path.parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    with dirfds.opened_dir(path) as fd:
+        os.fchmod(fd, _MODES["dir"] | (os.fstat(fd).st_mode & stat.S_ISGID))  # set-group-ID passes on
 
 
 def shared_file(path: Path, data: bytes | None = None) -> None:
-    """Create `path` with this process's mode for it: empty if absent (data None), else replaced atomically."""
-    if data is None and path.exists():
+    """Create `path` with this process's mode for it: empty if absent (data None), else replaced atomically
+    (written aside, in a file made now, then renamed). A file that exists keeps its mode; no link is
+    followed. Nothing in a read-only process for an empty file; PermissionError for data.
+    """
+    if data is None and (_READ_ONLY[0] or path.exists()):
         return  # never reopen a lock file: closing a second descriptor would drop our fcntl lock
+    if _READ_ONLY[0]:
+        raise PermissionError(f"a reader of the lock directory writes nothing: {path}")
     target = path if data is None else path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if data is None else os.O_TRUNC), _MODES["file"])
+    if data is not None:
+        target.unlink(missing_ok=True)  # a process of this pid that died writing it left it
     try:
-        with contextlib.suppress(PermissionError):
-            os.fchmod(fd, _MODES["file"])
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, _MODES["file"])
+    except FileExistsError:
+        return  # another process made the lock file meanwhile
+    try:
+        os.fchmod(fd, _MODES["file"])
         if data is not None:
             os.write(fd, data)
     finally:
@@ -94,7 +158,7 @@ def open_once(path: str) -> int:
     fd = _FDS.get(path)
     if fd is None:
         shared_file(Path(path))
-        fd = _FDS[path] = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = _FDS[path] = os.open(path, (os.O_RDONLY if _READ_ONLY[0] else os.O_RDWR) | _NOFOLLOW)
     return fd
 
 
@@ -148,10 +212,21 @@ def host_isolation(root: Path) -> str | None:
     return None
 
 
+def isolation_marks(root: Path) -> set[str]:
+    """The isolation modes of every server that has used the lock directory `root`, live or not (their marks
+    stay after them)."""
+    folder = root / "isolation"
+    return {key.replace("-", " ") for key in (names(folder, "", "") if folder.is_dir() else ()) if "." not in key}
+
+
 def names(directory: Path, prefix: str, suffix: str) -> list[str]:
-    """Names in `directory` with that prefix and suffix (no glob: its pattern would be compiled
-    again in every new connection process)."""
-    return [name for name in os.listdir(directory) if name.startswith(prefix) and name.endswith(suffix)]
+    """Names in `directory` with that prefix and suffix, none if there is no such directory (yet: a reader's)
+    (no glob: its pattern would be compiled again in every new connection process)."""
+    try:
+        found = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [name for name in found if name.startswith(prefix) and name.endswith(suffix)]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -162,9 +237,14 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 def read_json(path: Path) -> dict[str, Any] | None:
     """The record at `path`, or None if it is gone or unreadable."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:
         return None
+    with os.fdopen(fd, "rb") as file:
+        try:
+            return json.loads(file.read())
+        except (OSError, ValueError):
+            return None
 
 
 def others(fd: int, start: int, end: int, found: list[Range]) -> list[Range]:
@@ -195,7 +275,7 @@ def fifo_has_reader(fifo: Path) -> bool:
     try:
         if not stat.S_ISFIFO(os.stat(fifo).st_mode):
             return False
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | _NOFOLLOW)
     except OSError:  # ENXIO: nobody has it open for reading; ENOENT: gone
         return False
     os.close(fd)
@@ -205,7 +285,7 @@ def fifo_has_reader(fifo: Path) -> bool:
 def poke(fifo: Path) -> None:
     """Wake the waiter reading `fifo`, if there is one, without blocking."""
     try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | _NOFOLLOW)
     except OSError:
         return
     try:

@@ -126,7 +126,8 @@ class GPULockManager:
         for sub in ("", "gpus", "held", "queue"):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
-        self._queue_fd = lockdir.open_once(str(self.root / "queue.lock"))
+        if lockdir.writable():  # a reader (a monitor) takes no lock: it only probes
+            self._queue_fd = lockdir.open_once(str(self.root / "queue.lock"))
         self._holders = Holders(self.root)
         self._sleep_poll = sleep_poll
 
@@ -158,7 +159,7 @@ class GPULockManager:
         with `prune` (under the queue lock only), removes those whose process died. Queue entries
         never change once written, so each is read once per process."""
         waiters = []
-        names = sorted(n for n in os.listdir(self.root / "queue") if n.endswith(".json"))
+        names = sorted(lockdir.names(self.root / "queue", "", ".json"))
         listed = {str(self.root / "queue" / n) for n in names}
         for path in [p for p in _ENTRIES if p not in listed]:  # granted or gone since
             del _ENTRIES[path]
@@ -279,7 +280,7 @@ class GPULockManager:
         entry = self.root / "queue" / f"{ticket:016d}.json"
         fifo = entry.with_suffix(".fifo")
         os.mkfifo(fifo)
-        os.chmod(fifo, lockdir.file_mode())  # others must open it to wake us (and to see we live)
+        os.chmod(fifo, lockdir.fifo_mode())  # others must open it to wake us (and to see we live)
         # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
         # and writers see a reader for exactly as long as this process lives.
         fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)

@@ -7,6 +7,7 @@ import getpass
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from rpycdl.defaults import REREGISTER_INTERVAL, SAMPLER_MODULE, lock_dir, state
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.registry import registry_client
-from rpycdl.scheduler import lockdir
+from rpycdl.scheduler import dirfds, lockdir
 from rpycdl.scheduler.planning import LEAST_BUSY
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
@@ -138,17 +139,17 @@ def build_server(config: ServerConfig) -> DLServer:
     inventory = load_inventory(config.inventory)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
+    states = config.state_dir or state_dir(directory)
+    secure_trees(directory, states)
     # Creates the lock directory's layout, so it fails early on permissions; opens (or creates) the ledger.
     context = ServerContext(name=config.service.lower(), aliases=service_aliases(config.service, version),
                             inventory=inventory, lock_dir=directory, server_id=uuid.uuid4().hex[:12],
-                            state_dir=config.state_dir or state_dir(directory),
+                            state_dir=states,
                             host=config.host, framework_version=version, limits=config.limits,
                             shares=config.shares, artifact_store=config.artifact_store,
                             artifact_endpoint=config.artifact_endpoint, scheduling=config.scheduling,
                             accounts=config.accounts)
-    if context.accounts.isolated:  # what servers that ran every job as themselves shared, made root's
-        for root in {Path(directory), Path(context.state_dir)}:
-            lockdir.make_private(root, skip=("simulated-gpus", "workdirs"))
+    secure_trees(directory, states)  # made meanwhile in a sticky directory (/tmp) by another account: refused
     lockdir.claim_pid_namespace(Path(directory))
     lockdir.claim_isolation(Path(directory), context.accounts.mode)
     context.locks.claim_scheduling()
@@ -160,6 +161,37 @@ def build_server(config: ServerConfig) -> DLServer:
         registrar.REREGISTER_INTERVAL = REREGISTER_INTERVAL
     return DLServer(context, ServerCredentials(tls_context, secret), hostname=config.host, port=config.port,
                     registrar=registrar, auto_register=registrar is not None, logger=logging.getLogger("rpycdl.rpyc"))
+
+
+def secure_trees(lock_dir: str, states: str) -> None:
+    """Where this process runs as root: refuse lock and state directories that another account could change
+    (dirfds.check_trusted), and take from those that servers of other accounts shared what the private modes do
+    not give (lockdir.make_private). Nothing elsewhere.
+
+    Raises:
+        RpycdlError: a directory another account could change, or holding files of another account.
+    """
+    if os.geteuid() != 0:
+        return
+    for root, what in ((lock_dir, "lock directory"), (states, "state directory")):
+        dirfds.check_trusted(root, what)
+        if os.path.isdir(root):
+            lockdir.make_private(Path(root), skip=("simulated-gpus", "workdirs", "artifacts"))
+
+
+def proc_hides_pids(mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether /proc is mounted with hidepid (invisible or noaccess: users see only their own processes)."""
+    try:
+        with open(mountinfo) as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) > 4 and fields[4] == "/proc":
+                    options = line.rpartition(" - ")[2].split()[-1].split(",")
+                    return any(option.startswith("hidepid=") and option not in ("hidepid=0", "hidepid=off")
+                               for option in options)
+    except OSError:
+        pass
+    return False
 
 
 def serve(config: ServerConfig) -> None:
@@ -184,6 +216,10 @@ def serve(config: ServerConfig) -> None:
           f"authentication: {server.credentials.mode or 'none'}; isolation: {ctx.accounts.mode}; preloaded: "
           f"{', '.join(ctx.preload) or 'nothing'}; jobs' working "
           f"directories {'cloned' if can_clone(ctx.working_dirs.root) else 'copied (no reflinks here)'}", flush=True)
+    if ctx.accounts.isolated and not proc_hides_pids():
+        print("WARNING: /proc is mounted without hidepid: every local user reads the command lines of the others' "
+              "jobs (and any secret on them); mount it with hidepid=invisible (docs/security.md, What is not "
+              "protected)", file=sys.stderr, flush=True)
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())

@@ -96,11 +96,27 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     return match.group(1), match.group(2)
 
 
-def prepare_lock_dir(path: str) -> None:
+MONITOR_UID = 65534
+"""The account a monitor container runs as beside root servers (nobody), with the lock directory's group."""
+
+
+def runs_as_root(user: str | None) -> bool:
+    """Whether containers given `user` (UID[:GID], None: the image's) run as root."""
+    return user is not None and user.partition(":")[0] in ("0", "root")
+
+
+def prepare_lock_dir(path: str, private: bool = False) -> None:
     """Create the shared lock directory, writable by every container user (mode 1777); one that
-    exists without being writable by all is made so if it is ours, else refused with the fix."""
+    exists without being writable by all is made so if it is ours, else refused with the fix. With
+    `private` (servers running as root), one made here is root's (mode 2751) and one that exists is left as it
+    is: root servers keep their directories root's alone, and refuse one another account could change."""
     if not os.path.isabs(path):
         raise InvalidRequestError(f"the lock directory must be an absolute path, not {path!r}")
+    if private:
+        if not os.path.isdir(path):
+            os.makedirs(path)
+            os.chmod(path, 0o2751)
+        return
     if not os.path.isdir(path):
         os.makedirs(path)
         os.chmod(path, 0o1777)
@@ -145,7 +161,7 @@ def up(config: UpConfig, client: docker.DockerClient | None = None,
     servers = _servers(config)
     reg_host, reg_port = parse_address(config.registry)
     credentials, credential_args = _credentials(config)
-    prepare_lock_dir(config.lock_dir)
+    prepare_lock_dir(config.lock_dir, private=runs_as_root(config.user))
     common: dict[str, Any] = {"network_mode": "host", "restart_policy": {"Name": "unless-stopped"}}
     token, ulimits = uuid.uuid4().hex[:12], list(config.ulimits)
     started: list[Container | None] = []
@@ -249,7 +265,9 @@ def _monitor_options(config: UpConfig, token: str) -> dict[str, Any]:
     if config.inventory == "all":
         options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu", "utility"]])]
         options["environment"] = {"NVIDIA_DRIVER_CAPABILITIES": "utility"}
-    if config.user:
+    if runs_as_root(config.user):  # a reader of root servers' directories, through their group
+        options["user"] = f"{MONITOR_UID}:{os.stat(config.lock_dir).st_gid}"
+    elif config.user:
         options["user"] = config.user
     return options
 
