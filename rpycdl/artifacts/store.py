@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import stat
 import tempfile
 import urllib.parse
@@ -227,22 +228,26 @@ class ArtifactStore:
                on_progress: Callable[[int], None] | None) -> Artifact | None:
         """Rename the open file `fd` (`leaf` in the open directory `parent`) to the local store's `path`;
         None, and nothing moved, if the store is not local, is on another filesystem, or another name links
-        to the file. Should the name no longer be that file (swapped meanwhile), what was moved is removed."""
+        to the file. It goes to the store's UPLOADING directory first: should the name no longer be that file
+        (swapped meanwhile, for a link say), what was moved is removed from there, never seen at `path`."""
         status = os.fstat(fd)
         if self._bucket is not None or status.st_nlink != 1:
             return None
         with self._failures(f"upload {name} to"):
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            aside = os.path.join(self._root, UPLOADING, f"{secrets.token_hex(8)}.moving")
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
             try:
-                os.replace(leaf, path, src_dir_fd=parent)
+                os.rename(leaf, aside, src_dir_fd=parent)
             except OSError as exc:
                 if exc.errno == errno.EXDEV:
                     return None
                 raise
-            there = os.lstat(path)
+            there = os.lstat(aside)
             if (there.st_dev, there.st_ino) != (status.st_dev, status.st_ino):
-                os.unlink(path)
+                os.unlink(aside)
                 return None
+            os.replace(aside, path)
         if on_progress is not None:
             on_progress(status.st_size)
         return Artifact(name, status.st_size, identity(status))

@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +88,44 @@ class JobFiles:
                 found[self.path(marker.name).name] = (int(pid), int(start))
         return found
 
+    def open(self, job_id: str, name: str) -> int:
+        """A descriptor of the job's file `name`, for reading: opened without following a link, and, in a
+        process running as root, only if root owns it (nobody else could have put it there or changed it).
+
+        Raises:
+            FileNotFoundError: there is none. PermissionError: it is a link, or not root's.
+        """
+        path = self.path(job_id, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise PermissionError(errno.EPERM, "a link where a job's file should be: not followed", str(path)) from None
+        status = os.fstat(fd)
+        if os.geteuid() == 0 and (status.st_uid != 0 or not stat.S_ISREG(status.st_mode)):
+            os.close(fd)
+            raise PermissionError(errno.EPERM, "a job's file that root did not write: not read", str(path))
+        return fd
+
+    def read(self, job_id: str, name: str) -> bytes | None:
+        """The whole of the job's file `name` (see open), or None if there is none."""
+        try:
+            fd = self.open(job_id, name)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as file:
+            return file.read()
+
     def spec(self, job_id: str) -> dict[str, Any]:
-        return json.loads(self.path(job_id, "spec.json").read_text())
+        spec = self.read(job_id, "spec.json")
+        if spec is None:
+            raise FileNotFoundError(errno.ENOENT, "no spec", str(self.path(job_id, "spec.json")))
+        return json.loads(spec)
 
     def payload(self, job_id: str) -> bytes | None:
         """The job's payload, or None for a container job."""
-        try:
-            return self.path(job_id, "payload").read_bytes()
-        except FileNotFoundError:
-            return None
+        return self.read(job_id, "payload")
 
     def drop_payload(self, job_id: str) -> None:
         """Remove the payload of a job that has ended (its result and log stay)."""
@@ -116,25 +146,27 @@ class JobFiles:
         return len(outcome)
 
     def result(self, job_id: str) -> bytes | None:
-        try:
-            return self.path(job_id, "result").read_bytes()
-        except FileNotFoundError:
-            return None
+        return self.read(job_id, "result")
 
     def log_size(self, job_id: str) -> int:
         try:
-            return self.path(job_id, "log").stat().st_size
+            fd = self.open(job_id, "log")
         except FileNotFoundError:
             return 0
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def read_log(self, job_id: str, offset: int, size: int) -> bytes:
         """Up to `size` bytes of the job's log from `offset` (b"" at its end, or if there is none)."""
         try:
-            with open(self.path(job_id, "log"), "rb") as log:
-                log.seek(offset)
-                return log.read(size)
+            fd = self.open(job_id, "log")
         except FileNotFoundError:
             return b""
+        with os.fdopen(fd, "rb") as log:
+            log.seek(offset)
+            return log.read(size)
 
     def tail_offset(self, job_id: str, lines: int) -> int:
         """Where the job's last `lines` lines begin in its log (a last line without its newline counts)."""
@@ -142,7 +174,7 @@ class JobFiles:
         if lines <= 0:
             return end
         position, found = end, -1
-        with contextlib.suppress(FileNotFoundError), open(self.path(job_id, "log"), "rb") as log:
+        with contextlib.suppress(FileNotFoundError), os.fdopen(self.open(job_id, "log"), "rb") as log:
             while position > 0:
                 start = max(0, position - TAIL_CHUNK)
                 log.seek(start)
@@ -199,7 +231,7 @@ class LogWriter:
         self.limit = limit
         self.size = 0
         self._full = False
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, file_mode())
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
         with contextlib.suppress(PermissionError):
             os.fchmod(self._fd, file_mode())
 
@@ -239,8 +271,9 @@ class LogWriter:
 def _write(path: Path, data: bytes, sync: bool = False) -> None:
     """Write `data` to `path` whole: aside first, then renamed over it; nothing is left if it fails."""
     aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    aside.unlink(missing_ok=True)  # left by a process of this pid that died writing it
     try:
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode())
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
         try:
             with contextlib.suppress(PermissionError):
                 os.fchmod(fd, file_mode())

@@ -6,16 +6,16 @@ What clients see of the outputs (`outputs`) says "uploading" from the job's end 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rpycdl.artifacts.files import Identity
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
-from rpycdl.scheduler import procs
+from rpycdl.scheduler import dirfds, procs
+from rpycdl.scheduler.jobfiles import OUTPUT_DIR, WORKING_DIR
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.security.accounts import Account
@@ -25,7 +25,8 @@ from rpycdl.server.request import JobRequest
 
 def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[str, str]:
     """Make the job's output directory and unpack its working directory, unless there already (a detached
-    job's, made when it was submitted). Returns the variables that name them to the job.
+    job's, made when it was submitted), each handed to the job's owner once made (give). Returns the variables
+    that name them to the job.
 
     Raises:
         InvalidRequestError: the working directory left the cache (evicted meanwhile: send it again).
@@ -33,35 +34,32 @@ def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[st
     if checked.container is not None:  # a container sees its image, not the server's files
         return {}
     files = context.files
-    shared_dir(files.path(job_id))  # the lock directory's modes: its owner passes through to what is theirs
-    output = files.output_dir(job_id)
-    output.mkdir(exist_ok=True)
-    give(output, checked.account)
-    env = {OUTPUT_DIR_VARIABLE: str(output)}
+    shared_dir(files.path(job_id))  # the tree's modes: its owner passes through to what is theirs
+    give(files.path(job_id), OUTPUT_DIR, checked.account)
+    env = {OUTPUT_DIR_VARIABLE: str(files.output_dir(job_id))}
     if checked.working_dir is None:
         return env
-    path = files.working_dir(job_id)
-    env[WORKING_DIR_VARIABLE] = str(path)
-    if not path.exists():
-        path.mkdir()
+    digest = checked.working_dir
+
+    def unpack(path: Path) -> None:
         try:
-            context.working_dirs.unpack(checked.working_dir, path, context.limits.max_working_dir)
+            context.working_dirs.unpack(digest, path, context.limits.max_working_dir)
         except KeyError:
-            raise InvalidRequestError(f"the working directory {checked.working_dir[:12]} left this server's cache "
-                                      "before the job started: submit it again") from None
-        give(path, checked.account)
+            raise InvalidRequestError(f"the working directory {digest[:12]} left this server's cache before the "
+                                      "job started: submit it again") from None
+
+    give(files.path(job_id), WORKING_DIR, checked.account, unpack)
+    env[WORKING_DIR_VARIABLE] = str(files.working_dir(job_id))
     return env
 
 
-def give(directory: Path, account: Account | None) -> None:
-    """Make `directory` and all in it the job's owner's, the directory theirs alone (mode 700); nothing to do
-    where jobs run as the server's account (None)."""
-    if account is None:
-        return
-    for root, dirs, files in os.walk(directory):
-        for name in [".", *dirs, *files]:
-            os.lchown(os.path.join(root, name), account.uid, account.gid)
-    os.chmod(directory, 0o700)
+def give(parent: Path, name: str, account: Account | None, fill: Callable[[Path], None] | None = None) -> None:
+    """Make the directory `name` in the job's directory `parent` (root's) and hand it, with all `fill` puts in
+    it, to the job's owner (mode 700) once, while only this process can reach it (dirfds.hand_over); where jobs
+    run as the server's account (None), it stays the server's. One made before (at submission) is left as it
+    is: its owner's, never walked again by the server."""
+    dirfds.hand_over(parent, name, None if account is None else account.uid,
+                     None if account is None else account.gid, fill)
 
 
 def finish(context: ServerContext, record: JobRecord, saved: Mapping[str, Identity] | None = None) -> None:
