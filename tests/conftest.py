@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ACCOUNTS, Team, unavailable
+from helpers import ACCOUNTS, MONITOR_ACCOUNT, Team, unavailable
 from hypothesis import settings
 
 import rpycdl
@@ -69,6 +69,21 @@ def accounts() -> Iterator[dict[str, pwd.struct_passwd]]:
     yield {identity: pwd.getpwnam(account) for identity, account in ACCOUNTS.items()}
     for account in made:
         subprocess.run(["userdel", "--remove", account], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def monitor_account(accounts) -> Iterator[pwd.struct_passwd]:
+    """The account (and group) helpers.MONITOR_ACCOUNT, made with useradd where missing and removed after."""
+    made = False
+    try:
+        pwd.getpwnam(MONITOR_ACCOUNT)
+    except KeyError:
+        subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/bin/sh", MONITOR_ACCOUNT],
+                       check=True)
+        made = True
+    yield pwd.getpwnam(MONITOR_ACCOUNT)
+    if made:
+        subprocess.run(["userdel", MONITOR_ACCOUNT], check=False, capture_output=True)
 
 
 @pytest.fixture

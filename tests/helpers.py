@@ -46,6 +46,19 @@ ACCOUNTS = {"alice": "rpycdl-alice", "bob": "rpycdl-bob", "carol": "rpycdl-carol
 """Identities of the team's certificates (the `team` fixture), and the Unix accounts a user map gives them (the
 `accounts` fixture makes them)."""
 
+MONITOR_ACCOUNT = "rpycdl-watch"
+"""The account a monitor runs as on a host of root servers, and the group of their lock directory (the
+`monitor_account` fixture makes both), as docs/monitor.md tells an operator to."""
+
+
+def monitored_lock_dir(path: Path, gid: int) -> Path:
+    """Make `path` a lock directory of root servers that the group `gid` (a monitor's) reads, as docs/monitor.md
+    says (`install -d -m 2751 -g GROUP PATH`); returns it."""
+    path.mkdir()
+    os.chown(path, 0, gid)
+    path.chmod(0o2751)
+    return path
+
 
 def write_user_map(path: Path) -> Path:
     """A `--user-map` file at `path` that maps each identity of ACCOUNTS to its account; returns `path`."""

@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ACCOUNTS, Background, Team, open_gate, rpycdl_cli, scrape, wait_until, write_user_map
+from helpers import (
+    ACCOUNTS,
+    MONITOR_ACCOUNT,
+    Background,
+    Team,
+    monitored_lock_dir,
+    open_gate,
+    rpycdl_cli,
+    scrape,
+    wait_until,
+    write_user_map,
+)
 
 import rpycdl
 from rpycdl import cli
@@ -52,7 +63,7 @@ class Site:
 
 
 @pytest.fixture
-def site(team, accounts, passable_dir) -> Iterator[Site]:
+def site(team, accounts, monitor_account, passable_dir) -> Iterator[Site]:
     base = passable_dir  # everyone may pass through: only rpycdl's own modes protect
     write_user_map(base / "users.toml")
     secret_file = base / "secret"
@@ -63,7 +74,8 @@ def site(team, accounts, passable_dir) -> Iterator[Site]:
     home.chmod(0o700)
     (home / ".aws" / "credentials").write_text(f"[default]\naws_secret_access_key = {AWS_SECRET}\n")
     env = {"AWS_ACCESS_KEY_ID": "rpycdl-test-key-id", "AWS_SECRET_ACCESS_KEY": AWS_SECRET, "HOME": str(home)}
-    state, locks_a, locks_b = base / "state", base / "locks-a", base / "locks-b"
+    locks_b = base / "locks-b"
+    state, locks_a = (monitored_lock_dir(base / name, monitor_account.pw_gid) for name in ("state", "locks-a"))
     flags = [*team.server_args("localhost"), "--secret-file", str(secret_file), "--user-map", str(base / "users.toml"),
              "--state-dir", str(state)]
     cluster = LocalCluster(str(locks_a))
@@ -305,7 +317,10 @@ def test_the_isolation_mode_is_said_and_one_lock_directory_has_one(site, cluster
     mixed = rpycdl_cli("serve", "--service", "pytorch", "--gpus", "fake:1", "--port", "0", "--registry", "none",
                        "--one-account", "--lock-dir", str(site.locks_a), timeout=60)
     assert mixed.returncode == 1 and "isolation 'owner accounts'" in mixed.stderr, mixed.stderr
-    watching = local.start(["monitor", "--gpus", "fake:1", "--lock-dir", str(site.locks_a), "--port", "0"])
+    as_root = rpycdl_cli("monitor", "--gpus", "fake:1", "--lock-dir", str(site.locks_a), "--port", "0")
+    assert as_root.returncode == 1 and "--user ACCOUNT" in as_root.stderr, as_root.stderr  # root reads nothing there
+    watching = local.start(["monitor", "--gpus", "fake:1", "--lock-dir", str(site.locks_a), "--state-dir",
+                            str(site.state), "--port", "0", "--user", MONITOR_ACCOUNT])
     try:
         base = "http://127.0.0.1:" + watching.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics").group(1)
         assert scrape(base)["rpycdl_isolation_info"] == [({"mode": "owner accounts"}, 1.0)]

@@ -46,6 +46,11 @@ def add_commands(command: Command) -> None:
                          help="also require a client certificate signed by this CA (rpycdl certs user; for "
                               "Prometheus' tls_config): only the team's clients read the metrics and the dashboard, "
                               "each user their own jobs' details and logs, an admin everyone's")
+    monitor.add_argument("--user", default=None, metavar="ACCOUNT",
+                         help="started as root: the account (a name, or uid:gid) the monitor runs as once its port and "
+                              "TLS files are open; it reads the lock and state directories through their group, so "
+                              "the account is in it (docs/monitor.md, Which account). A monitor started as root on a "
+                              "host whose servers run jobs as their owners needs one")
     monitor.add_argument("--insecure", action="store_true",
                          help="listen on a non-loopback address over plain HTTP: anyone who reaches it reads the "
                               "metrics and the dashboard (and a secret given for logs crosses the network in clear)")
@@ -54,10 +59,10 @@ def add_commands(command: Command) -> None:
 def _monitor(args: argparse.Namespace) -> int:
     require_extra("server", "fasteners", "pynvml", "prometheus_client", "starlette", "uvicorn")
     from rpycdl.gpu.inventory import load_inventory
-    from rpycdl.monitor import pages
+    from rpycdl.monitor import pages, reader
     from rpycdl.monitor.host import HostView
     from rpycdl.monitor.metrics import HostCollector
-    from rpycdl.monitor.web import create_app, serve
+    from rpycdl.monitor.web import create_app, import_ahead, serve
     from rpycdl.security.auth import is_loopback, load_secret
     from rpycdl.security.tls import web_server_context
 
@@ -70,14 +75,18 @@ def _monitor(args: argparse.Namespace) -> int:
                                   "--insecure to serve them over plain HTTP to anyone who reaches this address")
     lock_dir = os.path.abspath(args.lock_dir or os.environ.get(ENV_LOCK_DIR) or LOCK_DIR)
     secret = load_secret(args.secret_file)
-    inventory, states = load_inventory(args.gpus), args.state_dir or state_dir(lock_dir)
-    collector = HostCollector(inventory, lock_dir, states)
-    dashboard = pages.routes(HostView(inventory, lock_dir, states), secret)
+    states = args.state_dir or state_dir(lock_dir)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
         raise RpycdlError(f"cannot listen on tcp {args.host}:{args.port}: {exc.strerror or exc}; choose another "
                           "--port") from None
+    if args.user:
+        import_ahead()  # its account may not read where this Python lies
+    reader.become_reader(lock_dir, states, args.user)
+    inventory = load_inventory(args.gpus)
+    collector = HostCollector(inventory, lock_dir, states)
+    dashboard = pages.routes(HostView(inventory, lock_dir, states), secret)
     port = sock.getsockname()[1]
     logs = "logs for their owners" if secret or args.tls_ca else "no logs: no --tls-ca nor --secret-file"
     clients = ", client certificates of " + args.tls_ca if args.tls_ca else ""
@@ -85,7 +94,7 @@ def _monitor(args: argparse.Namespace) -> int:
           f"/, {logs}{clients}); lock directory {lock_dir}", flush=True)
     serve(create_app(collector, dashboard), sock, tls)
     print("rpycdl monitor: stopped", file=sys.stderr)
-    return 0
+    return 1 if reader.refused() else 0
 
 
 COMMANDS = {"monitor": _monitor}

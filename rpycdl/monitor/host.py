@@ -21,6 +21,7 @@ from typing import Any
 from rpycdl.defaults import LOG_CHUNK, RECENT_JOBS
 from rpycdl.errors import NotAllowedError
 from rpycdl.gpu.inventory import Inventory
+from rpycdl.scheduler import lockdir
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
@@ -58,7 +59,7 @@ class HostView:
     def __init__(self, inventory: Inventory, lock_dir: str, state_dir: str) -> None:
         self.inventory = inventory
         self.locks = GPULockManager(lock_dir)
-        self.ledger = Ledger(state_dir)
+        self.ledger = Ledger(state_dir, read_only=not lockdir.writable())  # a monitor's: a reader
         self.files = JobFiles(state_dir)
         self.hostname = socket.gethostname()
 

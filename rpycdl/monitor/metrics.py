@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rpycdl.gpu.inventory import Inventory
+from rpycdl.scheduler import lockdir
 from rpycdl.scheduler.ledger import DROPS, REFUSALS, JobRecord, Ledger
 from rpycdl.scheduler.lockdir import host_isolation
 from rpycdl.scheduler.locks import GPULockManager
@@ -71,7 +72,7 @@ class HostCollector(Collector):
         self.inventory = inventory
         inventory.use_lock_dir(lock_dir)
         self.locks = GPULockManager(lock_dir)
-        self.ledger = Ledger(state_dir)
+        self.ledger = Ledger(state_dir, read_only=not lockdir.writable())  # a monitor's: a reader
         self._lock = threading.Lock()
         self._since = time.time()  # ends counted from here on
         self._counted: dict[str, float] = {}  # ids of the ends read within LATE_COMMIT of the newest

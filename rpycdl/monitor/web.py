@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import resource
 import socket
 import ssl
@@ -117,6 +119,23 @@ def create_app(collector: Collector, dashboard: Sequence[BaseRoute] = ()) -> ASG
     return app
 
 
+def import_ahead() -> None:
+    """Import now what serving would import on first use (uvicorn's protocols, lifespan and event loop, anyio's
+    backend, package resources): a monitor gives up root before it serves (monitor.reader), and its new account
+    may not read where its Python lies (an interpreter under /root)."""
+    _config(Starlette()).load()
+    for module in ("anyio._backends._asyncio", "importlib.readers", "importlib.resources.readers",
+                   "email.utils", "json.decoder"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
+def _config(app: ASGIApp, tls: ssl.SSLContext | None = None) -> uvicorn.Config:
+    return uvicorn.Config(app, http=DeadlineProtocol, log_level="warning", timeout_keep_alive=KEEP_ALIVE,
+                          h11_max_incomplete_event_size=MAX_BUFFERED, access_log=False, ws="none", lifespan="off",
+                          ssl_context_factory=None if tls is None else lambda config, default: tls)
+
+
 def serve(app: ASGIApp, sock: socket.socket, tls: ssl.SSLContext | None = None) -> None:
     """Serve `app` on the bound socket `sock` until interrupted, with as many descriptors as the system
     allows this process (a burst of connections then meets REQUEST_DEADLINE, not the descriptor limit).
@@ -130,7 +149,4 @@ def serve(app: ASGIApp, sock: socket.socket, tls: ssl.SSLContext | None = None) 
     wanted = 65536 if hard == resource.RLIM_INFINITY else hard
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    config = uvicorn.Config(app, http=DeadlineProtocol, log_level="warning", timeout_keep_alive=KEEP_ALIVE,
-                            h11_max_incomplete_event_size=MAX_BUFFERED, access_log=False,
-                            ssl_context_factory=None if tls is None else lambda config, default: tls)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(_config(app, tls)).run(sockets=[sock])

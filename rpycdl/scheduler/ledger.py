@@ -19,12 +19,14 @@ its own connection would take none of them.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Container, Iterator, Sequence
@@ -35,7 +37,7 @@ from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
 from rpycdl.scheduler.jobrecord import COLUMNS, JobRecord, from_row, new_job_id, to_row
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
-from rpycdl.scheduler.schema import LIVE, migrate
+from rpycdl.scheduler.schema import LIVE, MIGRATIONS, migrate
 from rpycdl.states import UNFINISHED, JobState
 
 __all__ = ["DROPS", "REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
@@ -70,19 +72,25 @@ class Ledger:
 
     FILE = "ledger.sqlite3"
 
-    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], read_only: bool = False) -> None:
         """Open the ledger of `state_dir`, creating both if the directory is new or empty; check it and
-        bring its schema up to date.
+        bring its schema up to date. `read_only` (a monitor): open it for reading, creating and changing nothing.
 
         Raises:
-            LedgerError: the ledger is missing from a directory of earlier jobs, corrupted, written by a
-                newer rpycdl, or cannot be opened; the message names its file and what to do.
+            LedgerError: the ledger is missing from a directory of earlier jobs (or from any, `read_only`),
+                corrupted, written by a newer (`read_only`: another) rpycdl, or cannot be opened; the message names
+                its file and what to do.
         """
         self.state_dir = Path(state_dir)
         self.path = self.state_dir / self.FILE
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
+        self._read_only = read_only
+        if read_only:  # opened when first read, once a server has made it (until then it reads as empty)
+            self.ledger_id = ""
+            _LEDGERS.add(self)
+            return
         if not self.state_dir.is_dir():  # an existing one keeps its mode: a site may restrict it to a group
             shared_dir(self.state_dir)
         if not self.path.exists():
@@ -106,6 +114,13 @@ class Ledger:
                            f"the state directory {self.state_dir} aside to start afresh (`sqlite3 {self.path} "
                            ".recover` may save its rows)")
 
+    def _check_reader(self, db: sqlite3.Connection) -> None:
+        """A reader's check that the ledger it opened has this rpycdl's schema."""
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version != len(MIGRATIONS):
+            raise LedgerError(f"the job ledger {self.path} has schema version {version}, and this rpycdl reads version "
+                              f"{len(MIGRATIONS)}: run the servers' version of rpycdl")
+
     def _migrate(self) -> str:
         """Check the database, run the migrations it lacks (in one transaction), return its ledger_id."""
         with self._db() as db:
@@ -124,10 +139,17 @@ class Ledger:
             if self._conn is not None and self._pid != os.getpid():  # forked past os.fork's hooks
                 _INHERITED.append(self._conn)  # never close (nor collect) the parent's connection
                 self._conn = None
+            if self._conn is None and self._read_only and not self.path.is_file():
+                yield _empty()  # a reader that came before the servers: no job yet
+                return
             if self._conn is None:
-                db = sqlite3.connect(self.path, timeout=LEDGER_BUSY_TIMEOUT, isolation_level=None,
-                                     check_same_thread=False)
-                _into_wal(db)
+                db = sqlite3.connect(f"file:{urllib.parse.quote(str(self.path))}?mode=ro" if self._read_only
+                                     else self.path, timeout=LEDGER_BUSY_TIMEOUT, isolation_level=None,
+                                     check_same_thread=False, uri=self._read_only)
+                if self._read_only:  # found in WAL mode: its servers put it there
+                    self._check_reader(db)
+                else:
+                    _into_wal(db)
                 db.execute("PRAGMA synchronous=NORMAL")
                 self._conn, self._pid = db, os.getpid()
             yield self._conn
@@ -366,6 +388,16 @@ class Ledger:
         with self._db() as db:
             rows = db.execute(f"{_SELECT} WHERE ended >= ? ORDER BY ended", (since,))
             return [from_row(row) for row in rows if row[_JOB_ID] not in known]
+
+
+@functools.cache
+def _empty() -> sqlite3.Connection:
+    """An empty ledger in memory, what a reader reads while no server has made the ledger yet."""
+    db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    db.execute("BEGIN")
+    migrate(db, Path(":memory:"))
+    db.execute("COMMIT")
+    return db
 
 
 def _into_wal(db: sqlite3.Connection) -> None:
