@@ -35,6 +35,7 @@ from rpycdl.errors import (
     JobTimeoutError,
     LimitError,
     QueueTimeoutError,
+    RemoteError,
 )
 from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
@@ -47,7 +48,7 @@ from rpycdl.server import child, commands, jobdirs, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
-from rpycdl.wire import codec
+from rpycdl.wire import codec, untrusted
 
 LOAD_CHECK_AFTER = 0.2
 """Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits
@@ -351,15 +352,28 @@ class JobFlow:
         record = self.record
         if not codec.succeeded(outcome):
             record.state = JobState.FAILED
-            record.error_type, record.error = codec.failure(outcome)
+            record.error_type, record.error = untrusted.failure(outcome)
             return
         if self.request.command is not None:
-            record.exit_code = int(codec.decode_outcome(outcome))  # run_command's own value: an int
+            record.exit_code = _exit_code(outcome)  # run_command's own value, read as plain data
+            if record.exit_code is None:
+                record.state, record.error_type = JobState.FAILED, "UnreadableResult"
+                record.error = "the command's exit code could not be read from its job process"
+                return
             if record.exit_code:
                 record.state, record.error_type = JobState.FAILED, "CommandFailed"
                 record.error = commands.describe_exit(record.exit_code)
                 return
         record.state = JobState.SUCCEEDED
+
+
+def _exit_code(outcome: bytes) -> int | None:
+    """A command job's exit code from its outcome, None if it holds no int (read as plain data only)."""
+    try:
+        code = untrusted.outcome(outcome)
+    except RemoteError:
+        return None
+    return code if type(code) is int else None
 
 
 def need_of(context: ServerContext, record: JobRecord) -> Need:
@@ -387,13 +401,16 @@ def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str)
                          f"{context.limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
 
 
-def decode_bounded(outcome: bytes) -> Any:
+def decode_bounded(outcome: bytes, plain: bool) -> Any:
     """The job's value (or its exception, raised) for an original client, which gets it by reference
     from this process: made here within RESULT_DECODE_TIMEOUT seconds and RESULT_MEMORY_FACTOR times
-    the outcome's size (RESULT_MEMORY_MIN at least) of new memory, whatever its pickle asks for.
+    the outcome's size (RESULT_MEMORY_MIN at least) of new memory, whatever its pickle asks for. With `plain`
+    (this process runs as another account than the job: a root server's), only plain data is unpickled
+    (untrusted.outcome): nothing of the job's runs here.
 
     Raises:
         LimitError: it took longer, or needed more memory.
+        RemoteError: `plain`, and the job raised, or returned a value that is not plain data.
     """
     def too_slow(*_: Any) -> None:
         raise LimitError(f"the job's result took longer than {RESULT_DECODE_TIMEOUT:g} s to load on the server")
@@ -406,7 +423,7 @@ def decode_bounded(outcome: bytes) -> Any:
     signal.setitimer(signal.ITIMER_REAL, RESULT_DECODE_TIMEOUT)
     try:
         resource.setrlimit(resource.RLIMIT_AS, (budget if hard == resource.RLIM_INFINITY else min(budget, hard), hard))
-        return codec.decode_outcome(outcome)
+        return untrusted.outcome(outcome) if plain else codec.decode_outcome(outcome)
     except MemoryError:
         raise LimitError(f"the job's result needs more than {budget - mapped} bytes of memory to load on the server "
                          "(it returned something that grows when unpickled)") from None

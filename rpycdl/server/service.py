@@ -115,7 +115,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
             refused(self.context, exc)
             raise
         self.after_reply()  # the job is over: its GPUs go back before its value is made here
-        return decode_bounded(outcome)
+        return decode_bounded(outcome, plain=self.context.accounts.isolated)  # its code never runs as root
 
     def exposed_run_container(self, image: str, command: Any, *args: Any, **kwargs: Any) -> bytes:
         """Run `command` (a list of strings) in a container of `image` with GPUs of its own (the

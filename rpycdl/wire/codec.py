@@ -343,10 +343,10 @@ def encode_error(exc: BaseException, tb: str | None = None) -> bytes:
     except Exception:
         pickled = None
     try:
-        message = str(exc)
+        message = str.__str__(str(exc))  # a str itself, not a subclass of the job's: readers read it as plain data
     except Exception:
-        message = repr(exc)
-    return FAILED + dill.dumps((pickled, name, message, tb))
+        message = str.__str__(repr(exc))
+    return FAILED + pickle.dumps((pickled, str.__str__(name), message, str.__str__(tb)), protocol=5)
 
 
 def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
@@ -371,10 +371,10 @@ def decode_outcome(data: bytes, buffers: Sequence[Any] = ()) -> Any:
         exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(name, message, tb)
-    raise _with_remote_traceback(exc, tb)
+    raise with_remote_traceback(exc, tb)
 
 
-def _with_remote_traceback(exc: BaseException, tb: str) -> BaseException:
+def with_remote_traceback(exc: BaseException, tb: str) -> BaseException:
     """`exc` with the server's traceback `tb`: its frames as frames of `exc`'s traceback (the job's code, with
     its source lines: rpycdl.wire.tracebacks.remote_frames), its text as `remote_traceback`, and a note: the
     whole text where the frames do not tell it all (exceptions chained to it)."""
@@ -406,15 +406,6 @@ def succeeded(data: bytes) -> bool:
     return data[:1] == OK
 
 
-def failure(data: bytes) -> tuple[str, str]:
-    """The type's name (without its module) and the message of an exception outcome, read without
-    rebuilding the exception (a plain tuple is unpickled, not what the job raised)."""
-    try:
-        _, name, message, _ = dill.loads(data[1:])
-        return str(name).rpartition(".")[2], str(message)
-    except Exception as exc:  # not an outcome this codec wrote
-        return "UnreadableResult", f"the job's outcome could not be read: {exc}"
-
-
 __all__ = ["encode_call", "encode_payload", "check_payload", "check_pickle", "check_layout", "layout", "dumps",
-           "load_call", "encode_value", "encode_ok", "encode_error", "decode_outcome", "succeeded", "failure"]
+           "load_call", "encode_value", "encode_ok", "encode_error", "decode_outcome", "succeeded",
+           "with_remote_traceback"]
