@@ -2,8 +2,9 @@
 the job outlives its client and the server that accepted it.
 
 The connection process that accepts a submission writes the job's files (rpycdl.scheduler.jobfiles),
-takes its place in line, and starts `python -m rpycdl.server.supervisor STATE_DIR JOB_ID FIFO_FD GO_FD`
-in a session of its own, handing it the place (the descriptor of its wake-up FIFO); it records the
+takes its place in line, and starts `python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD` in a
+session of its own, handing it the place (the descriptor of its wake-up FIFO) and, down the secrets pipe, its
+state directory, job id and ticket (nothing of the job on its command line, which every user reads); it records the
 job in the ledger with the supervisor as its owner, and only then says go. The supervisor runs the
 job's flow (rpycdl.server.jobflow) as a connection process would, without a client: it waits in
 line, holds the GPU locks, forks the job process, writes its output to the job's log and its outcome
@@ -135,8 +136,9 @@ def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
     go_r, go_w = os.pipe()
     secrets_r, secrets_w = os.pipe()
     env = clean_environment(os.environ)
-    child.write_all(secrets_w, json.dumps({name: value for name, value in os.environ.items()
-                                           if name not in env}).encode())  # a few variables: the pipe holds them
+    told = {"state_dir": state_dir, "job_id": job_id, "ticket": place.ticket,
+            "environ": {name: value for name, value in os.environ.items() if name not in env}}
+    child.write_all(secrets_w, json.dumps(told).encode())  # a few variables: the pipe holds them
     os.close(secrets_w)
     pid = orphans.fork("the job's supervisor", (go_r, go_w, secrets_r))
     if pid == 0:
@@ -145,8 +147,8 @@ def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
             os.close(go_w)
             for fd in (go_r, place.fifo_fd, secrets_r):
                 os.set_inheritable(fd, True)
-            os.execve(sys.executable, [sys.executable, "-m", MODULE, state_dir, job_id, str(place.ticket),
-                                       str(place.fifo_fd), str(go_r), str(secrets_r)], env)
+            os.execve(sys.executable, [sys.executable, "-m", MODULE, str(place.fifo_fd), str(go_r), str(secrets_r)],
+                      env)
         finally:
             os._exit(127)
     orphans.let_go(pid)
@@ -220,15 +222,17 @@ def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], No
         account=None if asked.get("account") is None else Account.from_dict(asked["account"]))
 
 
-def supervise(state_dir: str, job_id: str, place: Place, go_fd: int, secrets_fd: int) -> int:
+def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
     """Run one detached job to its end (the supervisor's life); returns the process's exit code. Its job
-    process is forked first, while this process holds nothing but its arguments; then the credentials
-    come (`secrets_fd`)."""
+    process is forked first, while this process holds nothing but its arguments; then come down `secrets_fd`
+    its state directory, job id and ticket (its place in line, whose FIFO is `fifo_fd`) and the credentials."""
     spare = None
     with contextlib.suppress(LimitError):  # no process to spare now: the flow forks one when the job starts
         spare = runner.JobProcess(orphans.HERE)
     with os.fdopen(secrets_fd, "rb") as secrets:
-        os.environ.update(json.loads(secrets.read() or b"{}"))
+        told = json.loads(secrets.read())
+    os.environ.update(told["environ"])
+    state_dir, job_id, place = told["state_dir"], told["job_id"], Place(told["ticket"], fifo_fd)
     with os.fdopen(go_fd, "rb") as go:
         told = go.read(len(GO))
     if told != GO:  # the submission broke off (a name taken meanwhile, the connection process died)
@@ -289,11 +293,11 @@ def _record_end(context: ServerContext, record: JobRecord) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rpycdl.server.supervisor STATE_DIR JOB_ID TICKET FIFO_FD GO_FD SECRETS_FD`."""
-    state_dir, job_id, ticket, fifo_fd, go_fd, secrets_fd = argv if argv is not None else sys.argv[1:]
+    """`python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD`."""
+    fifo_fd, go_fd, secrets_fd = argv if argv is not None else sys.argv[1:]
     child.name_process("rpycdl-superv")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is not for detached jobs
-    return supervise(state_dir, job_id, Place(int(ticket), int(fifo_fd)), int(go_fd), int(secrets_fd))
+    return supervise(int(fifo_fd), int(go_fd), int(secrets_fd))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from rpycdl import registry
 from rpycdl.defaults import KILL_WAIT, STATE_SUBDIR, SUPERVISOR_MODULE
 from rpycdl.errors import RpycdlError
 from rpycdl.scheduler import procs
+from rpycdl.scheduler.ledger import Ledger
 
 READY_TIMEOUT = 30.0
 
@@ -75,16 +76,17 @@ def one_account() -> list[str]:
 
 
 def stop_supervisors(state_dir: str) -> list[str]:
-    """Kill the supervisors of the detached jobs of `state_dir`, and everything their jobs run; returns
-    the jobs' ids (their rows say LOST once a server sweeps)."""
+    """Kill the supervisors of the unfinished detached jobs of `state_dir` (as its ledger names them), and
+    everything their jobs run; returns the jobs' ids (their rows say LOST once a server sweeps)."""
+    if not os.path.isfile(os.path.join(state_dir, Ledger.FILE)):
+        return []
     stopped = []
-    for pid in procs.pids():
-        args = procs.module_args(pid, SUPERVISOR_MODULE)
-        if args and os.path.abspath(args[0]) == os.path.abspath(state_dir):
-            job_id = args[1]
-            procs.kill([pid])
-            procs.kill_until_gone(lambda job_id=job_id: procs.job_processes(job_id), KILL_WAIT)
-            stopped.append(job_id)
+    for record in Ledger(state_dir, read_only=True).unfinished():
+        owner = (record.owner_pid, record.owner_start)
+        if record.detached and procs.alive(*owner) and procs.runs_module(record.owner_pid, SUPERVISOR_MODULE):
+            procs.kill([record.owner_pid])
+            procs.kill_until_gone(lambda job_id=record.job_id: procs.job_processes(job_id), KILL_WAIT)
+            stopped.append(record.job_id)
     return stopped
 
 
