@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rpycdl.artifacts.files import plain_relative, preallocate, start_writeback, write_all
-from rpycdl.artifacts.workdir import MAX_MEMBERS, escapes
+from rpycdl.artifacts.workdir import MAX_MEMBERS, escapes, through_link
 from rpycdl.errors import InvalidRequestError
 
 PAX_MAX = 64 * 1024
@@ -97,6 +97,10 @@ class Unpacker:
             if through is not None:
                 raise InvalidRequestError(f"the working directory's entry {member.name!r} lies through the symlink "
                                           f"{through!r}")
+            through = through_link(member.name, member.link, links) if member.kind == "link" else None
+            if through is not None:
+                raise InvalidRequestError(f"the working directory's symlink {member.name!r} -> {member.link!r} leads "
+                                          f"through the symlink {through!r}, which could take it out of the directory")
         for member in self.members:
             if member.kind == "link":
                 self._parent(member)

@@ -271,3 +271,18 @@ def escapes(name: str, target: str) -> bool:
         return True
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(name), target))
     return resolved == ".." or resolved.startswith("../")
+
+
+def through_link(name: str, target: str, links: Collection[str]) -> str | None:
+    """The symlink among `links` (their names in the directory) that the target of the symlink `name` passes
+    through before its last component, if any (`up -> c/..` with `c -> .`): escapes() reads a target as
+    written, so a target may go through no other link, whose own target would move it."""
+    parts = [part for part in posixpath.dirname(name).split("/") if part]
+    for component in [part for part in target.split("/") if part not in ("", ".")][:-1]:
+        if component == "..":
+            parts = parts[:-1]
+            continue
+        parts.append(component)
+        if "/".join(parts) in links:
+            return "/".join(parts)
+    return None

@@ -174,6 +174,8 @@ F, D, L = tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE
     ([("/abs", F, b"bad")], "/abs"),
     ([("out", L, b"/etc"), ("out/passwd", F, b"bad")], "out"),
     ([("a", L, b"."), ("a/b", L, b".."), ("a/b/x", F, b"bad")], "a/b"),
+    ([("c", L, b"."), ("up", L, b"c/..")], "up"),  # lexically inside, out through the link c
+    ([("d/c", L, b".."), ("d/up", L, b"c/../..")], "d/up"),
     ([("hard", tarfile.LNKTYPE, b"/etc/passwd")], "hard"),
     ([("dev", tarfile.CHRTYPE, b"")], "dev"),
     ([("fifo", tarfile.FIFOTYPE, b"")], "fifo"),
