@@ -260,6 +260,26 @@ def test_a_user_can_rename_replace_or_write_no_lock_file_record_log_or_result(si
         assert list(finished.logs()) == ["alice's log\n"] and finished.result() == "alice's result"
 
 
+def test_a_lock_file_replaced_under_a_running_job_kills_nothing(site):
+    """What a user did while the directories were open to all (issue 34, attack 6), played by root now that only
+    root can: the GPU's lock file renamed aside and a new one put at its name. The server's sweep, probing through
+    its descriptor of the file that was there, saw nobody holding the job's grant and SIGKILLed the job ("granted
+    again: its connection process died"); a grant whose holder lives stays granted, and the log says why."""
+    gate = site.base / "gate"
+    server = site.cluster.processes[1]
+    with site.connect("alice") as alice:
+        holder = Background(alice, gate_job(str(gate)), "alive")
+        holder.wait_state("running")
+        [lock] = (site.locks / "gpus").iterdir()
+        lock.rename(lock.with_name("aside"))
+        lock.touch()
+        wait_until(lambda: holder.done or any("lock file was replaced" in line for line in server.lines), 10,
+                   "the server's sweep to find the grant unlocked")
+        assert not holder.done, f"the running job was ended: {holder.error!r}"
+        open_gate(str(gate))
+        assert holder.result() == "alive"
+
+
 def _make_planted() -> Callable[[dict[str, str]], dict[str, str]]:
     """Bob's job: links out of its output directory, saved and left for the upload; what each save said."""
 

@@ -20,6 +20,7 @@ of that is dead) or while any process of the job runs on the host (rpycdl.schedu
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ import fasteners
 
 from rpycdl.scheduler import lockdir, planning, procs
 from rpycdl.scheduler.planning import Range
+
+log = logging.getLogger(__name__)
+
+_REPLACED: set[str] = set()
+"""The records whose holder lives though their lock file shows no lock, said once each in the log."""
 
 # What this process holds, keyed by the lock file's path (the same UUID may live in several lock
 # directories). Closing any descriptor of a lock file drops all of this process's locks in it, so
@@ -150,9 +156,24 @@ class Holders:
         return bool(left)
 
     def orphans(self) -> list[tuple[Path, dict[str, Any]]]:
-        """The records of grants whose locks nobody holds any more (their holder died)."""
-        return [(path, record) for uuid, records in self.records().items() for path, record in records
-                if not self.holds(uuid, record)]
+        """The records of grants whose locks nobody holds any more (their holder died). One whose holder (its
+        `owner`) lives is none, whatever the lock file says: its lock file was replaced (only root can, in a tree
+        of root's), and the probe, through a descriptor of the file that was there, sees nobody; clearing it
+        would kill a running job (said in the log instead)."""
+        found = []
+        for uuid, records in self.records().items():
+            for path, record in records:
+                if self.holds(uuid, record):
+                    continue
+                owner = record.get("owner")
+                if owner and procs.alive(*owner):
+                    if str(path) not in _REPLACED:
+                        _REPLACED.add(str(path))
+                        log.error("the grant of job %s on GPU %s looks unlocked though its holder (pid %s) lives: its "
+                                  "lock file was replaced; it stays granted", record.get("job_id"), uuid, owner[0])
+                    continue
+                found.append((path, record))
+        return found
 
     # -- locks -------------------------------------------------------------------------
 
