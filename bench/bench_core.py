@@ -386,11 +386,16 @@ def main() -> None:
     parser.add_argument("--round-trip", action="store_true",
                         help="the round trips alone, without Ray (for A/B runs: PYTHONPATH=OTHER_CHECKOUT picks "
                              "the rpycdl measured)")
+    parser.add_argument("--preload", default=None, metavar="MODULES",
+                        help="the server's --preload ('' for none; default: the server's, torch where installed)")
     args = parser.parse_args()
     n = 30 if args.quick else 200
     rows = []
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
-        _, port = cluster.add_server("pytorch", "fake:4")
+        server, port = cluster.add_server("pytorch", "fake:4", *(() if args.preload is None else
+                                                                 ("--preload", args.preload)))
+        print(next(line for line in server.lines if "preloaded:" in line).split("preloaded: ")[1].split(";")[0],
+              "preloaded by the server's forkserver")
         rpycdl_round_trip(port, 5)  # warm up
         base, base_cpu = bare_rpyc_round_trip(n)
         ours, ours_cpu = rpycdl_round_trip(port, n)
