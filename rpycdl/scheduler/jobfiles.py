@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from rpycdl.errors import LimitError
+from rpycdl.errors import LimitError, NotAllowedError
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.lockdir import file_mode, shared_dir
 from rpycdl.units import format_size
@@ -93,7 +93,8 @@ class JobFiles:
         process running as root, only if root owns it (nobody else could have put it there or changed it).
 
         Raises:
-            FileNotFoundError: there is none. PermissionError: it is a link, or not root's.
+            FileNotFoundError: there is none. NotAllowedError (a PermissionError): it is a link, or not root's
+                (the directories were open to others once: docs/security.md, Root and paths).
         """
         path = self.path(job_id, name)
         try:
@@ -101,11 +102,11 @@ class JobFiles:
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
-            raise PermissionError(errno.EPERM, "a link where a job's file should be: not followed", str(path)) from None
+            raise NotAllowedError(f"{path} is a link where a job's file should be: not followed") from None
         status = os.fstat(fd)
         if os.geteuid() == 0 and (status.st_uid != 0 or not stat.S_ISREG(status.st_mode)):
             os.close(fd)
-            raise PermissionError(errno.EPERM, "a job's file that root did not write: not read", str(path))
+            raise NotAllowedError(f"{path} is a job's file that root did not write: not read")
         return fd
 
     def read(self, job_id: str, name: str) -> bytes | None:
