@@ -35,6 +35,7 @@ from rpycdl.errors import (
     RemoteError,
     ResultIntegrityError,
     RpycdlError,
+    ServerStoppingError,
     UnverifiableResultError,
     UploadTimeoutError,
     VersionMismatchError,
@@ -49,7 +50,8 @@ __all__ = [
     "ConnectionLostError", "ContainerError", "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError",
     "InvalidRequestError", "Job", "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
     "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
-    "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError", "Session", "UnverifiableResultError",
+    "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError", "ServerStoppingError", "Session",
+    "UnverifiableResultError",
     "UploadTimeoutError", "VersionMismatchError",
     "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]

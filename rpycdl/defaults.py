@@ -237,6 +237,10 @@ that left a partial line."""
 IDLE_TIMEOUT = 3600.0
 """Seconds a connection may stay idle (no request, no job) before the server closes it (`--idle-timeout`)."""
 
+DRAIN_TIMEOUT = 3600.0
+"""Seconds the attached jobs and sessions of a server told to stop (SIGTERM) may go on running before they are
+cancelled (`--drain-timeout`); its connections refuse new jobs meanwhile, and close once idle past it."""
+
 DISCOVERY_TIMEOUT = 2.0
 """Seconds to wait for the registry to answer."""
 

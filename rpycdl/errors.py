@@ -67,6 +67,11 @@ class JobTimeoutError(RpycdlError, TimeoutError):
     """A job ran longer than its timeout and was stopped."""
 
 
+class ServerStoppingError(RpycdlError):
+    """The server was told to stop: it takes no new job on this connection (another server, or the one started
+    in its place, does: connect again)."""
+
+
 class JobCancelledError(RpycdlError):
     """A job was cancelled (by its owner, an operator, or the client going away)."""
 

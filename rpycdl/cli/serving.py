@@ -13,6 +13,7 @@ import sys
 from rpycdl import registry
 from rpycdl.cli.common import EXIT_FAILED, EXIT_USAGE, Command, os_error
 from rpycdl.defaults import (
+    DRAIN_TIMEOUT,
     ENV_GPUS,
     ENV_LOCK_DIR,
     ENV_REGISTRY,
@@ -128,6 +129,11 @@ def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
                        help="connections of one address still authenticating held at once (default: %(default)s)")
     serve.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT, metavar="SECONDS",
                        help="close connections idle this long (default: %(default)s)")
+    serve.add_argument("--drain-timeout", default=format_duration(DRAIN_TIMEOUT), metavar="DURATION",
+                       help="once told to stop (SIGTERM), let the attached jobs and sessions under way run this long "
+                            "at most, then cancel them (their clients get JobCancelledError); its connections refuse "
+                            "new jobs meanwhile (ServerStoppingError), detached jobs are not touched (default: "
+                            "%(default)s; 0 cancels them at once)")
 
 
 def _add_scheduling_flags(serve: argparse.ArgumentParser) -> None:
@@ -274,7 +280,8 @@ def _serve(args: argparse.Namespace) -> int:
                     keep=parse_duration(args.keep), max_working_dir=parse_size(args.max_working_dir),
                     working_dir_cache=parse_size(args.working_dir_cache),
                     max_startups=parse_max_startups(args.max_startups, MAX_STARTUPS_CEILING),
-                    per_source_startups=args.per_source_startups, max_frame=_max_frame(args.max_frame))
+                    per_source_startups=args.per_source_startups, max_frame=_max_frame(args.max_frame),
+                    drain_timeout=parse_duration(args.drain_timeout))
     if min(limits.max_result, limits.max_log, limits.max_working_dir, limits.working_dir_cache) < 1 or limits.keep <= 0:
         raise InvalidRequestError("--max-result, --max-log, --max-working-dir, --working-dir-cache and --keep must be "
                                   "more than 0")

@@ -11,6 +11,7 @@ from typing import Any
 from rpycdl.artifacts.store import ArtifactStore
 from rpycdl.artifacts.workdircache import WorkdirCache
 from rpycdl.defaults import (
+    DRAIN_TIMEOUT,
     FRAME_MEMORY_SHARE,
     FRAME_SLACK,
     IDLE_TIMEOUT,
@@ -47,6 +48,7 @@ class Limits:
     max_queued_per_user: int = MAX_QUEUED_PER_USER
     max_connections: int = MAX_CONNECTIONS
     idle_timeout: float = IDLE_TIMEOUT
+    drain_timeout: float = DRAIN_TIMEOUT
     max_result: int = MAX_RESULT
     max_log: int = MAX_LOG
     keep: float = KEEP

@@ -38,7 +38,7 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
-from rpycdl.server import child, container_watcher, drops, gate, runner, supervisor
+from rpycdl.server import child, container_watcher, draining, drops, gate, runner, supervisor
 from rpycdl.server.context import ServerContext
 from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
@@ -120,8 +120,13 @@ class DLServer(ForkingServer):
         super().start()
 
     def close(self) -> None:
+        """Stop: accept nothing more, tell the connection processes (they refuse new jobs, and let what runs
+        there drain: rpycdl.server.draining), let the forkserver go once its jobs have, kill the spares."""
         self._stop.set()
         _poke(self._wake_w)
+        for pid in list(self._connections):  # no lock: this runs in a signal handler, maybe inside _forking
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, draining.DRAIN_SIGNAL)
         if isinstance(self.context.launcher, ForkServer):  # it leaves once its jobs have
             self.context.launcher.close()
         for spare in self._spares:
@@ -255,6 +260,7 @@ class DLServer(ForkingServer):
             signal.signal(signal.SIGCHLD, self._prevhandler)
             signal.siginterrupt(signal.SIGCHLD, False)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would close the listener
+            draining.listen(self.context.limits.drain_timeout)  # the parent's stop: no new job here
             self.gate.close_in_child()  # its copies would keep the connections it drops open
             self._hand_w.close()
             code = role(parent)
@@ -329,6 +335,9 @@ class DLServer(ForkingServer):
                 if conn.serve(service.tick()):  # an open session is looked at between its calls
                     service.after_reply()
                     idle_since = time.monotonic()
+                elif draining.overdue():  # the server stopped: what ran here has ended (cancelled, if it had to)
+                    self.logger.info("closing a connection of a stopped server (--drain-timeout)")
+                    stream.close_now(conn)
                 elif time.monotonic() - idle_since > self.context.limits.idle_timeout:
                     self.logger.info("closing a connection idle for %.0f s (--idle-timeout)",
                                      time.monotonic() - idle_since)

@@ -44,7 +44,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.locks import Need, Place
-from rpycdl.server import child, commands, jobdirs, runner, saves, status
+from rpycdl.server import child, commands, draining, jobdirs, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
@@ -217,6 +217,8 @@ class JobFlow:
                 raise error
         if self.context.ledger.cancel_requested(self.record.job_id):
             raise JobCancelledError(f"job {self.record.job_id} was cancelled while waiting")
+        if draining.overdue():
+            raise JobCancelledError(f"job {self.record.job_id} was cancelled while waiting: {draining.REASON}")
 
     def _tell(self, state: str, **info: Any) -> None:
         if self.request.output.on_state is not None:
@@ -250,6 +252,8 @@ class JobFlow:
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
             if ctx.ledger.cancel_requested(job_id):
                 return runner.Ending.CANCELLED, "the job was cancelled"
+            if draining.overdue():
+                return runner.Ending.CANCELLED, f"the job was cancelled: {draining.REASON}"
             found = watch.check(pid)
             return (WATCHED[found[0]], found[1]) if found else None
 

@@ -17,7 +17,7 @@ import rpyc
 
 from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.security import auth
-from rpycdl.server import request, runner, status
+from rpycdl.server import draining, request, runner, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import JobCalls, refused
 from rpycdl.server.jobflow import JobFlow, decode_bounded
@@ -54,6 +54,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
     # -- running a job ----------------------------------------------------------------
 
     def _request(self, options: dict[str, Any], **job: Any) -> request.JobRequest:
+        draining.refuse_new_jobs()  # every job, attached or detached, and every session asks here first
         return request.build(self.context, self._identity, self._client, **options, **job)
 
     def _run(self, checked: request.JobRequest) -> bytes:
