@@ -80,5 +80,35 @@ def test_a_kept_demo_serves_what_it_prints_until_ctrl_c():
         except subprocess.TimeoutExpired:  # it ignored Ctrl-C: take it down, and say so
             _kill_group(demo)
             raise
-    assert demo.returncode == 0, "\n".join(lines) + rest
+    assert demo.returncode == 130, "\n".join(lines) + rest  # as a shell says of Ctrl-C
     assert "rpycdl demo: stopping the server and the registry" in rest
+    assert "rpycdl demo: interrupted: the servers and the registry stopped" in rest
+
+
+def _started(pid: int, marker: str) -> list[int]:
+    """The live processes, but `pid`, whose command line holds `marker`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if int(entry) != pid and marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry))
+    return found
+
+
+def test_a_kept_demo_whose_terminal_closes_leaves_no_process_and_no_directory():
+    demo = _demo("--keep")
+    lines: list[str] = []
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("or in a notebook"):
+                break
+        locks = re.search(r"\(lock directory (\S+)\)", "\n".join(lines)).group(1)
+        assert Path(locks).is_dir() and len(_started(demo.pid, locks)) >= 3  # its server, forkserver, monitor
+        demo.send_signal(signal.SIGHUP)  # what closing its terminal sends
+        rest, _ = demo.communicate(timeout=60)
+    finally:
+        _kill_group(demo)
+    assert demo.returncode == 130 and "stopping the server and the registry" in rest, "\n".join(lines) + rest
+    assert not _started(demo.pid, locks) and not Path(locks).exists()

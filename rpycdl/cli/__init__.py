@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # its terminal closed (not under nohup): as SIGTERM
+        signal.signal(signal.SIGHUP, _terminate)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

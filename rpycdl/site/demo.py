@@ -34,23 +34,22 @@ def run(gpus: str | None, client: str | None, keep: bool) -> int:
         raise RpycdlError(f"no client script at {client}: run the demo from a checkout, or pass --client")
     code = 0
     with tempfile.TemporaryDirectory(prefix="rpycdl-demo-") as locks, LocalCluster(locks) as cluster:
-        print(f"rpycdl demo: registry on udp {cluster.registry_address}")
-        _, port = cluster.add_server("pytorch", gpus)
-        print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus}")
-        print(f"rpycdl demo: monitor on {cluster.add_monitor(gpus)[1]} (/metrics, /healthz)", flush=True)
-        if client is not None:
-            print(f"rpycdl demo: running {client}\n", flush=True)
-            env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
-            # In a session of its own, so that Ctrl-C reaches the demo, which stops it without its traceback.
-            code = subprocess.call([sys.executable, client], env=env, start_new_session=True)
-            print(f"\nrpycdl demo: client exited with {code}", flush=True)
-        if keep:
-            print(kept_text(cluster.registry_address), flush=True)
-            try:
-                threading.Event().wait()
-            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (rpycdl.cli turns it into one): the usual end
-                pass
-        print("rpycdl demo: stopping the server and the registry", flush=True)
+        try:
+            print(f"rpycdl demo: registry on udp {cluster.registry_address}")
+            _, port = cluster.add_server("pytorch", gpus)
+            print(f"rpycdl demo: server PYTORCH on 127.0.0.1:{port} with {gpus} (lock directory {locks})")
+            print(f"rpycdl demo: monitor on {cluster.add_monitor(gpus)[1]} (/metrics, /healthz)", flush=True)
+            if client is not None:
+                print(f"rpycdl demo: running {client}\n", flush=True)
+                env = {**os.environ, ENV_REGISTRY: cluster.registry_address}
+                # In a session of its own, so that Ctrl-C reaches the demo, which stops it without its traceback.
+                code = subprocess.call([sys.executable, client], env=env, start_new_session=True)
+                print(f"\nrpycdl demo: client exited with {code}", flush=True)
+            if keep:
+                print(kept_text(cluster.registry_address), flush=True)
+                threading.Event().wait()  # until Ctrl-C, SIGTERM or SIGHUP (rpycdl.cli: KeyboardInterrupt)
+        finally:  # the cluster and its directory go whatever ended the demo; then an interrupt goes on (exit 130)
+            print("rpycdl demo: stopping the server and the registry", flush=True)
     if not keep:
         print(next_steps())
     return code
