@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from helpers import Background, connection_processes, gate_job, open_gate, running, wait_until
+from helpers import Background, connection_processes, gate_job, open_gate, running, wait_idle, wait_until
 
 import rpycdl
 from rpycdl.client import connect_to
@@ -51,6 +51,7 @@ def test_connect_chooses_the_server_with_more_free_gpus(cluster, server, connect
             with rpycdl.connect("pytorch", registry_address=cluster.registry_address) as conn:
                 assert conn.address == ("127.0.0.1", idle)
                 assert conn.root.run_code(lambda x: x, "ran", ngpus=2, queue_timeout=5) == "ran"
+            wait_idle(connect(idle))  # its reply came before its GPUs went back (promise 3: within a second)
     finally:
         open_gate(gate)
     holder.result()

@@ -42,9 +42,10 @@ ask_servers), so that listeners that accept and never speak cost at most this mu
 ASK_LIMIT = CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT
 """Seconds a server that has not connected yet is waited for at most, while no other has either."""
 ASK_PATIENCE = 3.0
-"""How many times as long as the slowest server that connected took, a client asking every server for its part
-(rpycdl.job by name, `rpycdl status`, `rpycdl jobs`) waits for the others past ASK_SETTLE: room for a loaded
-server slower than the rest. connect(service) takes the answers it has (1)."""
+"""How many times as long as the slowest server that connected took, a client asking every server (connect by
+service, for the one most likely to run its job soonest; rpycdl.job by name, `rpycdl status`, `rpycdl jobs`)
+waits for the others past ASK_SETTLE: room for a loaded server slower than the rest, which a connect would
+otherwise pass over for a busier one."""
 
 _log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def _discover(service: str, registry_address: str | None, secret: bytes | None,
     down: list[str] = []
     probe = functools.partial(_probe, secret=secret, tls_context=tls_context)
     try:
-        with contextlib.closing(ask_servers(addresses, probe, _close_probe)) as answers:
+        with contextlib.closing(ask_servers(addresses, probe, _close_probe, patience=ASK_PATIENCE)) as answers:
             for address, answer in answers:
                 if isinstance(answer, (AuthFailedError, LimitError)):  # a server that cannot prove itself gets nothing
                     _log.warning("skipped the server at %s:%d: %s", *address, answer)
