@@ -55,15 +55,20 @@ def test_the_demos_next_steps_run_as_printed():
     assert "rpycdl demo: client exited with 0" in first.stdout
 
 
+def _read_until_kept(demo: subprocess.Popen[str], lines: list[str]) -> None:
+    """Read a kept demo's output into `lines` up to the last line it prints before it waits."""
+    assert demo.stdout is not None
+    for line in demo.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("or in a notebook"):
+            return
+
+
 def test_a_kept_demo_serves_what_it_prints_until_ctrl_c():
     demo = _demo("--keep")
     lines: list[str] = []
     try:
-        assert demo.stdout is not None
-        for line in demo.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("or in a notebook"):
-                break
+        _read_until_kept(demo, lines)
         told = lines[lines.index("rpycdl demo: running until Ctrl-C. From another terminal:") + 1:-1]
         ran = _bash([line.strip() for line in told])
         assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -99,11 +104,7 @@ def test_a_kept_demo_whose_terminal_closes_leaves_no_process_and_no_directory():
     demo = _demo("--keep")
     lines: list[str] = []
     try:
-        assert demo.stdout is not None
-        for line in demo.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("or in a notebook"):
-                break
+        _read_until_kept(demo, lines)
         locks = re.search(r"\(lock directory (\S+)\)", "\n".join(lines)).group(1)
         assert Path(locks).is_dir() and len(_started(demo.pid, locks)) >= 3  # its server, forkserver, monitor
         demo.send_signal(signal.SIGHUP)  # what closing its terminal sends
