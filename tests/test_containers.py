@@ -724,7 +724,12 @@ def test_failing_container_job_raises_with_the_log_tail(generic: rpycdl.Connecti
 
 
 def test_container_job_requests_are_checked(generic: rpycdl.Connection, tmp_path: Path) -> None:
-    for kwargs, message in (({"command": "echo hi"}, "list of strings"),
+    shared = tmp_path / "shared"  # another user could swap shared/d for a link to anywhere before the engine mounts it
+    (shared / "d").mkdir(parents=True)
+    shared.chmod(0o777)
+    swappable = [({"command": ["true"], "mounts": [{"source": str(shared / "d"), "target": "/x"}]},
+                  "no other account can change")] if os.geteuid() == 0 else []
+    for kwargs, message in (({"command": "echo hi"}, "list of strings"), *swappable,
                             ({"command": ["true"], "mounts": [{"source": "/etc", "target": "/x"}]}, "not under"),
                             ({"command": ["true"], "image": "Bad Image!"}, "not an image"),
                             ({"command": ["true"], "ngpus": 3}, "has 2")):

@@ -34,6 +34,7 @@ from docker.models.containers import Container
 from docker.types import DeviceRequest, Mount
 
 from rpycdl.errors import ContainerError, InvalidRequestError, JobCancelledError, JobTimeoutError, RpycdlError
+from rpycdl.scheduler import dirfds
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.server import container_watcher
 from rpycdl.site.docker import LABEL_JOB, LABEL_LOCK_DIR, LABEL_OWNER, LABEL_ROLE, docker_client, listed, remove
@@ -103,10 +104,24 @@ def check_job(image: Any, command: Any, *, env: Any = None, workdir: Any = None,
                                       f"(${ENV_MOUNT_ROOTS}: {':'.join(roots) or 'none set'})")
         if not os.path.isdir(real):
             raise InvalidRequestError(f"mount source {source!r} is not a directory")
+        _check_unchangeable(source, real)
         if not posixpath.isabs(target) or posixpath.normpath(target) == "/":
             raise InvalidRequestError(f"mount target must be an absolute path other than /, not {target!r}")
         checked.append(Mount(posixpath.normpath(target), real, type="bind", read_only=read_only))
     return JobSpec(image, tuple(command), env, workdir, tuple(checked))
+
+
+def _check_unchangeable(source: str, real: str) -> None:
+    """On a server running as root: refuse a mount source that another account could swap for a link between
+    this check and the engine's mount (which follows it, as root): every directory of it must be root's alone
+    (dirfds.check_trusted). Elsewhere the engine mounts nothing the server's account could not read itself."""
+    if os.geteuid() != 0:
+        return
+    try:
+        dirfds.check_trusted(real, "mount source")
+    except RpycdlError as exc:
+        raise InvalidRequestError(f"mount source {source!r}: a server running as root mounts only directories no "
+                                  f"other account can change ({exc})") from None
 
 
 def gpu_environment(uuids: Sequence[str]) -> dict[str, str]:
