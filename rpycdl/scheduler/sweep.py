@@ -30,9 +30,9 @@ def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
         else:
             state = JobState.CANCELLED if record.cancel_requested else JobState.FAILED
             error_type, why = "JobCrashedError", "the connection process serving this job died"
+        files.remove_working_dir(record.job_id)  # before its end: a sweep killed after it leaves the next one nothing
         if ledger.end(record.job_id, state, record.error or why, error_type):
             ended.append(record)
-            files.remove_working_dir(record.job_id)
             if any(files.output_dir(record.job_id).glob("*")):  # its outputs stay, for a retry
                 ledger.set_artifacts(record.job_id, "failed", [], "the job's owner died before uploading its outputs: "
                                      f"they stay on the server: rpycdl artifacts {record.job_id} --retry")

@@ -343,6 +343,7 @@ class JobFlow:
             record.error_type = ERRORS[result.ending].__name__
         else:
             self._judge(result.outcome)
+        self.context.files.remove_working_dir(record.job_id)  # before its end: a kill after it leaves no copy
         self.context.ledger.save(record)
         if self._unrecorded:
             self.context.files.recorded(record.job_id)

@@ -241,6 +241,7 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         if record is None:  # never recorded: nothing of it may stay
             JobFiles(state_dir).remove(job_id)
         elif (record.owner_pid, record.owner_start) == procs.myself():
+            JobFiles(state_dir).remove_working_dir(job_id)  # its copies, made at submission: before its end
             ledger.end(job_id, JobState.FAILED, "its submission broke off before it was confirmed")
         return 1
     try:
