@@ -249,17 +249,19 @@ def _follow(client: docker.DockerClient, container: Container, output: _Output, 
     """Start the container and hand its output on until it ends; `check` (about every 0.1 s) may
     raise to stop it; orphans of the lock directory are removed every ORPHAN_SWEEP_INTERVAL."""
     chunks: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
-    stream = client.api.attach(container.id, stdout=True, stderr=True, stream=True, logs=True, demux=True)
-    threading.Thread(target=_pump, args=(stream, chunks), daemon=True).start()
     container.start()
-    next_sweep = time.monotonic() + ORPHAN_SWEEP_INTERVAL
-    while True:
+    for fd in (1, 2):  # the engine's log of each stream, read from its start: nothing lost, nothing twice
+        stream = client.api.logs(container.id, stdout=fd == 1, stderr=fd == 2, stream=True, follow=True)
+        threading.Thread(target=_pump, args=(fd, stream, chunks), daemon=True).start()
+    next_sweep, open_streams = time.monotonic() + ORPHAN_SWEEP_INTERVAL, 2
+    while open_streams:
         try:
             item = chunks.get(timeout=0.1)
         except queue.Empty:
             item = (0, b"")
         if item is None:
-            break
+            open_streams -= 1
+            continue
         if item[1]:
             output.add(*item)
         check()
@@ -269,14 +271,12 @@ def _follow(client: docker.DockerClient, container: Container, output: _Output, 
     output.end()
 
 
-def _pump(stream: Iterable[tuple[bytes | None, bytes | None]], chunks: queue.Queue[tuple[int, bytes] | None]) -> None:
-    """Move a container's demultiplexed output into `chunks`; None when it ends."""
+def _pump(fd: int, stream: Iterable[bytes], chunks: queue.Queue[tuple[int, bytes] | None]) -> None:
+    """Move one of a container's streams (`fd`: 1, 2) into `chunks`; None when it ends."""
     try:
-        for out, err in stream:
-            if out:
-                chunks.put((1, out))
-            if err:
-                chunks.put((2, err))
+        for data in stream:
+            if data:
+                chunks.put((fd, data))
     except (docker.errors.DockerException, OSError, ValueError):  # removed under us
         pass
     finally:
