@@ -271,9 +271,15 @@ def spare_processes(server_pid: int) -> list[int]:
 
 
 def forkserver(server_pid: int) -> int:
-    """The server's job forkserver (rpycdl.server.forkserver), the parent of every job process of its connections."""
+    """The server's job forkserver (rpycdl.server.forkserver), the parent of the keeper of every job process of its
+    connections."""
     return wait_until(lambda: next((pid for pid in children(server_pid) if comm(pid) == "rpycdl-forksrv"), None),
                       what="the server's forkserver")
+
+
+def kept_jobs(forkserver_pid: int) -> list[int]:
+    """The job processes a forkserver's keepers keep (rpycdl.server.keeper: one each)."""
+    return [job for keeper in children(forkserver_pid) if comm(keeper) == "rpycdl-keeper" for job in children(keeper)]
 
 
 def children(pid: int) -> list[int]:

@@ -18,7 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import Background, children, cli_env, comm, gate_job, open_gate, rpycdl_cli, spare_processes, wait_until
+from helpers import (
+    Background,
+    children,
+    cli_env,
+    comm,
+    gate_job,
+    kept_jobs,
+    open_gate,
+    rpycdl_cli,
+    spare_processes,
+    wait_until,
+)
 
 import rpycdl
 from rpycdl import cli
@@ -481,7 +492,7 @@ def _spares_ready(pid: int) -> bool:
     """Whether a server has forked its spare connection processes and its forkserver their spare jobs (a
     Ctrl-C in the middle of a fork is the server's own business)."""
     forking = [child for child in children(pid) if comm(child) == "rpycdl-forksrv"]
-    return len(spare_processes(pid)) == 2 and len(forking) == 1 and len(children(forking[0])) == 2
+    return len(spare_processes(pid)) == 2 and len(forking) == 1 and len(kept_jobs(forking[0])) == 2
 
 
 def test_ctrl_c_prints_one_line_in_every_long_running_subcommand(server, connect, lock_dir):

@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
 from helpers import granted_at, idle, running
 
 import rpycdl
+from rpycdl.scheduler import procs
 
 GRACE = 1.0  # promise 3: free again within a second
 
@@ -271,24 +273,47 @@ def test_kill_9_of_the_connection_process(cluster, server, connect, tmp_path):
     assert other.root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=-1)["uuids"]
 
 
-def test_kill_9_of_the_forkserver(cluster, server, connect, tmp_path):
-    """The job forkserver is every attached job's parent: its jobs die with it, their GPUs come back once
-    nothing of them runs, and the server starts another, which the next job runs from."""
+def test_kill_9_of_the_keeper(cluster, server, connect, tmp_path):
+    """A job's keeper is its own: its death ends that job alone (its job process dies with it, what that started
+    is killed), its GPUs free within a second, the other job on the server untouched."""
     port = server("pytorch", "fake:4")
-    server_pid = cluster.processes[-1].popen.pid
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = Background(connect(port), JOB, {"dir": str(other_dir), "how": "until_file"}, ngpus=2)
+    other_info = read_info(other_dir)
     running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "sleep"}, ngpus=2)
     info = read_info(tmp_path)
-    assert read_comm(info["ppid"]) == "rpycdl-forksrv"
+    assert read_comm(info["ppid"]) == "rpycdl-keeper" and info["ppid"] != other_info["ppid"]
     os.kill(info["ppid"], signal.SIGKILL)
     ended = time.time()
     crash = running.join()
     assert isinstance(crash, rpycdl.JobCrashedError), repr(crash)
-    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "forkserver": info["ppid"]},
-                         ended)
+    (other_dir / "release").touch()
+    assert other.join()["pid"] == other_info["pid"], "the other job should have run to its value"
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "keeper": info["ppid"]}, ended)
+    assert job_state(connect(port), info["job_id"]) == "FAILED"
+
+
+def test_kill_9_of_the_forkserver_ends_no_job(cluster, server, connect, tmp_path):
+    """The job forkserver carries no job: a job running as it dies runs to its value, the spare job processes
+    it forked stay, and the server starts another forkserver."""
+    port = server("pytorch", "fake:4")
+    server_pid = cluster.processes[-1].popen.pid
+    running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "until_file"}, ngpus=2)
+    info = read_info(tmp_path)
+    forkserver = procs.stat(info["ppid"]).ppid
+    assert read_comm(forkserver) == "rpycdl-forksrv"
+    os.kill(forkserver, signal.SIGKILL)
+    time.sleep(0.5)
+    (tmp_path / "release").touch()
+    assert running.join()["pid"] == info["pid"]
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "keeper": info["ppid"]},
+                         time.time())
+    restarted = helpers.forkserver(server_pid)
+    assert restarted != forkserver
+    (tmp_path / "info.json").unlink()
     again = connect(port).root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=-1)
-    assert again["ppid"] != info["ppid"] and read_comm(again["ppid"]) == "rpycdl-forksrv"
-    assert again["ppid"] in [int(pid) for pid in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text()
-                             .split()]
+    assert read_comm(again["ppid"]) == "rpycdl-keeper"  # a spare kept from before, or one of the new forkserver's
 
 
 def read_comm(pid: int) -> str:

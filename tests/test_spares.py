@@ -20,6 +20,7 @@ from helpers import (
     forkserver,
     gate_job,
     idle,
+    kept_jobs,
     open_gate,
     refusal,
     running,
@@ -36,12 +37,12 @@ from rpycdl.wire import codec
 
 
 def _ready_jobs(pid: int, holding: int = 0) -> set[int]:
-    """The job processes held ready (children of the server's forkserver), once there is one for each spare
-    and for each of `holding` idle connections (those that ran a second job hold their next job's process; one
+    """The job processes held ready (each kept by a keeper of the server's forkserver), once there is one for each
+    spare and for each of `holding` idle connections (those that ran a second job hold their next job's process; one
     that ran one job holds none), each running its own code (named rpycdl-job: right after the fork it still has
     the forkserver's name), and no other job runs."""
     def jobs() -> set[int] | None:
-        held = children(forkserver(pid))
+        held = kept_jobs(forkserver(pid))
         spares = spare_processes(pid)
         if len(spares) != SPARE_CONNECTIONS or len(held) != len(spares) + holding or any(
                 comm(job) != "rpycdl-job" for job in held):
@@ -158,13 +159,14 @@ def test_a_stopped_server_leaves_no_spare_behind_not_even_a_zombie(server, clust
     jobs = _ready_jobs(pid)
     spares = spare_processes(pid)
     forking = forkserver(pid)
+    keepers = children(forking)
     os.kill(pid, signal.SIGTERM)
     server_process(cluster, port).popen.wait(10)
     left = {p: comm(p) for p in spares if os.path.exists(f"/proc/{p}")}
     assert not left, f"left to init by the stopped server: {left}"
-    # The forkserver kills the spares' jobs as their spares go, and leaves once nobody can ask it for more.
-    wait_until(lambda: not [p for p in [forking, *jobs] if os.path.exists(f"/proc/{p}")], timeout=2.0,
-               what="the forkserver and the spares' job processes to be gone")
+    # The keepers kill the spares' jobs as their spares go, and the forkserver leaves once nobody can ask it for more.
+    wait_until(lambda: not [p for p in [forking, *keepers, *jobs] if os.path.exists(f"/proc/{p}")], timeout=2.0,
+               what="the forkserver, the keepers and the spares' job processes to be gone")
 
 
 def test_a_server_stopped_as_it_starts_stops(lock_dir):

@@ -179,6 +179,18 @@ def kill_until_gone(find: Callable[[], list[int]], timeout: float, reap: Callabl
         time.sleep(0.002)
 
 
+def reaped() -> list[tuple[int, int]]:
+    """This process's children that have ended, reaped now without blocking: (pid, wait status) of each."""
+    found = []
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            found.append((pid, status))
+    return found
+
+
 def reap(pids: Iterable[int]) -> None:
     """Reap those of `pids` that are this process's ended children (without blocking)."""
     for pid in pids:

@@ -38,7 +38,7 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
-from rpycdl.server import child, container_watcher, draining, drops, gate, runner, supervisor
+from rpycdl.server import child, container_watcher, draining, drops, gate, keeper, runner, supervisor
 from rpycdl.server.context import ServerContext
 from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
@@ -175,8 +175,8 @@ class DLServer(ForkingServer):
             self._hand_off(handshake, source)
 
     def _keep_forkserver(self) -> None:
-        """Start the job forkserver again if it died (its jobs died with it; the sweep frees their GPUs
-        once nothing of them runs); connection processes reach the new one at its address."""
+        """Start the job forkserver again if it died (its jobs run on: their keepers are theirs, adopted by this
+        process); connection processes reach the new one at its address."""
         launcher = self.context.launcher
         if isinstance(launcher, ForkServer) and not launcher.alive():
             self.logger.error("the job forkserver (pid %d) died; starting another", launcher.process.pid)
@@ -391,15 +391,17 @@ class DLServer(ForkingServer):
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that
         are neither spares nor connection processes (what dead connection processes left), and
-        their descendants; but not its job forkserver (with its jobs), nor a job container's watcher, which
+        their descendants; but not its job forkserver, nor a job's keeper (with its job: adopted when the
+        forkserver died), nor a job container's watcher, which
         removes its container, nor a detached job's supervisor (with its job), nor its load sampler."""
         launcher = self.context.launcher
         with self._forking:
             mine = self._spares | self._connections | ({launcher.process.pid} if isinstance(launcher, ForkServer)
                                                        else set())
             found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
-        found = [pid for pid in found if not any(procs.runs_module(pid, module) for module in
-                                                 (container_watcher.__name__, supervisor.MODULE, SAMPLER_MODULE))]
+        found = [pid for pid in found if not keeper.is_keeper(pid) and not any(
+            procs.runs_module(pid, module) for module in (container_watcher.__name__, supervisor.MODULE,
+                                                          SAMPLER_MODULE))]
         return [each for pid in found for each in (pid, *procs.subtree(pid)) if procs.alive(each)]
 
 

@@ -1,11 +1,13 @@
-"""The job forkserver: the process that forks every job process and load check of a server's connections.
+"""The job forkserver: the process that forks a keeper for every job process and load check of a server's connections.
 
 The server starts it clean at its own start (`python -m rpycdl.server.forkserver FD`, exec'd, with the
 server's environment less every credential variable), so that nothing of the server's memory (its TLS
 key, its shared secret, the store's credentials, other users' rows) and no secret of its environment is
 in a job, whose owner may read all of its memory once it runs as them (rpycdl.security.accounts). It
-never touches CUDA. It is a child subreaper: what a job leaves when its parent dies comes to it, stays
-while it belongs to a live job (its session, or RPYCDL_JOB_ID naming the job), and is killed otherwise.
+never touches CUDA. For each request it forks a keeper (rpycdl.server.keeper), which forks the job
+process, answers the requester and carries the job to its end on its own: the forkserver keeps no job's
+life, so its death ends none. It is a child subreaper: what it adopts (what a killed keeper's job left)
+is killed.
 
 One request a datagram on a SOCK_SEQPACKET connection: the one the server made (every connection process
 inherits it; no job ever holds it), or one a process of the server's account made to the forkserver's
@@ -13,13 +15,12 @@ abstract address (ForkServer.launch, after the forkserver it knew died):
 
     request   JSON {"kind": "job" | "check"}; SCM_RIGHTS: a control socket, then the child's descriptors
               (job: go, stdout, stderr, result, files; check: go, result, files)
-    reply     on the control socket: PID (pid, start time), SCM_RIGHTS: the child's pidfd
-    requester on the control socket: JOB_ID + the job's id, once it knows it
-    end       on the control socket: STATUS (wait status), once the child and everything of its job are
-              gone; then the control socket closes
+    reply     from the keeper, on the control socket: PID (pid, start time), SCM_RIGHTS: the child's pidfd
+    end       from the keeper, on the control socket: STATUS (wait status), once the child and everything of
+              its job are gone; then the control socket closes
 
-A requester that closes its control socket (it died) has its child killed. The forkserver leaves once
-every connection has closed and its children are gone."""
+A requester that closes its control socket (it died, or let go) has its child killed by the keeper. The
+forkserver leaves once every connection has closed and its keepers are gone."""
 
 from __future__ import annotations
 
@@ -35,15 +36,19 @@ import socket
 import struct
 import subprocess
 import sys
-from dataclasses import dataclass
 
-from rpycdl.defaults import FORKSERVER_MODULE, SECRET_VARIABLE_PREFIXES, STORE_SECRET_VARIABLES, SWEEP_INTERVAL
+from rpycdl.defaults import (
+    FORKSERVER_MODULE,
+    KILL_WAIT,
+    SECRET_VARIABLE_PREFIXES,
+    STORE_SECRET_VARIABLES,
+    SWEEP_INTERVAL,
+)
 from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import procs
+from rpycdl.server import keeper
+from rpycdl.server.keeper import PID, STATUS
 
-PID = struct.Struct("<iQ")  # reply: pid, start time
-STATUS = struct.Struct("<i")  # end: wait status
-JOB_ID = b"J"  # requester: the job's id follows
 READY = b"ready"  # the forkserver to the server, once its preload is imported
 MAX_FDS = 8
 PR_SET_CHILD_SUBREAPER = 36
@@ -55,9 +60,9 @@ log = logging.getLogger("rpycdl.forkserver")
 
 
 class Launched:
-    """A process the forkserver forks for this one: its pid and start time, a pidfd (readable once it
-    has exited), and the control socket its end comes on. The forkserver's reply (pid, start time, pidfd)
-    is read when one of them is first needed, so that the requester goes on while the forkserver forks
+    """A process the forkserver forks for this one (through its keeper): its pid and start time, a pidfd
+    (readable once it has exited), and the control socket its end comes on. The keeper's reply (pid, start
+    time, pidfd) is read when one of them is first needed, so that the requester goes on while the forkserver forks
     (a connection's next spare is asked for as its job takes one, and taken by the next job); reading it raises
     LimitError if the forkserver could not fork, or is gone."""
 
@@ -66,6 +71,7 @@ class Launched:
         self.status: int | None = None
         self._told: tuple[int, int, int] | None = None
         self._failed = ""
+        self._job_id = ""
 
     @property
     def pid(self) -> int:
@@ -97,19 +103,23 @@ class Launched:
         return self._told
 
     def name_job(self, job_id: str) -> None:
-        """Tell the forkserver the job's id: what the job starts keeps it in its environment."""
-        with contextlib.suppress(OSError):
-            self.control.send(JOB_ID + job_id.encode())
+        """The job's id, by which what the job started is found should its keeper die (wait)."""
+        self._job_id = job_id
 
     def wait(self) -> int:
-        """Block until the process and everything of its job are gone; its wait status."""
+        """Block until the process and everything of its job are gone; its wait status. Should its keeper die
+        first (its job process dies with it), what the job left is killed here before this returns."""
         if self.status is None:
             data = b""
             with contextlib.suppress(OSError, LimitError):  # never forked: its status says killed, as for a death
                 self._reply()
                 data = self.control.recv(STATUS.size)
-            # No end told: the forkserver died, and its children with it (they die with their parent).
-            self.status = STATUS.unpack(data)[0] if len(data) == STATUS.size else signal.SIGKILL
+            if len(data) == STATUS.size:
+                self.status = STATUS.unpack(data)[0]
+            else:  # the keeper died: its job process with it, not what that started
+                self.status = signal.SIGKILL
+                if self._told is not None:
+                    procs.kill_until_gone(lambda: procs.job_processes(self._job_id, self._told[:2]), KILL_WAIT)
         return self.status
 
     def close(self) -> None:
@@ -206,38 +216,25 @@ def clean_environment(environ: dict[str, str] | os._Environ[str]) -> dict[str, s
 # -- the forkserver's side ------------------------------------------------------------------------
 
 
-@dataclass
-class _Child:
-    control: socket.socket
-    start: int
-    job_id: str = ""
-    watched: bool = True  # the requester still holds its control socket
-    status: int | None = None  # once reaped
-
-
 class _Server:
-    """The forkserver's loop: requests, its children's ends, what jobs leave."""
+    """The forkserver's loop: requests (a keeper forked for each), its keepers' ends, what it adopted."""
 
     def __init__(self, first: socket.socket, listener: socket.socket) -> None:
         self.connections = {first}  # the server's, and those of processes that reconnected (ForkServer.launch)
         self.listener = listener
-        self.children: dict[int, _Child] = {}
+        self.keepers: set[int] = set()
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_w)
 
     def run(self) -> None:
-        while self.connections or self.children:
-            watched = [child.control for child in self.children.values() if child.watched]
-            ready = select.select([self.wake_r, self.listener, *self.connections, *watched], [], [],
-                                  SWEEP_INTERVAL)[0]
+        while self.connections or self.keepers:
+            ready = select.select([self.wake_r, self.listener, *self.connections], [], [], SWEEP_INTERVAL)[0]
             for each in ready:
                 if each is self.listener:
                     self._accept()
                 elif each in self.connections:
                     self._request(each)
-                elif isinstance(each, socket.socket):
-                    self._control(each)
             with contextlib.suppress(BlockingIOError):
                 os.read(self.wake_r, 4096)
             self._reap()
@@ -277,92 +274,27 @@ class _Server:
                     os.close(fd)
 
     def _fork(self, kind: str, fds: list[int]) -> None:
-        control = socket.socket(fileno=os.dup(fds[0]))
-        me = os.getpid()
+        """Fork the keeper of the request's process; the requester's reply comes from it (an empty one, the
+        control socket closed, if no process could be forked)."""
         try:
             pid = os.fork()
         except OSError:
-            control.close()  # the requester reads an empty reply: LimitError
             return
         if pid == 0:
-            self._become_child(kind, fds[1:], me)
-        pidfd = os.pidfd_open(pid)
-        try:
-            socket.send_fds(control, [PID.pack(pid, procs.identify(pid)[1])], [pidfd])
-        except OSError:  # the requester is gone already
-            pass
-        finally:
-            os.close(pidfd)
-        self.children[pid] = _Child(control, procs.identify(pid)[1])
-
-    def _become_child(self, kind: str, fds: list[int], parent: int) -> None:
-        """In the forked child: let go of everything of the forkserver's, then become the job (never returns)."""
-        from rpycdl.server import child  # imported by main() already: no cost
-
-        try:
             signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            if kind == "job":  # it keeps nothing of the forkserver's but `fds` (child.keep_only)
-                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=parent)
-            child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=parent)
-        finally:
-            os._exit(2)
-
-    def _control(self, control: socket.socket) -> None:
-        pid = next(pid for pid, each in self.children.items() if each.control is control)
-        each = self.children[pid]
-        try:
-            data = control.recv(256)
-        except OSError:
-            data = b""
-        if data.startswith(JOB_ID):
-            each.job_id = data[len(JOB_ID):].decode(errors="replace")
-        elif not data:  # the requester is gone: so is its job
-            each.watched = False
-            procs.kill_group(pid)
-            procs.kill([pid])
+            keeper.keep(kind, fds[0], fds[1:])
+        self.keepers.add(pid)
 
     def _reap(self) -> None:
-        """Reap every ended child; a job's end is told once nothing of it runs (_sweep)."""
-        with contextlib.suppress(ChildProcessError):
-            while True:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                if pid in self.children:
-                    self.children[pid].status = status
+        self.keepers.difference_update(pid for pid, _ in procs.reaped())
 
     def _sweep(self) -> None:
-        """Kill what ended jobs left and what belongs to no live job; tell the ends of jobs now gone.
-
-        Everything a job started is in this process's subtree (it is a child subreaper): once a job process
-        has died, what it left is among this process's adopted children and their descendants, so no scan of
-        the whole of /proc is needed."""
-        adopted = [pid for pid in procs.children(os.getpid()) if pid not in self.children]
-        live = {pid: each for pid, each in self.children.items() if each.status is None}
-        for pid in adopted:
-            if not any(_belongs(pid, job, each) for job, each in live.items()):
+        """Kill what this process adopted: what a job whose keeper died left (the keeper's own subtree while it
+        lives). Everything the jobs of the dead keepers started is in this process's subtree (it is a child
+        subreaper), so no scan of the whole of /proc is needed."""
+        for pid in procs.children(os.getpid()):
+            if pid not in self.keepers:
                 procs.kill([pid, *procs.subtree(pid)])
-        for pid, each in list(self.children.items()):
-            if each.status is None:
-                continue
-            left = [found for stray in adopted if _belongs(stray, pid, each)
-                    for found in (stray, *procs.subtree(stray)) if procs.alive(found)]
-            if left:
-                procs.kill(left)
-                continue
-            with contextlib.suppress(OSError):
-                each.control.send(STATUS.pack(each.status))
-            each.control.close()
-            del self.children[pid]
-
-
-def _belongs(pid: int, job: int, child: _Child) -> bool:
-    """Whether the process `pid` belongs to the live job process `job`: in its session, or named by its
-    environment."""
-    found = procs.stat(pid)
-    return found is not None and (found.session == job or bool(child.job_id and procs.environment_names(pid,
-                                                                                                        child.job_id)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,132 @@
+"""A job's keeper (rpycdl-keeper): the one process of a running job's own that outlives every shared process.
+
+The forkserver forks one keeper for each job process or load check a connection asks for, hands it the
+request's descriptors, and forgets it (it only reaps it once it ends). The keeper leaves the forkserver's
+session for one of its own, keeps nothing of the forkserver's but those descriptors, becomes a child
+subreaper, and forks the job process, which dies with it (PR_SET_PDEATHSIG). On the control socket it tells
+the requester the job process's pid, start time and pidfd, and it kills the job once the requester closes it
+(the requester died, or let the job go). Once the job process has ended it kills whatever the job left
+(everything the job started is in its subtree: it is a child subreaper), tells the requester the job's wait
+status once nothing of it runs, and exits. While the job runs, what the job started stays, even if its parent
+died.
+
+So the death of the forkserver, the server parent or any other shared process ends no running job; the
+death of the keeper ends its job alone (its job process dies with it, and what the job left is killed by
+whichever rpycdl process notices first: the forkserver or the server, which adopt it, or the requester,
+which finds it by the job's id and session: forkserver.Launched.wait)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import struct
+from typing import NoReturn
+
+from rpycdl.defaults import SWEEP_INTERVAL
+from rpycdl.scheduler import procs
+
+NAME = "rpycdl-keeper"
+PID = struct.Struct("<iQ")  # reply: pid, start time
+STATUS = struct.Struct("<i")  # end: wait status
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def is_keeper(pid: int) -> bool:
+    """Whether the process is a keeper of this account's: its name, and its owner this process's (a job of a
+    root server runs as its owner, so no job process passes for a root server's keeper)."""
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            named = comm.read().strip() == NAME
+        return named and os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def keep(kind: str, control: int, fds: list[int]) -> NoReturn:
+    """In a child the forkserver just forked: become the keeper of a new process of `kind` ("job" or "check")
+    whose descriptors are `fds`, its requester on the socket `control`. Never returns."""
+    from rpycdl.server import child
+
+    try:
+        child.keep_only([control, *fds])
+        os.setsid()  # no signal to the forkserver's group reaches a job's keeper
+        child.name_process(NAME)
+        child.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        requester = socket.socket(fileno=control)
+        me = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError:
+            os._exit(0)  # the requester reads an empty reply: LimitError
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if kind == "job":  # it keeps nothing of the keeper's but `fds` (child.keep_only)
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=me)
+            child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=me)
+        for fd in fds:
+            os.close(fd)
+        _Keeper(requester, pid, wake_r).run()
+    finally:
+        os._exit(0)
+
+
+class _Keeper:
+    """The keeper's loop: its requester's messages, its job process's end, what the job left."""
+
+    def __init__(self, requester: socket.socket, pid: int, wake_r: int) -> None:
+        self.requester = requester
+        self.pid = pid
+        self.wake_r = wake_r
+        self.watched = True  # the requester still holds its control socket
+        self.status: int | None = None  # once the job process is reaped
+        pidfd = os.pidfd_open(pid)
+        try:
+            socket.send_fds(requester, [PID.pack(pid, procs.identify(pid)[1])], [pidfd])
+        except OSError:  # the requester is gone already
+            self._let_go()
+        finally:
+            os.close(pidfd)
+
+    def run(self) -> None:
+        while True:
+            watched = [self.requester] if self.watched else []
+            if select.select([self.wake_r, *watched], [], [], SWEEP_INTERVAL)[0].count(self.requester):
+                self._told()
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 4096)
+            self._reap()
+            if self.status is not None and self._gone():
+                with contextlib.suppress(OSError):
+                    self.requester.send(STATUS.pack(self.status))
+                return
+
+    def _told(self) -> None:
+        try:
+            data = self.requester.recv(256)
+        except OSError:
+            data = b""
+        if not data:  # the requester is gone: so is its job (it sends nothing else)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        self.watched = False
+        procs.kill_group(self.pid)
+        procs.kill([self.pid])
+
+    def _reap(self) -> None:
+        for pid, status in procs.reaped():
+            if pid == self.pid:
+                self.status = status
+
+    def _gone(self) -> bool:
+        """Once the job process has ended: kill what it left (all of this process's subtree); whether none runs."""
+        left = [pid for pid in procs.subtree(os.getpid()) if procs.alive(pid)]
+        procs.kill(left)
+        return not left
