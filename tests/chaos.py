@@ -53,6 +53,8 @@ CHILDREN: dict[str, tuple[float, list[str]]] = {  # kind: (weight, argv); "{pyth
 }
 
 CONN_KILLS = ("conn_after_grant", "conn", "orphan_conn", "supervisor", "session_conn")
+SHARED_KILLS = ("server", "forkserver", "spare", "double_forkserver")
+"""Kills of processes that carry no running job (a server parent, a forkserver, a spare): they must end none."""
 KILLS: dict[str, float] = {  # the killer's actions and their weights
     "conn_after_grant": 3.0,  # kill -9 a job's connection process as soon as the job has a child
     "conn": 1.5,  # kill -9 the connection process of a running job
@@ -65,11 +67,17 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
     "session_process": 1.0,  # kill -9 a session's job process (between its calls or during one)
     "session_conn": 1.0,  # kill -9 a session's connection process
     "session_client": 0.3,  # kill -9 a client holding a session, start another
+    "forkserver": 0.5,  # kill -9 a server's job forkserver (it ends no job: the server starts another)
+    "spare": 0.5,  # kill -9 a spare connection process, waiting for a client (its spare job process goes with it)
+    "keeper": 1.0,  # kill -9 the keeper of a running attached job or session (its job alone ends)
 }
+DOUBLE_FAULTS = ("double_forkserver", "double_keeper", "double_job")
+"""Right after a server parent's kill, while it is down, one of these (Killer._double_fault): its orphaned
+forkserver, or the keeper or job process of a running attached job or session."""
 
 
 REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor", "session_process",
-                  "session_conn", "session_client")
+                  "session_conn", "session_client", "forkserver", "spare", "keeper", *DOUBLE_FAULTS)
 """The kinds of kill a run must have made to count (ChaosResult.tested): the killer tries those it has not made
 yet in a run's second half."""
 ENOUGH_JOBS, ENOUGH_DETACHED, ENOUGH_WORKING_DIRS, ENOUGH_SESSIONS = 50, 10, 10, 5
@@ -79,12 +87,13 @@ goes on past its least duration until it has (shortfall)."""
 
 
 def shortfall(jobs: int, kills: Counter[str], submitted: int, working_dirs: int, shared: bool,
-              sessions: int) -> list[str]:
-    """What a run has not done yet of what it must to count; empty once it has done enough."""
+              sessions: int, required: tuple[str, ...] = REQUIRED_KILLS) -> list[str]:
+    """What a run has not done yet of what it must to count (`required`: the kinds of kill); empty once it has done
+    enough."""
     missing = [f"only {jobs} jobs ran"] if jobs < ENOUGH_JOBS else []
     if sessions < ENOUGH_SESSIONS:
         missing.append(f"only {sessions} sessions ran a call")
-    missing += [f"no {kind} kill" for kind in REQUIRED_KILLS if not kills[kind]]
+    missing += [f"no {kind} kill" for kind in required if not kills[kind]]
     if submitted < ENOUGH_DETACHED:
         missing.append(f"only {submitted} detached jobs were submitted")
     if working_dirs < ENOUGH_WORKING_DIRS:
@@ -125,6 +134,11 @@ class ChaosSettings:
     def identities(self) -> list[str]:
         """The users clients connect as."""
         return list(self.isolation.uids) if self.isolation else [f"user{n}" for n in range(self.users)]
+
+    def required_kills(self) -> tuple[str, ...]:
+        """The kinds of kill a run must make (REQUIRED_KILLS): no spare's under isolation, whose servers use TLS and
+        so keep no spare connection process."""
+        return tuple(kind for kind in REQUIRED_KILLS if not (self.isolation and kind == "spare"))
 
     def looker(self) -> dict[str, str]:
         """rpycdl.connect() keywords of the test's own looks (gpu_status): the admin's certificate, under isolation."""
@@ -892,16 +906,17 @@ class Clients:
             self.processes.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                    stderr=stderr))
 
-    def kill_one(self, pid: int | None = None) -> bool:
-        """kill -9 a live client (the one of `pid`, if given and still live), and start another."""
+    def kill_one(self, pid: int | None = None) -> int:
+        """kill -9 a live client (the one of `pid`, if given and still live), and start another; the pid killed
+        (0: none)."""
         live = [p for p in self.processes if p.poll() is None and pid in (None, p.pid)]
         if not live:
-            return False
+            return 0
         victim = self.rng.choice(live)
         victim.kill()
         victim.wait()
         self.start()
-        return True
+        return victim.pid
 
     def kill_all(self) -> None:
         for process in self.processes:
@@ -997,7 +1012,8 @@ class Killer:
             "job": self._job, "children_kill": lambda: self._children(signal.SIGKILL, "children_kill"),
             "children_term": lambda: self._children(signal.SIGTERM, "children_term"), "client": self._client,
             "supervisor": self._supervisor, "session_process": self._session_process,
-            "session_conn": self._session_conn, "session_client": self._session_client}
+            "session_conn": self._session_conn, "session_client": self._session_client,
+            "forkserver": self._forkserver, "spare": self._spare, "keeper": self._keeper}
 
     def run(self, least: float, enough: Callable[[], bool], deadline: float) -> None:
         """Kill until `least` (a time.monotonic()), then on until enough() or `deadline`."""
@@ -1008,11 +1024,16 @@ class Killer:
         while time.monotonic() < least or (time.monotonic() < deadline and not enough()):
             time.sleep(self.rng.uniform(*self.settings.kill_every))
             self._fresh()
-            if time.monotonic() >= next_restart and self.servers.kill_and_restart(self.rng):
-                self._note("server", self.servers.killed[-1].process.popen.pid)
-                next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
-                continue
-            untried = [kind for kind in REQUIRED_KILLS if kind in self._actions and not self.kills[kind]]
+            if time.monotonic() >= next_restart:
+                forkservers = {pid: self._forkserver_of(pid) for pid in self.servers.parent_pids()}
+                if self.servers.kill_and_restart(self.rng):
+                    killed = self.servers.killed[-1].process.popen.pid
+                    self._note("server", killed)
+                    self._double_fault(forkservers.get(killed, 0))
+                    next_restart = time.monotonic() + self.rng.uniform(*self.settings.restart_every)
+                    continue
+            required = self.settings.required_kills()
+            untried = [kind for kind in required if kind in self._actions and not self.kills[kind]]
             if untried and time.monotonic() >= halfway:  # a short run still tries every kind it must
                 self._actions[self.rng.choice(untried)]()
             self._actions[self.rng.choices(kinds, weights)[0]]()
@@ -1122,7 +1143,59 @@ class Killer:
         return done
 
     def _client(self) -> int:
-        return self._note("client", 0) if self.clients.kill_one() else 0
+        pid = self.clients.kill_one()
+        return self._note("client", pid) if pid else 0
+
+    @staticmethod
+    def _forkserver_of(server: int) -> int:
+        return next((pid for pid in child_pids(server) if read_comm(pid) == "rpycdl-forksrv"), 0)
+
+    def _forkserver(self) -> int:
+        """kill -9 the job forkserver of a live server."""
+        found = [pid for pid in map(self._forkserver_of, sorted(self.servers.parent_pids())) if pid]
+        return self._kill_shared(found, "forkserver")
+
+    def _spare(self) -> int:
+        """kill -9 a spare connection process of a live server."""
+        found = [pid for server in sorted(self.servers.parent_pids()) for pid in child_pids(server)
+                 if read_comm(pid) == "rpycdl-spare"]
+        return self._kill_shared(found, "spare")
+
+    def _kill_shared(self, found: list[int], kind: str) -> int:
+        if not found:
+            return 0
+        pid = self.rng.choice(found)
+        stat = read_stat(pid)
+        return self._note(kind, pid) if stat and signal_process(pid, stat.start, signal.SIGKILL) else 0
+
+    def _kept(self, forkserver: int = 0) -> list[Report]:
+        """The running attached jobs and sessions (their job process's parent is a keeper), those whose keeper the
+        `forkserver` forked if given."""
+        return [report for report in self._running() if read_comm(report.ppid) == "rpycdl-keeper" and (
+            not forkserver or getattr(read_stat(report.ppid), "ppid", 0) == forkserver)]
+
+    def _keeper(self, kind: str = "keeper", forkserver: int = 0) -> int:
+        """kill -9 the keeper of a running attached job or session (its job process's parent)."""
+        kept = self._kept(forkserver)
+        if not kept:
+            return 0
+        report = self.rng.choice(kept)
+        stat = read_stat(report.ppid)
+        if stat is None or stat.ppid == report.pid or not signal_process(report.ppid, stat.start, signal.SIGKILL):
+            return 0
+        return self._note(kind, report.ppid, report.job_id)
+
+    def _double_fault(self, forkserver: int) -> None:
+        """Right after a server parent's kill: kill -9 its orphaned `forkserver`, or the keeper or job process of a
+        running job it forked (of another server's if it has none running; a double fault: DOUBLE_FAULTS, the one
+        tried least so far)."""
+        kind = min(DOUBLE_FAULTS, key=lambda each: (self.kills[each], self.rng.random()))
+        if kind == "double_forkserver":
+            self._kill_shared([forkserver] if forkserver else [], kind)
+        elif kind == "double_keeper":
+            self._keeper(kind, forkserver if self._kept(forkserver) else 0)
+        else:
+            self._kill_job(self._kept(forkserver) or self._kept(), kind)
 
     def _sessions(self) -> list[Report]:
         """Sessions whose process still runs."""
@@ -1424,6 +1497,8 @@ class ChaosResult:
     working_dirs: dict[str, str]  # what jobs that brought a working directory found in it (make_job)
     sessions: int  # sessions that ran a call
     users: dict[str, str]  # the identity each job's client connected as, by job (its report)
+    clients: dict[str, int]  # the pid of each job's client, by job (its report)
+    stopped: float  # when the killer stopped, and the clients were killed (the last kills)
 
     def problems(self) -> list[str]:
         """Broken promises, each with its figures."""
@@ -1451,7 +1526,24 @@ class ChaosResult:
         if broken:
             found.append(f"{len(broken)} job(s) found their working directory broken (data.bin's size, the "
                          f"project): {sorted(broken.items())[:10]}")
-        return found + self.owned() + self.lost()
+        return found + self.owned() + self.lost() + self.died_of_others()
+
+    def died_of_others(self) -> list[str]:
+        """No job that ran died of a kill that was not its own: one that ended before the clients' last kill,
+        other than SUCCEEDED or TIMED_OUT, had one of its own processes killed (job process, keeper, connection
+        process, supervisor, children, client); a kill of a shared process (SHARED_KILLS) ends none."""
+        own = {k.job for k in self.kill_log if k.job}
+        clients = {k.pid for k in self.kill_log if k.kind in ("client", "session_client")}
+        found = []
+        for job, client in sorted(self.clients.items()):
+            row = self.records.get(job, {})
+            if row.get("state") in ("FAILED", "CANCELLED", "LOST") and (row.get("ended") or 0) < self.stopped \
+                    and job not in own and client not in clients:
+                found.append(f"job {job} ({row['state']}: {row.get('error_type')}: {row.get('error')}; "
+                             f"{self._story(job)})")
+        shared = {kind: self.kills[kind] for kind in SHARED_KILLS}
+        return [f"promise 3: {len(found)} job(s) died though none of their own processes was killed (kills of "
+                f"shared processes: {shared}):\n  " + "\n  ".join(found[:10])] if found else []
 
     def owned(self) -> list[str]:
         """Under isolation: every job's processes and files its owner's (OwnerWatch), its row its client's user."""
@@ -1487,7 +1579,7 @@ class ChaosResult:
     def tested(self) -> list[str]:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
         missing = shortfall(self.jobs, self.kills, len(self.submitted), len(self.working_dirs),
-                            bool(self.observer.get("shared_at_once")), self.sessions)
+                            bool(self.observer.get("shared_at_once")), self.sessions, self.settings.required_kills())
         if self.settings.isolation:
             owners = self.observer.get("owners", {})
             missing += [f"the observer checked the owner of no job {what}" for what in ("processes", "files")
@@ -1565,7 +1657,8 @@ class ChaosResult:
         return "\n".join([
             f"chaos seed {self.settings.seed}: {self.seconds:.1f} s of chaos, {self.jobs} jobs started "
             f"(client outcomes: {dict(self.outcomes.most_common())})",
-            f"kills: {dict(sorted(self.kills.items()))}; server restarts: {restarts}",
+            f"processes killed, by kind: {dict(sorted(self.kills.items()))} (of shared processes, which must end no "
+            f"job: {sum(self.kills[kind] for kind in SHARED_KILLS)}); server restarts: {restarts}",
             f"detached jobs: {len(self.submitted)} submitted, ended "
             f"{dict(Counter(self.records[job]['state'] for job in self.submitted if job in self.records))}; "
             f"{len(self.working_dirs)} jobs ran in a working directory; {self.sessions} sessions ran a call",
@@ -1645,6 +1738,7 @@ class Chaos:
         self.killer.run(now + self.settings.duration, lambda: not self.shortfall(), now + self.settings.deadline)
         self.servers.wait_restarts()
         seconds = time.time() - started
+        stopped = time.time()
         self.clients.kill_all()  # the last kills
         reports = self.run_dir / "reports"
         after_kill = self._wait_clean("dead jobs' leftovers after the last kill", time.time(), functools.partial(
@@ -1669,7 +1763,8 @@ class Chaos:
                            self.lock_dir / "state" / "jobs",
                            {path.stem: path.read_text() for path in reports.glob("*.workdir")},
                            len(list(reports.glob("*.session"))),
-                           {job: report.user for job, report in read_reports(reports).items()})
+                           {job: report.user for job, report in read_reports(reports).items()},
+                           {job: report.client for job, report in read_reports(reports).items()}, stopped)
 
     def shortfall(self) -> list[str]:
         """What the run has not done yet of what it must (shortfall), as its files tell so far."""
@@ -1677,7 +1772,7 @@ class Chaos:
         jobs, working_dirs, sessions = (sum(name.endswith(suffix) for name in reports)
                                         for suffix in (".json", ".workdir", ".session"))
         return shortfall(jobs, self.killer.kills, len(os.listdir(self.run_dir / "submitted")), working_dirs,
-                         (self.run_dir / "observer.shared").exists(), sessions)
+                         (self.run_dir / "observer.shared").exists(), sessions, self.settings.required_kills())
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:
@@ -1773,9 +1868,11 @@ def run_chaos(cluster: Any, run_dir: Path, settings: ChaosSettings | None = None
       grandchildren), sleeps a little and returns.
     - The killer (Killer, in this process) acts every few tens of ms: kill -9 the connection
       process of a job as soon as the job, just granted, has a child; of any running job; of a
-      job whose server parent was killed; kill -9 a job process; kill -9 or SIGTERM a job's
-      children; kill -9 a server parent and start another server; kill -9 a client; kill -9 a
-      session's process, its connection process, or the client holding it.
+      job whose server parent was killed; kill -9 a job process or its keeper; kill -9 or SIGTERM a
+      job's children; kill -9 a server parent and start another server, and right then (a double
+      fault) its orphaned forkserver or the keeper or job process of a job it forked; kill -9 a
+      forkserver, a spare connection process; kill -9 a client; kill -9 a session's process, its
+      connection process, or the client holding it. No job may die of a kill that was not its own.
     - The observer (`python chaos.py observe`, reading only /proc, the reports and the lock
       directory) loops as fast as it can, at nice -10 when run as root (its median period must
       stay within OBSERVER_PERIOD); see Observer and ReleaseWatch. A StatusWatch asks a

@@ -1,4 +1,4 @@
-"""Promises 1, 3 and 8 under chaos (issues 13, 15, 28): kills at random while clients run whole-GPU and shared jobs,
+"""Promises 1, 3 and 8 under chaos (issues 13, 15, 28, 35): kills at random while clients run whole-GPU and shared jobs,
 attached and detached, and sessions; and with isolation (promise 9, issue 26), every job its owner's."""
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ longest)."""
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path, policy):
     """Two fake:4 servers on one lock directory, six clients, 25 s of kills (18 s under the other policies:
-    connection processes right after a grant, job processes, their children, server parents, clients, and of
-    sessions their processes, connection processes and clients), and on until the run has made enough jobs,
+    connection processes right after a grant, job processes, their keepers, their children, server parents and
+    right after them their orphaned forkservers or a job's keeper or job process, forkservers, spares, clients, and
+    of sessions their processes, connection processes and clients), and on until the run has made enough jobs,
     sessions and every kind of kill it must: no GPU ever over-committed, no grant outliving its job by a second,
-    nothing of a dead job a second after the last kill, everything clean a second after the detached jobs ended."""
+    nothing of a dead job a second after the last kill, everything clean a second after the detached jobs ended,
+    and no job dead of a kill that was not its own."""
     _judge(run_chaos(cluster, tmp_path / "chaos", POLICIES[policy]))
 
 
