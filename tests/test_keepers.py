@@ -33,7 +33,8 @@ GRACE = 1.0  # promise 3: free again within a second
 
 
 def _make_job() -> Callable[[dict[str, Any]], Any]:
-    """A job that starts a child of its own (as a data loader would), writes who it is to args["dir"]/NAME.json,
+    """A job that starts a child of its own in a session of its own (as a daemon would: only its environment
+    names the job), writes who it is to args["dir"]/NAME.json,
     and returns once args["dir"]/release exists, saying whether its child still ran."""
 
     def job(args: dict[str, Any]) -> Any:
@@ -42,7 +43,7 @@ def _make_job() -> Callable[[dict[str, Any]], Any]:
         import subprocess
         import time
 
-        child = subprocess.Popen(["sleep", "120"])
+        child = subprocess.Popen(["sleep", "120"], start_new_session=True)  # out of the job's group and session
         info = {"pid": os.getpid(), "ppid": os.getppid(), "child": child.pid, "job_id": os.environ["RPYCDL_JOB_ID"]}
         path = os.path.join(args["dir"], args["name"] + ".json")
         with open(path + ".tmp", "w") as f:
@@ -155,12 +156,13 @@ def _swallow(call: Callable[[], Any]) -> None:
         pass
 
 
-@pytest.mark.parametrize("second", ["job process", "keeper and connection"])
+@pytest.mark.parametrize("second", ["job process", "forkserver and keeper", "keeper and connection"])
 def test_a_double_fault_frees_the_gpus_within_a_second_of_the_next_server_start(cluster, connect, tmp_path,
                                                                                  second):
     """kill -9 of the server parent, then, while no server runs, of the job's own processes (its job process;
-    or its keeper and its connection process, after the orphaned forkserver): the child the job started is
-    killed, and the next server grants the GPUs within a second of its start at the latest."""
+    or the orphaned forkserver and then its keeper, the connection process noticing; or its connection process
+    too): the child the job started is killed, and the next server grants the GPUs within a second of its start
+    at the latest."""
     _, old_port = cluster.add_server("pytorch", "fake:2")
     old = server_pid(cluster, old_port)
     _, info = _holder(connect, old_port, tmp_path)
@@ -168,11 +170,10 @@ def test_a_double_fault_frees_the_gpus_within_a_second_of_the_next_server_start(
     assert comm(connection) == "rpycdl-conn"
     orphaned_forkserver = forkserver(old)
     os.kill(old, signal.SIGKILL)
-    if second == "job process":
-        os.kill(info["pid"], signal.SIGKILL)
-    else:
-        for pid in (orphaned_forkserver, info["ppid"], connection):
-            os.kill(pid, signal.SIGKILL)
+    doomed = {"job process": [info["pid"]], "forkserver and keeper": [orphaned_forkserver, info["ppid"]],
+              "keeper and connection": [orphaned_forkserver, info["ppid"], connection]}[second]
+    for pid in doomed:  # with the forkserver dead too, what the job left is adopted by no rpycdl process
+        os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not running(info["pid"]), 5, "the job process to die")
     _, new_port = cluster.add_server("pytorch", "fake:2")
     started = time.time()
