@@ -155,6 +155,50 @@ def test_names_are_unique_among_a_users_unfinished_jobs(two, tmp_path):
     assert conn.root.job("sweep").id == again.id  # the latest of that name
 
 
+def test_a_submit_with_exists_return_or_replace_can_be_run_again(two, tmp_path):
+    """A notebook cell that submits name="x" run twice: "return" gives back the same job (unfinished, then the
+    one that ended) and submits nothing; "replace" cancels the unfinished one, then submits anew."""
+    _, conn = two
+    gate = str(tmp_path / "gate")
+    first = conn.root.submit(TALKER, {"dir": str(tmp_path), "gate": gate, "value": 1}, name="cell", exists="return")
+    again = conn.root.submit(TALKER, {"dir": str(tmp_path), "value": 2}, name="cell", exists="return")
+    assert again.id == first.id
+    assert [row["job_id"] for row in conn.root.jobs(all=True)] == [first.id], "a second job was submitted"
+    replaced = conn.root.submit(TALKER, {"dir": str(tmp_path), "value": 3}, name="cell", exists="replace")
+    assert replaced.id != first.id and first.status().state is JobState.CANCELLED
+    assert replaced.result(timeout=10) == 3
+    assert conn.root.submit(TALKER, {"dir": str(tmp_path)}, name="cell", exists="return").id == replaced.id
+    fresh = conn.root.submit_command(["true"], name="cell", exists="replace")  # one that ended: nothing to cancel
+    assert fresh.id != replaced.id and fresh.wait(10).state is JobState.SUCCEEDED
+    with pytest.raises(rpycdl.InvalidRequestError, match="exists='return' needs name="):
+        conn.root.submit(TALKER, {}, exists="return")
+    with pytest.raises(rpycdl.InvalidRequestError, match="exists= takes 'error', 'return', 'replace', not 'keep'"):
+        conn.root.submit(TALKER, {}, name="cell", exists="keep")
+    assert len(conn.root.jobs(all=True)) == 3  # first, replaced, fresh: the bad requests submitted nothing
+
+
+def test_concurrent_submits_with_exists_return_give_one_job(two, tmp_path):
+    """Eight processes run the same cell at once: one job is submitted, and every one of them gets it."""
+    port, conn = two
+    gate = str(tmp_path / "gate")
+    script = ("import sys, rpycdl\n"
+              "from helpers import TALKER\n"
+              "conn = rpycdl.connect(host='127.0.0.1', port=int(sys.argv[1]))\n"
+              "print(conn.root.submit(TALKER, {'dir': sys.argv[2], 'gate': sys.argv[3]}, name='race', "
+              "exists='return').id)\n")
+    tests_dir = str(Path(__file__).parent)
+    clients = [subprocess.Popen([sys.executable, "-c", script, str(port), str(tmp_path), gate], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**cli_env(), "PYTHONPATH": tests_dir})
+               for _ in range(8)]
+    ids = set()
+    for client in clients:
+        out, err = client.communicate(timeout=60)
+        assert client.returncode == 0, err
+        ids.add(out.strip())
+    open_gate(gate)
+    assert len(ids) == 1 and [row["job_id"] for row in conn.root.jobs(all=True)] == list(ids)
+
+
 def test_bad_requests_get_clear_errors_and_change_nothing(two, tmp_path):
     _, conn = two
     gate = str(tmp_path / "gate")

@@ -125,6 +125,25 @@ def test_submit_with_a_name_and_a_share_then_logs_follow_to_the_end_and_tail(hos
     assert quiet.returncode == 0 and re.fullmatch(r"[0-9a-f]{12}\n", quiet.stdout), quiet.stdout
 
 
+def test_submit_exists_return_prints_the_same_job_and_logs_follow_exits_with_the_jobs_code(host, tmp_path):
+    flags, conn = host
+    gate = str(tmp_path / "gate")
+    script = f"import os, sys, time\nwhile not os.path.exists({gate!r}): time.sleep(0.01)\nprint('bye')\nsys.exit(3)"
+    ids = []
+    for _ in range(2):  # the same command, run again
+        submitted = rpycdl_cli("submit", "pytorch", "--name", "again", "--exists", "return", "-q", *flags, "--",
+                               sys.executable, "-c", script)
+        assert submitted.returncode == 0, submitted.stderr
+        ids.append(submitted.stdout.strip())
+    assert ids[0] == ids[1] and len(conn.root.jobs(all=True)) == 1
+    open_gate(gate)
+    followed = rpycdl_cli("logs", "again", "-f", *flags)
+    assert (followed.returncode, followed.stdout) == (3, "bye\n"), followed.stderr
+    assert rpycdl_cli("logs", "again", *flags).returncode == 0  # without -f: the log, printed whole
+    refused = rpycdl_cli("submit", "pytorch", "--name", "again", "--exists", "maybe", *flags, "--", "true")
+    assert refused.returncode == EXIT_USAGE and "invalid choice: 'maybe'" in refused.stderr
+
+
 def test_result_prints_or_saves_the_value_and_without_waiting_says_the_job_has_not_ended(host, tmp_path):
     flags, conn = host
     gate = str(tmp_path / "gate")

@@ -27,6 +27,7 @@ from rpycdl.cli.common import (
     working_dir_flag,
 )
 from rpycdl.client import Job, connect, job
+from rpycdl.client.detached import EXISTS
 from rpycdl.client.displays import seconds
 from rpycdl.defaults import UPLOAD_WAIT
 from rpycdl.errors import ContainerError, InvalidRequestError, JobNotFinishedError, RpycdlError
@@ -56,8 +57,8 @@ def add_commands(command: Command) -> None:
     _add_jobs(command)
     for name, text, description in (
             ("logs", "print a job's output, or follow it live", "Print a job's output from its first line (or its "
-             "last --tail lines); with -f, then follow it live until the job ends. Your job, or anyone's with an "
-             "admin certificate."),
+             "last --tail lines); with -f, then follow it live until the job ends, and exit with its exit code as "
+             "wait does. Your job, or anyone's with an admin certificate."),
             ("wait", "wait for a job to end; exit with its exit code", "Wait until a job has ended, print how it "
              "ended, and exit with its exit code (see below)."),
             ("result", "print or save a job's returned value", "Print what a job returned (its exit code, for a "
@@ -76,7 +77,8 @@ def add_commands(command: Command) -> None:
              "directory), keeping their names, through its server (the store's credentials stay there); a "
              "progress bar on a terminal. Right after the job's end its outputs are still uploading to the store: "
              "it says so on stderr and waits for them, up to --timeout.")):
-        epilog = {"wait": WAIT_EXIT_CODES, "result": WAIT_EXIT_CODES, "download": DOWNLOAD_EXIT_CODES}.get(name)
+        epilog = {"wait": WAIT_EXIT_CODES, "result": WAIT_EXIT_CODES, "download": DOWNLOAD_EXIT_CODES,
+                  "logs": f"with -f, {WAIT_EXIT_CODES}"}.get(name)
         sub = command(name, text, description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("job", help="the job's id, or the name you gave it")
         if name == "download":
@@ -147,6 +149,9 @@ def _add_submit(command: Command) -> None:
     size_flags(submit)
     working_dir_flag(submit)
     submit.add_argument("--name", default=None, help="a name to find the job by, unique among your unfinished jobs")
+    submit.add_argument("--exists", choices=EXISTS, default="error",
+                        help="if you have a job of that --name: refuse (error, the default), print that job and submit "
+                             "nothing (return: a command you can run again), or cancel it and submit anew (replace)")
     submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the job after this long")
     submit.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                         help="fail the job if its GPUs are not granted within this long")
@@ -174,11 +179,13 @@ def _submit(args: argparse.Namespace) -> int:
         if args.image:
             submitted = conn.root.submit_container(args.image, args.argv, 1 if args.ngpus is None else args.ngpus,
                                                    env=env or None, workdir=args.workdir, name=args.name,
-                                                   timeout=args.timeout, queue_timeout=args.queue_timeout)
+                                                   timeout=args.timeout, queue_timeout=args.queue_timeout,
+                                                   exists=args.exists)
         else:
             submitted = conn.root.submit_command(args.argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                                  name=args.name, timeout=args.timeout,
-                                                 queue_timeout=args.queue_timeout, working_dir=args.working_dir)
+                                                 queue_timeout=args.queue_timeout, working_dir=args.working_dir,
+                                                 exists=args.exists)
         if args.quiet:
             print(submitted.id)
         else:
@@ -236,10 +243,14 @@ def _find(args: argparse.Namespace) -> Job:
 def _logs(args: argparse.Namespace) -> int:
     if args.tail is not None and args.tail < 0:
         raise InvalidRequestError("--tail takes a number of lines, 0 or more")
-    for line in _find(args).logs(follow=args.follow, tail=args.tail):
+    found = _find(args)
+    for line in found.logs(follow=args.follow, tail=args.tail):
         sys.stdout.write(line)
         sys.stdout.flush()
-    return 0
+    if not args.follow:
+        return 0
+    row = found.refresh()
+    return wait_exit_code(row) if JobState(row["state"]).finished else EXIT_QUEUE_TIMEOUT
 
 
 def _wait(args: argparse.Namespace) -> int:

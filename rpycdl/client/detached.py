@@ -12,12 +12,17 @@ from typing import TYPE_CHECKING, Any
 from rpycdl.client import credentials
 from rpycdl.client.displays import JobList, client_row
 from rpycdl.client.jobs import Job
-from rpycdl.errors import InvalidRequestError
+from rpycdl.defaults import CANCEL_WAIT
+from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.security import results
+from rpycdl.states import JobState
 from rpycdl.wire import codec
 
 if TYPE_CHECKING:
     from rpycdl.client.connection import Connection
+
+EXISTS = ("error", "return", "replace")
+"""What a submit does when you have a job of its name already (its `exists=`)."""
 
 
 class DetachedCalls:
@@ -30,7 +35,7 @@ class DetachedCalls:
     def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
                gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                timeout: float | None = None, queue_timeout: float | None = None,
-               working_dir: str | os.PathLike[str] | None = None) -> Job:
+               working_dir: str | os.PathLike[str] | None = None, exists: str = "error") -> Job:
         """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
         queue as run_code, and runs to its end whatever happens to this client or to the server
         process that accepted it. Returns its handle once the server has recorded it.
@@ -39,36 +44,79 @@ class DetachedCalls:
             fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout, working_dir: as for run_code (the
                 working directory is unpacked for the job when it is submitted).
             name: a name to find it by (rpycdl.job(name)), unique among your unfinished jobs.
+            exists: what to do if you have a job of that `name` already: "error" (the default: a second
+                unfinished one is refused), "return" (return that job, unfinished, else the latest that
+                ended, and submit nothing: a notebook cell you can run again), "replace" (cancel the
+                unfinished one, wait for its end, then submit).
 
         Raises:
-            InvalidRequestError: a request it could never run, or a name you use already.
-            LimitError: over one of the server's limits (--max-payload, --max-queued).
+            InvalidRequestError: a request it could never run, or a name you use already (exists="error").
+            LimitError: over one of the server's limits (--max-payload, --max-queued), or the job to replace
+                did not stop within CANCEL_WAIT.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
-        payload = codec.encode_payload(fn, args)
-        self._check_size(len(payload))
-        digest = self._working_dir(working_dir)
-        return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest)
+
+        def submit() -> Job:
+            payload = codec.encode_payload(fn, args)
+            self._check_size(len(payload))
+            digest = self._working_dir(working_dir)
+            return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest)
+
+        return self._named(name, exists, submit)
 
     def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
                        gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
-                       queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None) -> Job:
+                       queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None,
+                       exists: str = "error") -> Job:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
-        digest = self._working_dir(working_dir)
-        return self._submitted("submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
-                               digest)
+        return self._named(name, exists, lambda: self._submitted(
+            "submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
+            self._working_dir(working_dir)))
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
                          name: str | None = None, timeout: float | None = None,
-                         queue_timeout: float | None = None) -> Job:
+                         queue_timeout: float | None = None, exists: str = "error") -> Job:
         """Submit a command in a container of `image` as a detached job (the generic `deeplearning`
-        server only); arguments as for run_container, and `name` as for submit."""
+        server only); arguments as for run_container, `name` and `exists` as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
-        return self._submitted("submit_container", image, list(command), ngpus, env, workdir, mounts, timeout,
-                               queue_timeout, name)
+        return self._named(name, exists, lambda: self._submitted(
+            "submit_container", image, list(command), ngpus, env, workdir, mounts, timeout, queue_timeout, name))
+
+    def _named(self, name: str | None, exists: str, submit: Callable[[], Job]) -> Job:
+        """`submit()`, as `exists` says for a job of `name` that you have already (submit's `exists`)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        if exists not in EXISTS:
+            raise InvalidRequestError(f"exists= takes {', '.join(map(repr, EXISTS))}, not {exists!r}")
+        if exists == "error":
+            return submit()
+        if name is None:
+            raise InvalidRequestError(f"exists={exists!r} needs name=: it finds your job by its name")
+        found = self._mine(name)
+        if found is not None and exists == "return":
+            return found
+        if found is not None and not JobState(found.info["state"]).finished:
+            status = found.cancel()
+            if not status.finished:
+                raise LimitError(f"job {found.id} ({name!r}) did not stop within {CANCEL_WAIT:g} s of its cancel: "
+                                 "submit again once it has")
+        try:
+            return submit()
+        except InvalidRequestError:
+            again = self._mine(name) if exists == "return" else None
+            if again is None or JobState(again.info["state"]).finished:
+                raise
+            return again  # a submit of the same name won the race: that is the job
+
+    def _mine(self, name: str) -> Job | None:
+        """Your job of that name (unfinished, else the latest that ended), or None."""
+        try:
+            found = self.job(name)
+        except InvalidRequestError:
+            return None
+        return found if found.name == name else None  # not a job whose id it happens to be
 
     def _submitted(self, name: str, *args: Any) -> Job:
         """Call the submit `name` with `args` and a fresh seal of the job's result (security.results: made
