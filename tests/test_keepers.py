@@ -1,7 +1,7 @@
-"""Each running job has a process of its own (its keeper, or a detached job's supervisor) that outlives every
-shared one: kill -9 of the job forkserver, of the server parent or of the spares ends no running job of any
-kind, and a double fault (the server parent, then a job's own processes) leaves nothing of the job holding its
-GPUs past a second after the next server start. Real registry, servers and clients on loopback."""
+"""Each running job has a process of its own (its keeper, or a detached job's supervisor) that outlives every shared
+one: kill -9 of the job forkserver, of the server parent, of the spares, of the registry or of the monitor ends no
+running job of any kind, and a double fault (the server parent, then a job's own processes) leaves nothing of the
+job holding its GPUs past a second after the next server start. Real registry, servers and clients on loopback."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from helpers import (
 
 import rpycdl
 from rpycdl.scheduler import procs
+from rpycdl.site.local import start
 
 GRACE = 1.0  # promise 3: free again within a second
 
@@ -114,22 +115,27 @@ def _spares(server: int) -> list[int]:
     return [*spare_processes(server), *kept_jobs(forkserver(server))]
 
 
-@pytest.mark.parametrize("victim", ["forkserver", "server", "server, then forkserver", "spares"])
+@pytest.mark.parametrize("victim", ["forkserver", "server", "server, then forkserver", "spares",
+                                    "registry and monitor"])
 def test_kill_9_of_a_shared_process_ends_no_running_job(cluster, server, connect, tmp_path, victim):
     port = server("pytorch", "fake:4")
     parent = server_pid(cluster, port)
+    monitor = start(["monitor", "--gpus", "fake:4", "--lock-dir", cluster.lock_dir, "--port", "0"])
+    monitor.wait_for(r"on http://127\.0\.0\.1:(\d+)/metrics")
     jobs = Running(connect, port, tmp_path)
     own = {kind: info["pid"] for kind, info in jobs.info.items()}
     assert comm(jobs.info["attached"]["ppid"]) == comm(jobs.info["session"]["ppid"]) == "rpycdl-keeper"
     assert comm(jobs.info["detached"]["ppid"]) == "rpycdl-superv"
     doomed = {"forkserver": lambda: [forkserver(parent)], "server": lambda: [parent],
               "server, then forkserver": lambda: [parent, forkserver(parent)],
-              "spares": lambda: [pid for pid in _spares(parent) if pid not in own.values()]}[victim]()
+              "spares": lambda: [pid for pid in _spares(parent) if pid not in own.values()],
+              "registry and monitor": lambda: [cluster.registry.popen.pid, monitor.popen.pid]}[victim]()
     assert doomed and not set(doomed) & set(own.values())
     procs.kill(doomed)
     wait_until(lambda: not any(running(pid) for pid in doomed), 5, f"the {victim} to die")
     time.sleep(0.5)  # what would die with them has had time to
     values = jobs.release()
+    monitor.stop()
     for kind in KINDS:
         value = values.get(kind)
         assert isinstance(value, dict), f"the {kind} job did not run to its value after kill -9 of the {victim}: " \
