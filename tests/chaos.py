@@ -73,7 +73,9 @@ KILLS: dict[str, float] = {  # the killer's actions and their weights
 }
 DOUBLE_FAULTS = ("double_forkserver", "double_keeper", "double_job")
 """Right after a server parent's kill, while it is down, one of these (Killer._double_fault): its orphaned
-forkserver, or the keeper or job process of a running attached job or session."""
+forkserver, or the keeper (a detached job's: its supervisor) or job process of a running job."""
+DOUBLE_FAULT_PATIENCE = 1.0
+"""Seconds a double fault waits, at most, for a running job to kill."""
 
 
 REQUIRED_KILLS = ("conn_after_grant", "conn", "job", "children_kill", "server", "supervisor", "session_process",
@@ -411,7 +413,8 @@ def client_main(run_dir: str, seed: int) -> None:
                 outcome = _request(conn, job, config, rng, user, Path(run_dir, "submitted"))
             except Exception as exc:  # noqa: BLE001 - what the job or the server said, or its connection died
                 outcome = type(exc).__name__
-                if isinstance(exc, rpycdl.ConnectionFailedError) or not isinstance(exc, rpycdl.RpycdlError):
+                if isinstance(exc, rpycdl.ConnectionFailedError | rpycdl.ServerStoppingError) or not isinstance(
+                        exc, rpycdl.RpycdlError):
                     with contextlib.suppress(Exception):  # its connection process or server died: connect again
                         conn.close()
                     conn = None
@@ -1176,26 +1179,38 @@ class Killer:
 
     def _keeper(self, kind: str = "keeper", forkserver: int = 0) -> int:
         """kill -9 the keeper of a running attached job or session (its job process's parent)."""
-        kept = self._kept(forkserver)
-        if not kept:
+        return self._kill_parent(self._kept(forkserver), kind)
+
+    def _kill_parent(self, running: list[Report], kind: str) -> int:
+        """kill -9 the job process's parent (its keeper, or a detached job's supervisor) of one of `running`."""
+        if not running:
             return 0
-        report = self.rng.choice(kept)
+        report = self.rng.choice(running)
         stat = read_stat(report.ppid)
-        if stat is None or stat.ppid == report.pid or not signal_process(report.ppid, stat.start, signal.SIGKILL):
+        if stat is None or not signal_process(report.ppid, stat.start, signal.SIGKILL):
             return 0
         return self._note(kind, report.ppid, report.job_id)
 
     def _double_fault(self, forkserver: int) -> None:
-        """Right after a server parent's kill: kill -9 its orphaned `forkserver`, or the keeper or job process of a
-        running job it forked (of another server's if it has none running; a double fault: DOUBLE_FAULTS, the one
-        tried least so far)."""
-        kind = min(DOUBLE_FAULTS, key=lambda each: (self.kills[each], self.rng.random()))
-        if kind == "double_forkserver":
-            self._kill_shared([forkserver] if forkserver else [], kind)
-        elif kind == "double_keeper":
-            self._keeper(kind, forkserver if self._kept(forkserver) else 0)
-        else:
-            self._kill_job(self._kept(forkserver) or self._kept(), kind)
+        """Right after a server parent's kill: kill -9 its orphaned `forkserver`, or the keeper (a detached job's:
+        its supervisor) or job process of a running job, one it forked if it has any: a double fault of
+        DOUBLE_FAULTS, the one made least so far that finds something to kill within DOUBLE_FAULT_PATIENCE."""
+        def running() -> list[Report]:
+            fresh = self._kept(forkserver)
+            return fresh or [report for report in self._running() if read_comm(report.ppid) in (
+                "rpycdl-keeper", "rpycdl-superv")]
+
+        actions = {"double_forkserver": lambda: self._kill_shared([forkserver] if forkserver else [],
+                                                                  "double_forkserver"),
+                   "double_keeper": lambda: self._kill_parent(running(), "double_keeper"),
+                   "double_job": lambda: self._kill_job(running(), "double_job")}
+        deadline = time.monotonic() + DOUBLE_FAULT_PATIENCE
+        while time.monotonic() < deadline:
+            self._fresh()
+            for kind in sorted(DOUBLE_FAULTS, key=lambda each: (self.kills[each], self.rng.random())):
+                if actions[kind]():
+                    return
+            time.sleep(0.02)
 
     def _sessions(self) -> list[Report]:
         """Sessions whose process still runs."""
@@ -1499,6 +1514,7 @@ class ChaosResult:
     users: dict[str, str]  # the identity each job's client connected as, by job (its report)
     clients: dict[str, int]  # the pid of each job's client, by job (its report)
     stopped: float  # when the killer stopped, and the clients were killed (the last kills)
+    died: list[str]  # servers the killer did not kill that had ended by then (port, exit status)
 
     def problems(self) -> list[str]:
         """Broken promises, each with its figures."""
@@ -1526,6 +1542,8 @@ class ChaosResult:
         if broken:
             found.append(f"{len(broken)} job(s) found their working directory broken (data.bin's size, the "
                          f"project): {sorted(broken.items())[:10]}")
+        if self.died:
+            found.append(f"{len(self.died)} server(s) ended though the killer never killed them: {self.died}")
         return found + self.owned() + self.lost() + self.died_of_others()
 
     def died_of_others(self) -> list[str]:
@@ -1564,7 +1582,7 @@ class ChaosResult:
         found = [f"promise 8: job {job} ran twice ({self._story(job)})" for job in self.twice]
         rows = self.records
         found += [f"promise 8: detached job {job} has no row in the ledger" for job in self.submitted - set(rows)]
-        supervised = {k.job for k in self.kill_log if k.kind == "supervisor"}
+        supervised = {k.job for k in self.kill_log if k.kind in ("supervisor", "double_keeper")}
         for job in sorted(self.submitted & set(rows)):
             row = rows[job]
             if row["state"] in ("PENDING", "RUNNING"):
@@ -1739,6 +1757,8 @@ class Chaos:
         self.servers.wait_restarts()
         seconds = time.time() - started
         stopped = time.time()
+        died = [f":{server.port} (exit {server.process.popen.poll()})" for server in self.servers.live
+                if server.process.popen.poll() is not None]
         self.clients.kill_all()  # the last kills
         reports = self.run_dir / "reports"
         after_kill = self._wait_clean("dead jobs' leftovers after the last kill", time.time(), functools.partial(
@@ -1764,7 +1784,7 @@ class Chaos:
                            {path.stem: path.read_text() for path in reports.glob("*.workdir")},
                            len(list(reports.glob("*.session"))),
                            {job: report.user for job, report in read_reports(reports).items()},
-                           {job: report.client for job, report in read_reports(reports).items()}, stopped)
+                           {job: report.client for job, report in read_reports(reports).items()}, stopped, died)
 
     def shortfall(self) -> list[str]:
         """What the run has not done yet of what it must (shortfall), as its files tell so far."""

@@ -316,6 +316,24 @@ def test_kill_9_of_the_forkserver_ends_no_job(cluster, server, connect, tmp_path
     assert read_comm(again["ppid"]) == "rpycdl-keeper"  # a spare kept from before, or one of the new forkserver's
 
 
+def test_a_forkserver_killed_as_it_starts_again_leaves_the_server_serving(cluster, server, connect, tmp_path):
+    """The forkserver the server starts in place of a dead one is killed too, before it is ready, again and again:
+    the server goes on trying, and serves."""
+    port = server("pytorch", "fake:4")
+    server_pid = cluster.processes[-1].popen.pid
+    conn = connect(port)
+    killed = {helpers.forkserver(server_pid)}
+    for _ in range(5):
+        procs.kill(killed)
+        killed.add(helpers.wait_until(lambda: next((pid for pid in helpers.children(server_pid) if pid not in killed
+                                                    and procs.runs_module(pid, "rpycdl.server.forkserver")), None),
+                                      10, "the server to start a forkserver again"))  # killed at once, as it starts
+    procs.kill(killed)
+    helpers.wait_until(lambda: helpers.forkserver(server_pid) not in killed, 10, "a forkserver that lives")
+    assert conn.root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=1)["uuids"]
+    assert connect(port).root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=2)["uuids"]
+
+
 def read_comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 

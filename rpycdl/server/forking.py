@@ -32,7 +32,7 @@ from rpycdl.defaults import (
     STARTUP_GRACE,
     SWEEP_INTERVAL,
 )
-from rpycdl.errors import LimitError
+from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import fairshare, lockdir, procs, sweep
 from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
@@ -176,13 +176,17 @@ class DLServer(ForkingServer):
 
     def _keep_forkserver(self) -> None:
         """Start the job forkserver again if it died (its jobs run on: their keepers are theirs, adopted by this
-        process); connection processes reach the new one at its address."""
+        process); connection processes reach the new one at its address. One that dies too before it is ready
+        is started again at the next turn: the server goes on (connections asking meanwhile get LimitError)."""
         launcher = self.context.launcher
         if isinstance(launcher, ForkServer) and not launcher.alive():
             self.logger.error("the job forkserver (pid %d) died; starting another", launcher.process.pid)
             with self._forking:  # the sweeper must not take the new one, not yet exec'd, for a leftover
                 launcher.close()
-                launcher.start()
+                try:
+                    launcher.start()
+                except (RpycdlError, OSError) as exc:
+                    self.logger.error("%s; trying again", exc)
 
     def _forget_ended(self) -> None:
         """Count only the connection processes and spares that still run."""
