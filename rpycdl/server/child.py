@@ -37,6 +37,7 @@ from rpycdl.security.accounts import Account
 from rpycdl.wire import bulk, codec, tracebacks
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
 PR_SET_DUMPABLE = 4
 GO = struct.Struct("<IQ?")  # go pipe header: length of its JSON, length of the payload, out-of-band results
@@ -66,6 +67,12 @@ def die_with_parent(parent: int, die: bool = True) -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL if die else 0)  # not Linux: the parent's sweep still cleans up
     if die and os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def become_subreaper() -> None:
+    """Make this process a child subreaper: what its descendants leave when their parent dies becomes its child
+    (PR_SET_CHILD_SUBREAPER), not init's."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def name_process(name: str) -> None:

@@ -7,7 +7,6 @@ connection processes that died."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -43,8 +42,6 @@ from rpycdl.server.context import ServerContext
 from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
 from rpycdl.wire import stream
-
-PR_SET_CHILD_SUBREAPER = 36
 
 _PID = struct.Struct("i")  # what a spare connection process writes to the parent when it takes a client
 
@@ -111,11 +108,7 @@ class DLServer(ForkingServer):
         self.gate.watch(self._exited_r, lambda: lockdir.drain(self._exited_r))
 
     def start(self) -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+        child.become_subreaper()
         threading.Thread(target=self._sweep, name="rpycdl-sweeper", daemon=True).start()
         super().start()
 
@@ -143,13 +136,7 @@ class DLServer(ForkingServer):
     def _handle_sigchld(cls, signum: int, frame: object) -> None:
         """Reap ended children, and wake the sweeper if one of them did not exit cleanly: a
         connection process that exits 0 has finished its jobs and released their GPUs itself."""
-        unclean = False
-        with contextlib.suppress(ChildProcessError):
-            while True:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                unclean |= status != 0
+        unclean = any(status != 0 for _, status in procs.reaped())
         signal.signal(signal.SIGCHLD, cls._handle_sigchld)
         _poke(cls._exited_w)
         if unclean:

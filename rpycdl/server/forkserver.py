@@ -46,12 +46,11 @@ from rpycdl.defaults import (
 )
 from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import procs
-from rpycdl.server import keeper
+from rpycdl.server import child, keeper
 from rpycdl.server.keeper import PID, STATUS
 
 READY = b"ready"  # the forkserver to the server, once its preload is imported
 MAX_FDS = 8
-PR_SET_CHILD_SUBREAPER = 36
 
 log = logging.getLogger("rpycdl.forkserver")
 
@@ -300,12 +299,10 @@ class _Server:
 def main(argv: list[str] | None = None) -> int:
     """`python -m rpycdl.server.forkserver FD LISTENER [MODULE ...]`: serve the requests on the socket FD and
     on the connections LISTENER accepts, with MODULEs imported first (rpycdl serve --preload)."""
-    from rpycdl.server import child
-
     first, listener, *preload = argv if argv is not None else sys.argv[1:]
     child.name_process("rpycdl-forksrv")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's, which stops it
-    child.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    child.become_subreaper()
     server = socket.socket(fileno=int(first))
     for module in preload:
         try:

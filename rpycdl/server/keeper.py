@@ -27,11 +27,11 @@ from typing import NoReturn
 
 from rpycdl.defaults import SWEEP_INTERVAL
 from rpycdl.scheduler import procs
+from rpycdl.server import child
 
 NAME = "rpycdl-keeper"
 PID = struct.Struct("<iQ")  # reply: pid, start time
 STATUS = struct.Struct("<i")  # end: wait status
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def is_keeper(pid: int) -> bool:
@@ -48,13 +48,11 @@ def is_keeper(pid: int) -> bool:
 def keep(kind: str, control: int, fds: list[int]) -> NoReturn:
     """In a child the forkserver just forked: become the keeper of a new process of `kind` ("job" or "check")
     whose descriptors are `fds`, its requester on the socket `control`. Never returns."""
-    from rpycdl.server import child
-
     try:
         child.keep_only([control, *fds])
         os.setsid()  # no signal to the forkserver's group reaches a job's keeper
         child.name_process(NAME)
-        child.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        child.become_subreaper()
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -65,8 +63,7 @@ def keep(kind: str, control: int, fds: list[int]) -> NoReturn:
         except OSError:
             os._exit(0)  # the requester reads an empty reply: LimitError
         if pid == 0:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)  # its other signals are reset by child._start
             if kind == "job":  # it keeps nothing of the keeper's but `fds` (child.keep_only)
                 child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=me)
             child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=me)

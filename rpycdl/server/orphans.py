@@ -14,9 +14,6 @@ from rpycdl.defaults import KILL_WAIT
 from rpycdl.errors import LimitError
 from rpycdl.scheduler import procs
 from rpycdl.server import child
-from rpycdl.server.child import prctl
-
-PR_SET_CHILD_SUBREAPER = 36
 
 _OWN: set[int] = set()
 """The job processes and load checks this process forked and has not reaped yet; any other
@@ -47,7 +44,7 @@ def fork(what: str, pipes: Sequence[int]) -> int:
     the child are closed and LimitError names `what` the process was for."""
     global _subreaper
     if not _subreaper:
-        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        child.become_subreaper()
         _subreaper = True
     try:
         pid = os.fork()
