@@ -1639,7 +1639,22 @@ class ChaosResult:
         server = next((s for s in self.servers if s.server_id == record.get("server_id")), None)
         where = "" if server is None else f" of server :{server.port}" + (
             f" (server killed at {server.killed - since:+.3f} s)" if server.killed else "")
-        return f"killed: {kills or 'nothing'}; record {record.get('state', 'gone')}{where}"
+        return f"killed: {kills or 'nothing'}; record {record.get('state', 'gone')}{where}{self._said(job, since)}"
+
+    def _said(self, job: str, since: float) -> str:
+        """What the servers logged about the job, each line with its time relative to `since`."""
+        said = []
+        for server in self.servers:
+            for line in list(server.process.lines):
+                if job in line:
+                    stamp, _, rest = line.partition(",")  # "2026-11-28 11:41:52,123 rpycdl... message"
+                    try:
+                        when = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(rest[:3]) / 1000
+                    except ValueError:
+                        said.append(f"server :{server.port}: {line}")
+                        continue
+                    said.append(f"server :{server.port} at {when - since:+.3f} s: {rest[4:]}")
+        return "; servers said: " + " / ".join(said) if said else ""
 
     def describe(self, violation: dict[str, Any]) -> str:
         """One violation: when, how long, the jobs and their live processes (times relative to it)."""

@@ -27,7 +27,7 @@ GRACE = 1.0  # promise 3: free again within a second
 def _make_job() -> Callable[[dict[str, Any]], Any]:
     """The job every test runs (defined in a function so dill sends its code, not a reference).
 
-    It starts `sleep 60`, writes its own pid, its parent's (the server's forkserver), the
+    It starts `sleep 60`, writes its own pid, its parent's (its keeper) and the parent's name, the
     child's and its job id to args["dir"]/info.json, then ends as args["how"] says."""
 
     def job(args: dict[str, Any]) -> Any:
@@ -37,8 +37,10 @@ def _make_job() -> Callable[[dict[str, Any]], Any]:
         import time
 
         child = subprocess.Popen(["sleep", "60"])
-        info = {"pid": os.getpid(), "ppid": os.getppid(), "child": child.pid, "job_id": os.environ["RPYCDL_JOB_ID"],
-                "uuids": os.environ["RPYCDL_GPU_UUIDS"].split(",")}
+        with open(f"/proc/{os.getppid()}/comm") as comm:
+            parent = comm.read().strip()
+        info = {"pid": os.getpid(), "ppid": os.getppid(), "parent": parent, "child": child.pid,
+                "job_id": os.environ["RPYCDL_JOB_ID"], "uuids": os.environ["RPYCDL_GPU_UUIDS"].split(",")}
         tmp = os.path.join(args["dir"], ".info.json")
         with open(tmp, "w") as f:
             json.dump(info, f)
@@ -283,7 +285,7 @@ def test_kill_9_of_the_keeper(cluster, server, connect, tmp_path):
     other_info = read_info(other_dir)
     running = Background(connect(port), JOB, {"dir": str(tmp_path), "how": "sleep"}, ngpus=2)
     info = read_info(tmp_path)
-    assert read_comm(info["ppid"]) == "rpycdl-keeper" and info["ppid"] != other_info["ppid"]
+    assert info["parent"] == "rpycdl-keeper" and info["ppid"] != other_info["ppid"]
     os.kill(info["ppid"], signal.SIGKILL)
     ended = time.time()
     crash = running.join()
@@ -313,7 +315,7 @@ def test_kill_9_of_the_forkserver_ends_no_job(cluster, server, connect, tmp_path
     assert restarted != forkserver
     (tmp_path / "info.json").unlink()
     again = connect(port).root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=-1)
-    assert read_comm(again["ppid"]) == "rpycdl-keeper"  # a spare kept from before, or one of the new forkserver's
+    assert again["parent"] == "rpycdl-keeper"  # a spare kept from before, or one of the new forkserver's
 
 
 def test_a_forkserver_killed_as_it_starts_again_leaves_the_server_serving(cluster, server, connect, tmp_path):
@@ -332,6 +334,31 @@ def test_a_forkserver_killed_as_it_starts_again_leaves_the_server_serving(cluste
     helpers.wait_until(lambda: helpers.forkserver(server_pid) not in killed, 10, "a forkserver that lives")
     assert conn.root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=1)["uuids"]
     assert connect(port).root.run_code(JOB, {"dir": str(tmp_path), "how": "return"}, ngpus=2)["uuids"]
+
+
+def test_a_forkserver_slow_to_start_again_holds_up_no_release(cluster, connect, tmp_path):
+    """While the forkserver started in place of a dead one imports a slow preload, the server goes on: it answers,
+    and the GPUs of a job whose connection process is killed meanwhile are free within a second."""
+    modules, slow, job_dir = tmp_path / "modules", tmp_path / "slow", tmp_path / "job"
+    modules.mkdir()
+    job_dir.mkdir()
+    (modules / "slow_preload.py").write_text(f"import os, time\nif os.path.exists({str(slow)!r}):\n    time.sleep(5)\n")
+    process, port = cluster.add_server("pytorch", "fake:4", "--preload", "slow_preload",
+                                       env={"PYTHONPATH": str(modules)})
+    server_pid = process.popen.pid
+    running = Background(connect(port), JOB, {"dir": str(job_dir), "how": "sleep"}, ngpus=2)
+    info = read_info(job_dir)
+    serving = connection_of(connect(port), info["job_id"])
+    slow.touch()
+    forkserver = helpers.forkserver(server_pid)
+    os.kill(forkserver, signal.SIGKILL)
+    helpers.wait_until(lambda: next((pid for pid in helpers.children(server_pid) if pid != forkserver
+                                     and procs.runs_module(pid, "rpycdl.server.forkserver")), None),
+                       10, "the server to start a forkserver again")
+    os.kill(serving, signal.SIGKILL)
+    ended = time.time()
+    assert isinstance(running.join(), Exception)
+    assert_nothing_leaks(port, connect, {"job": info["pid"], "child": info["child"], "connection": serving}, ended)
 
 
 def read_comm(pid: int) -> str:

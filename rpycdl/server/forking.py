@@ -163,17 +163,22 @@ class DLServer(ForkingServer):
 
     def _keep_forkserver(self) -> None:
         """Start the job forkserver again if it died (its jobs run on: their keepers are theirs, adopted by this
-        process); connection processes reach the new one at its address. One that dies too before it is ready
-        is started again at the next turn: the server goes on (connections asking meanwhile get LimitError)."""
+        process); connection processes reach the new one at its address, and it answers them once it has
+        imported its preload, which nothing here waits for: the sweeper and the accept loop go on. One that dies
+        too before it is ready is started again at the next turn."""
         launcher = self.context.launcher
-        if isinstance(launcher, ForkServer) and not launcher.alive():
+        if not isinstance(launcher, ForkServer):
+            return
+        try:
+            if launcher.alive():
+                launcher.ready(block=False)  # a new one's word, read as it comes
+                return
             self.logger.error("the job forkserver (pid %d) died; starting another", launcher.process.pid)
             with self._forking:  # the sweeper must not take the new one, not yet exec'd, for a leftover
                 launcher.close()
-                try:
-                    launcher.start()
-                except (RpycdlError, OSError) as exc:
-                    self.logger.error("%s; trying again", exc)
+                launcher.spawn()
+        except (RpycdlError, OSError) as exc:
+            self.logger.error("%s; trying again", exc)
 
     def _forget_ended(self) -> None:
         """Count only the connection processes and spares that still run."""

@@ -133,22 +133,24 @@ class Launched:
 class ForkServer:
     """The server's handle on its forkserver: started with the server, inherited by its connection
     processes, which ask it for processes. Should it die, the server starts another at the same address
-    (start()), and each process reaches the new one when it next asks."""
+    (spawn()), and each process reaches the new one when it next asks."""
 
     def __init__(self, name: str, preload: tuple[str, ...] = ()) -> None:
         """`name` makes its address unique (the server's id); `preload`: modules it imports before it forks
-        anything (rpycdl serve --preload), so that every job starts with them imported."""
-        self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
-        self.preload = preload
-        self.start()
-
-    def start(self) -> None:
-        """Start the forkserver (again), listening at its address, with this process connected to it, once it
-        has imported its preload.
+        anything (rpycdl serve --preload), so that every job starts with them imported. Returns once the
+        forkserver is ready.
 
         Raises:
             RpycdlError: a module of the preload could not be imported (the message names it and says why).
         """
+        self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
+        self.preload = preload
+        self.spawn()
+        self.ready()
+
+    def spawn(self) -> None:
+        """Start the forkserver (again), listening at its address, with this process connected to it. Processes
+        may ask it at once: it answers once it has imported the preload (ready())."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(self.address)
         listener.listen()
@@ -160,11 +162,25 @@ class ForkServer:
         theirs.close()
         listener.close()  # the forkserver's alone: the address is free again once it is gone
         self._identity = procs.identify(self.process.pid)
-        told = self._socket.recv(4096)  # READY once the preload is imported, else why not
-        if told != READY:
-            self.process.wait()
-            self._socket.close()
-            raise RpycdlError(f"the job forkserver could not start: {told.decode(errors='replace') or 'it died'}")
+        self._ready = False
+
+    def ready(self, block: bool = True) -> bool:
+        """Whether the forkserver has imported its preload; with `block`, once it has.
+
+        Raises:
+            RpycdlError: a module of the preload could not be imported (the message names it and says why), or
+                the forkserver died first; it has exited.
+        """
+        if not self._ready:
+            try:
+                told = self._socket.recv(4096, 0 if block else socket.MSG_DONTWAIT)  # READY, else why not
+            except BlockingIOError:
+                return False
+            if told != READY:
+                self.process.wait()
+                raise RpycdlError(f"the job forkserver could not start: {told.decode(errors='replace') or 'it died'}")
+            self._ready = True
+        return True
 
     def alive(self) -> bool:
         """Whether the forkserver still runs."""
