@@ -7,9 +7,9 @@ and `simulate_memory` for jobs on simulated GPUs. Everything else is reached thr
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from rpycdl.artifacts import saving
-from rpycdl.client import Connection, Job, JobStatus, Session, connect, job
 from rpycdl.defaults import OUTPUT_DIR_VARIABLE
 from rpycdl.errors import (
     ArtifactStoreError,
@@ -43,7 +43,22 @@ from rpycdl.errors import (
 from rpycdl.gpu.inventory import simulate_memory
 from rpycdl.states import JobState
 
+if TYPE_CHECKING:
+    from rpycdl.client import Connection, Job, JobStatus, Session, connect, job
+
 __version__ = "0.1.0"
+
+_CLIENT = ("Connection", "Job", "JobStatus", "Session", "connect", "job")
+"""Names of rpycdl.client, imported when first asked for: the server's own processes (supervisors, keepers,
+job processes) start without the client's modules."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLIENT:
+        from rpycdl import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'rpycdl' has no attribute {name!r}")
 
 __all__ = [
     "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ConnectionFailedError",

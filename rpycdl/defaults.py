@@ -29,6 +29,14 @@ WAIT_FALLBACK_POLL = 0.5
 Normal releases wake waiters at once; this bounds the wait after a holder died without
 saying so (kill -9 of a whole server)."""
 
+DISPATCH_AHEAD = 2
+"""How many queued rows at the head of each line (a set of candidate GPUs) have their supervisor started before
+their turn: it waits as any request does, so that a release hands the GPUs over without a process start."""
+
+DISPATCH_LOOKAHEAD = 8
+"""How many queued rows, per set of candidate GPUs, a server's dispatcher asks the policy about in one pass
+when none of them can go (those behind them wait too: rpycdl.scheduler.locks.GPULockManager.dispatch)."""
+
 LINGER_POLL = 0.02
 """Seconds a waiting request sleeps at most while what a crashed job left, which it has just
 killed, may still be dying (rpycdl.locks)."""
@@ -168,11 +176,12 @@ RESULT_MEMORY_FACTOR = 32
 RESULT_MEMORY_MIN = 256 * 1024**2
 """Making that value may take this many times the outcome's size in new memory (this much at least)."""
 
-MAX_QUEUED = 1000
-"""Most requests of one server waiting at once (`--max-queued`)."""
+MAX_QUEUED = 50_000
+"""Most requests of one server waiting at once (`--max-queued`). A waiting detached job is a row of a few KiB, and
+a server answers with 10,000 waiting as fast as with a hundred (BENCHMARKS.md, bench_scale)."""
 
-MAX_QUEUED_PER_USER = 100
-"""Most requests of one user waiting at once on one server (`--max-queued-per-user`)."""
+MAX_QUEUED_PER_USER = 10_000
+"""Most requests of one user waiting at once on one server (`--max-queued-per-user`): a sweep of 10,000."""
 
 MAX_CONNECTIONS = 256
 """Most authenticated client connections a server serves at once (`--max-connections`); one more is refused

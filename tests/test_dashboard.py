@@ -28,7 +28,8 @@ from rpycdl import JobState
 from rpycdl.defaults import LOG_CHUNK, state_dir
 from rpycdl.monitor.pages import HOST_REUSE
 from rpycdl.scheduler.ledger import JobRecord, Ledger
-from rpycdl.scheduler.locks import GPULockManager, Need
+from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.queuedir import Need
 from rpycdl.site.local import start
 from rpycdl.units import GiB
 

@@ -19,7 +19,8 @@ from helpers import unavailable, wait_until
 
 from rpycdl.errors import InvalidRequestError, QueueTimeoutError
 from rpycdl.scheduler.ledger import JobRecord, Ledger
-from rpycdl.scheduler.locks import GPULockManager, Need
+from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.queuedir import Need
 from rpycdl.units import MiB
 
 CTX = multiprocessing.get_context("fork")

@@ -16,6 +16,7 @@ from helpers import gate_job, open_gate, server_process, wait_until
 
 from rpycdl import JobState
 from rpycdl.errors import RpycdlError
+from rpycdl.scheduler import fairshare
 from rpycdl.scheduler.load import read_load
 from rpycdl.site.local import start
 from rpycdl.units import GiB
@@ -66,7 +67,8 @@ def test_a_short_job_backfills_onto_a_free_gpu_only_under_backfill(server, conne
     assert head.refresh()["started"] <= unbounded.refresh()["started"]
 
 
-def test_fair_share_serves_another_users_request_before_one_users_hundred(cluster, server, connect, tmp_path):
+def test_fair_share_serves_another_users_request_before_one_users_hundred(cluster, server, connect, lock_dir,
+                                                                          tmp_path):
     port = server("pytorch", "fake:1", "--policy", "fair")
     alice, bob = connect(port), connect(port)
     alice.root.identify("alice")
@@ -81,6 +83,10 @@ def test_fair_share_serves_another_users_request_before_one_users_hundred(cluste
     assert status["queue"][0]["job_id"] == late.id and status["queue"][0]["usage"] == 0
     assert status["queue"][1]["usage"] > 0  # alice's: her first job has been running
     assert late.status().ahead == 1 and queued[0].status().ahead == 2  # in the policy's order, not the tickets'
+    # Once her first job ends, what it used counts from the host's snapshot, refreshed every FAIR_SHARE_REFRESH:
+    # wait until it has counted her, as it does for any job running longer than that.
+    wait_until(lambda: (snapshot := fairshare.read_snapshot(lock_dir)) and snapshot.usage.get("alice", 0) > 0,
+               20, "the fair-share snapshot to count alice's running job")
     open_gate(gate)
     assert late.result(60) == "bob's"
     results = [job.result(120) for job in queued]

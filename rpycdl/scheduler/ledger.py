@@ -37,26 +37,12 @@ from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
 from rpycdl.scheduler.jobrecord import COLUMNS, JobRecord, from_row, new_job_id, to_row
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
-from rpycdl.scheduler.schema import LIVE, MIGRATIONS, migrate
+from rpycdl.scheduler.schema import ARTIFACT_STATES, DROPS, LIVE, MIGRATIONS, REFUSALS, migrate
 from rpycdl.states import UNFINISHED, JobState
 
 __all__ = ["DROPS", "REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
 
 log = logging.getLogger("rpycdl.ledger")
-
-REFUSALS = ("invalid", "limit", "connections", "auth", "not_allowed")
-"""Why a server refuses a request, the reasons count_refusal counts: a run or submit request it could
-never serve (InvalidRequestError), over a limit (LimitError: a full queue, --max-payload), a connection
-over --max-connections, an authentication that failed, a user acting on another's job (NotAllowedError)."""
-
-DROPS = ("startups", "per_source", "grace")
-"""Why a server's parent drops a connection before it authenticated, the reasons count_drops counts: over
---max-startups, over --per-source-startups, its handshake not completed in time."""
-
-ARTIFACT_STATES = ("uploading", "uploaded", "failed")
-"""Where a job's outputs stand: going to the artifact store, there, or kept on the server (its error says
-why) for `rpycdl artifacts JOB --retry`."""
-
 
 _SELECT = f"SELECT state, {', '.join(COLUMNS)} FROM jobs"
 _JOB_ID = 1 + COLUMNS.index("job_id")
@@ -232,19 +218,36 @@ class Ledger:
                 db.execute("UPDATE jobs SET cancel_requested = 1 WHERE job_id = ?", (job_id,))
             return record
 
-    def end(self, job_id: str, state: JobState, error: str, error_type: str = "") -> bool:
-        """Finish an unfinished job in `state`, ended now (a sweep's move once its owner is gone).
-        Returns whether it changed the row (not if there is no such job, or it had finished)."""
+    def end(self, job_id: str, state: JobState, error: str, error_type: str = "", unowned: bool = False) -> bool:
+        """Finish an unfinished job in `state`, ended now (a sweep's move once its owner is gone); with `unowned`,
+        only a job no process owns (a queued row: owner_pid 0). Returns whether it changed the row (not if there
+        is no such job, or it had finished)."""
         if not state.finished:
             raise ValueError(f"end() needs a final state, not {state.value}")
         with self._write() as db:
             return db.execute(f"UPDATE jobs SET state = ?, error = ?, error_type = ?, ended = ? WHERE job_id = ? "
-                              f"AND {LIVE}", (state.value, error, error_type, time.time(), job_id)).rowcount > 0
+                              f"AND {LIVE}{' AND owner_pid = 0' if unowned else ''}",
+                              (state.value, error, error_type, time.time(), job_id)).rowcount > 0
 
-    def unfinished(self) -> list[JobRecord]:
-        """The PENDING and RUNNING jobs, oldest first."""
+    def set_owner(self, job_id: str, owner: tuple[int, int], was: tuple[int, int]) -> bool:
+        """Make the process `owner` (pid, start) the owner of a PENDING job whose owner is still `was` (a queued
+        row's next supervisor, as it starts: (0, 0) for none yet, or one that died). Returns whether it did."""
+        with self._write() as db:
+            return db.execute("UPDATE jobs SET owner_pid = ?, owner_start = ? WHERE job_id = ? AND state = 'PENDING' "
+                              "AND owner_pid = ? AND owner_start = ?", (*owner, job_id, *was)).rowcount > 0
+
+    def unfinished(self, owned: bool = False) -> list[JobRecord]:
+        """The PENDING and RUNNING jobs, oldest first; with `owned`, only those a process owns (not the rows
+        waiting in line for no process: unowned())."""
         with self._db() as db:
-            return [from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE} ORDER BY submitted")]
+            return [from_row(row) for row in db.execute(
+                f"{_SELECT} WHERE {LIVE}{' AND owner_pid != 0' if owned else ''} ORDER BY submitted")]
+
+    def unowned(self) -> list[str]:
+        """The ids of the PENDING jobs no process owns (queued rows), oldest first."""
+        with self._db() as db:
+            return [row[0] for row in db.execute(
+                "SELECT job_id FROM jobs WHERE state = 'PENDING' AND owner_pid = 0 ORDER BY submitted")]
 
     def query(self, *, users: Sequence[str] | None = None, states: Sequence[JobState] | None = None,
               since: float | None = None, active_or_ended_since: float | None = None,

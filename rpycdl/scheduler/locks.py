@@ -8,6 +8,7 @@ every container):
     held/<uuid>.<ticket>.json    who holds (part of) it: the job, its processes, its share, since
     queue/<ticket>.json          a waiting request: what it asks for and who it is
     queue/<ticket>.fifo          its wake-up pipe; a request that has died has no reader on it
+    listeners/<name>.fifo        the wake-up pipe of a server's dispatcher, woken with the waiters
     queue.lock                   serialises taking tickets, granting and probing (a blocking fcntl
                                  lock: a process waiting for it is woken the moment it is free)
     counters                     the last ticket and the last grant sequence number, one line each
@@ -24,6 +25,11 @@ A share goes to the fullest GPU that has room for it (best fit among GPUs that a
 shares) and only breaks into an idle GPU when none has room, so whole GPUs stay available for
 whole-GPU requests.
 
+A detached job waits as a row: its entry is marked `row` and no process keeps it (it has no FIFO until
+claimed), so it lives until it is granted or dropped. When the policy would grant it, a server's dispatcher
+claims it by making its FIFO (dispatch) and hands the descriptor to the supervisor it starts, which then waits
+and is granted as any request; a claim whose holder died lapses, and the row is claimed again.
+
 Locks are freed by the kernel when their holder dies, without any wake-up: waiters re-check at
 least every WAIT_FALLBACK_POLL seconds, and every LINGER_POLL while they wait for the processes
 of a crashed job to die (a grant's record keeps its GPUs taken until then: holders).
@@ -37,75 +43,22 @@ import functools
 import os
 import select
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
-from rpycdl.errors import InvalidRequestError, QueueTimeoutError
+from rpycdl.defaults import DISPATCH_AHEAD, DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
+from rpycdl.errors import QueueTimeoutError
 from rpycdl.scheduler import lockdir, planning, policies, policyfiles, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
+from rpycdl.scheduler.planning import Range
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
+from rpycdl.scheduler.queuedir import Need, Place, QueueDir
 from rpycdl.states import need_text
-from rpycdl.units import MiB, format_size
-
-_ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path (never rewritten)
-
-HELD_ONLY = ("leader", "owner", "server_process")
-"""Keys of a request's info that only its grant's record needs (to find the job after a crash);
-its queue entry, which every waiter and status reads, goes without them."""
 
 TICKET, GRANT = 0, 1  # lines of the counters file
 _COUNTER_WIDTH = 20
-
-
-@dataclass(frozen=True)
-class Need:
-    """What a request waits for: `ngpus` whole GPUs of `candidates`, or `share_bytes` of one of them.
-
-    Attributes:
-        ngpus: how many GPUs, 1 to len(candidates); 1 for a share.
-        candidates: UUIDs of the GPUs the request may use (its server's inventory).
-        share_bytes: bytes of one GPU for a share, a whole number of MiB (the lock files count
-            MiB); 0 for whole GPUs.
-        sizes: each candidate's memory in bytes; needed for a share.
-        seconds: the job's declared timeout, the longest it holds what it is granted (backfill plans
-            with it); None if it declared none.
-    """
-
-    ngpus: int
-    candidates: tuple[str, ...]
-    share_bytes: int = 0
-    sizes: Mapping[str, int] = field(default_factory=dict)
-    seconds: float | None = None
-
-    def check(self) -> None:
-        """Raise InvalidRequestError if it can never be granted."""
-        if not 1 <= self.ngpus <= len(self.candidates):
-            raise InvalidRequestError(f"cannot lock {self.ngpus} GPUs of {len(self.candidates)}")
-        if self.share_bytes:
-            if self.ngpus != 1 or any(self.sizes.get(uuid, 0) < MiB for uuid in self.candidates):
-                raise InvalidRequestError("a share is of one GPU, with every candidate's size known")
-            largest = max(self.sizes[uuid] for uuid in self.candidates)
-            if self.share_bytes % MiB or not 0 < self.share_bytes <= largest:
-                raise InvalidRequestError(f"cannot lock {self.share_bytes} bytes of a GPU: shares are whole MiB, "
-                                          f"and the largest GPU has {format_size(largest)}")
-
-    def entry(self) -> dict[str, Any]:
-        """The request as its queue entry says it (the lock files' unit: MiB)."""
-        return {"ngpus": self.ngpus, "share_mib": self.share_bytes // MiB, "candidates": list(self.candidates),
-                "sizes_mib": {uuid: size // MiB for uuid, size in self.sizes.items()}, "seconds": self.seconds}
-
-
-@dataclass(frozen=True)
-class Place:
-    """A request's place in line: its ticket, and the descriptor of its wake-up FIFO, which keeps the
-    place for as long as some process holds it open."""
-
-    ticket: int
-    fifo_fd: int
 
 
 class GPULockManager:
@@ -123,12 +76,13 @@ class GPULockManager:
                  sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
         self.scheduling = scheduling or Scheduling()
-        for sub in ("", "gpus", "held", "queue"):
+        for sub in ("", "gpus", "held", "queue", "listeners"):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
         if lockdir.writable():  # a reader (a monitor) takes no lock: it only probes
             self._queue_fd = lockdir.open_once(str(self.root / "queue.lock"))
         self._holders = Holders(self.root)
+        self._queue = QueueDir(self.root)
         self._sleep_poll = sleep_poll
 
     # -- the queue lock and counters ---------------------------------------------------
@@ -154,35 +108,10 @@ class GPULockManager:
         finally:
             os.close(fd)
 
-    def _waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
-        """Live waiting requests in ticket order (only those before ticket `before`, if given);
-        with `prune` (under the queue lock only), removes those whose process died. Queue entries
-        never change once written, so each is read once per process."""
-        waiters = []
-        names = sorted(lockdir.names(self.root / "queue", "", ".json"))
-        listed = {str(self.root / "queue" / n) for n in names}
-        for path in [p for p in _ENTRIES if p not in listed]:  # granted or gone since
-            del _ENTRIES[path]
-        for name in names:
-            if before is not None and int(name[:-5]) >= before:
-                break
-            entry = self.root / "queue" / name
-            info = _ENTRIES.get(str(entry)) or lockdir.read_json(entry)
-            fifo = entry.with_suffix(".fifo")
-            if info is None or not lockdir.fifo_has_reader(fifo):
-                _ENTRIES.pop(str(entry), None)
-                if prune:
-                    entry.unlink(missing_ok=True)
-                    fifo.unlink(missing_ok=True)
-                continue
-            _ENTRIES[str(entry)] = info
-            waiters.append(info)
-        return waiters
-
     # -- granting --------------------------------------------------------------------
 
     def acquire(self, need: Need, info: dict[str, Any], *, place: Place | None = None,
-                queue_timeout: float | None = None, wake_fds: Sequence[int] = (),
+                queue_timeout: float | None = None, waited: float = 0.0, wake_fds: Sequence[int] = (),
                 on_wake: Callable[[], None] | None = None, on_position: Callable[[int], None] | None = None) -> Grant:
         """Wait in line for what `need` asks for, and lock it.
 
@@ -195,6 +124,7 @@ class GPULockManager:
             place: the request's place in line, taken already (enqueue), which this process now keeps;
                 None takes one now.
             queue_timeout: seconds to wait at most; None waits for as long as it takes.
+            waited: seconds of queue_timeout the request spent waiting already (a detached job's, as a row).
             wake_fds: other file descriptors that end a sleep when readable.
             on_wake: called after each sleep; it may raise to give up waiting (cancel).
             on_position: called with the number of requests ahead whenever it changes.
@@ -212,20 +142,16 @@ class GPULockManager:
             grant, position = self._try_grant(ticket, need, info)
             if grant is None and place is None:
                 fifo_fd = self._enqueue(ticket, need, info)
-        entry = self.root / "queue" / f"{ticket:016d}.json"
         try:
             if grant is not None:  # nobody to wait for (a place's entry is gone with its grant)
                 if place is not None:
                     self.wake_all()
                 return grant
-            return self._wait(ticket, need, info, position, fifo_fd, queue_timeout=queue_timeout, wake_fds=wake_fds,
-                              on_wake=on_wake, on_position=on_position)
+            return self._wait(ticket, need, info, position, fifo_fd, queue_timeout=queue_timeout, waited=waited,
+                              wake_fds=wake_fds, on_wake=on_wake, on_position=on_position)
         finally:
-            if entry.exists():  # gave up: leave the queue, and let whoever was behind go
-                with self._locked():
-                    entry.unlink(missing_ok=True)
-                    entry.with_suffix(".fifo").unlink(missing_ok=True)
-                self.wake_all()
+            if self._queue.exists(ticket):  # gave up
+                self.leave(ticket)
             if grant is None or place is not None:
                 os.close(fifo_fd)
 
@@ -242,11 +168,77 @@ class GPULockManager:
             ticket = self._next(TICKET)
             return Place(ticket, self._enqueue(ticket, need, info))
 
+    def leave(self, ticket: int) -> None:
+        """Leave the queue (a request that gave up, a row that will not run), and let whoever was behind go."""
+        with self._locked():
+            self._queue.remove(ticket)
+        self.wake_all()
+
+    def enqueue_row(self, need: Need, info: dict[str, Any]) -> int:
+        """Take a place in line for `need` that no process keeps: a detached job waiting as its row alone. Its
+        entry, marked `row`, stays until a server claims it when its turn comes (dispatch) and the supervisor
+        it starts for it is granted or gives up, or until it is dropped (drop_row). Returns its ticket.
+
+        Raises:
+            InvalidRequestError: an impossible request.
+        """
+        need.check()
+        with self._locked():
+            ticket = self._next(TICKET)
+            self._queue.write(ticket, {**info, **need.entry(), "row": True})
+        return ticket
+
+    def dispatch(self, mine: Callable[[dict[str, Any]], bool] = lambda entry: True, ahead: int = DISPATCH_AHEAD,
+                 lookahead: int = DISPATCH_LOOKAHEAD) -> list[tuple[dict[str, Any], Place]]:
+        """Claim the rows the caller may start (`mine`) that are among the first `ahead` rows in line for their
+        GPUs (their supervisors wait as any request does, so that a release hands the GPUs over at once), whose
+        turn has come (the policy would grant them now, were a process waiting), or whose `deadline` passed.
+        Each gets its wake-up FIFO, the claim (one dispatcher wins it), whose descriptor the caller hands to the
+        supervisor it starts for the row, or closes; a row whose FIFO nobody holds open is claimable again. In
+        the policy's order, it decides for at most `lookahead` rows per set of candidate GPUs that cannot go
+        (those behind them wait too).
+
+        Returns:
+            Each claimed row's entry and its place.
+        """
+        claimed: list[tuple[dict[str, Any], Place]] = []
+        placed: dict[tuple[str, ...], int] = {}  # rows met so far, by their candidates
+        blocked: dict[tuple[str, ...], int] = {}
+        with self._locked():
+            waiters = self._queue.waiters()
+            ordered = policyfiles.in_order(self.root, self.scheduling, waiters, self._holders.records())
+            now = time.time()
+            for entry in ordered:
+                if not entry.get("row"):
+                    continue
+                key, ticket = tuple(entry["candidates"]), entry["ticket"]
+                placed[key] = placed.get(key, 0) + 1
+                if not mine(entry) or blocked.get(key, 0) >= lookahead or self._queue.claimed(ticket):
+                    continue
+                if placed[key] > ahead and (entry.get("deadline") is None or entry["deadline"] > now):
+                    others = [w for w in waiters if w["ticket"] != ticket and (
+                        self.scheduling.policy != FCFS or w["ticket"] < ticket)]
+                    if not self._decide(ticket, Need.from_entry(entry), entry, others)[0].uuids:
+                        blocked[key] = blocked.get(key, 0) + 1
+                        continue
+                claimed.append((entry, Place(ticket, self._queue.open_fifo(ticket))))
+        return claimed
+
+    def drop_row(self, job_id: str) -> bool:
+        """Remove job `job_id`'s row from the queue unless a supervisor holds it (a cancel): False if it has
+        none, or its supervisor was started (which then sees the cancel as any waiting job does)."""
+        with self._locked():
+            return self._queue.drop_row(job_id)
+
+    def queued_rows(self) -> set[str]:
+        """The ids of the jobs waiting as rows (claimed or not); no lock."""
+        return self._queue.rows()
+
     def _wait(self, ticket: int, need: Need, info: dict[str, Any], position: int, fifo_fd: int, *,
-              queue_timeout: float | None, wake_fds: Sequence[int], on_wake: Callable[[], None] | None,
-              on_position: Callable[[int], None] | None) -> Grant:
+              queue_timeout: float | None, waited: float, wake_fds: Sequence[int],
+              on_wake: Callable[[], None] | None, on_position: Callable[[int], None] | None) -> Grant:
         """Sleep until woken (or a re-check is due), try again, until granted (acquire's loop)."""
-        deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
+        deadline = None if queue_timeout is None else time.monotonic() + queue_timeout - waited
         last_position = -1
         while True:
             if on_position is not None and position != last_position:
@@ -277,15 +269,8 @@ class GPULockManager:
 
     def _enqueue(self, ticket: int, need: Need, info: dict[str, Any]) -> int:
         """Under the queue lock: join the queue with a wake-up FIFO; returns its descriptor."""
-        entry = self.root / "queue" / f"{ticket:016d}.json"
-        fifo = entry.with_suffix(".fifo")
-        os.mkfifo(fifo)
-        os.chmod(fifo, lockdir.fifo_mode())  # others must open it to wake us (and to see we live)
-        # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
-        # and writers see a reader for exactly as long as this process lives.
-        fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-        shown = {key: value for key, value in info.items() if key not in HELD_ONLY}
-        lockdir.write_json(entry, {**shown, **need.entry(), "ticket": ticket, "since": time.time()})
+        fifo_fd = self._queue.open_fifo(ticket)
+        self._queue.write(ticket, {**info, **need.entry()})
         return fifo_fd
 
     def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, int]:
@@ -293,8 +278,30 @@ class GPULockManager:
         every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
         and how many competing requests are ahead."""
         policy = self.scheduling.policy
-        waiters = [waiter for waiter in self._waiters(before=ticket if policy == FCFS else None)
+        waiters = [waiter for waiter in self._queue.waiters(before=ticket if policy == FCFS else None)
                    if waiter["ticket"] != ticket]  # behind it too, for a backfill's plan or fair share's order
+        decision, taken, sizes = self._decide(ticket, need, info, waiters)
+        if not decision.uuids:
+            return None, decision.ahead
+        # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
+        # what is taken of them is still what was probed above.
+        mine, now = need.entry(), time.time()
+        uuids = list(decision.uuids)
+        ranges, locked = self._holders.lock(uuids, mine["share_mib"], sizes, taken, ticket)
+        if not locked:  # cannot happen under the queue lock, but never double-book
+            return None, decision.ahead
+        gpus = mine["share_mib"] / sizes[uuids[0]] if mine["share_mib"] else len(uuids)
+        grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges, gpus)
+        self._holders.write(grant, {**info, "seconds": need.seconds, "gpus": gpus / len(uuids),
+                                    "backfilled": decision.backfilled}, now)
+        self._queue.remove(ticket)
+        return grant, decision.ahead
+
+    def _decide(self, ticket: int, need: Need, info: dict[str, Any],
+                waiters: list[dict[str, Any]]) -> tuple[policies.Decision, dict[str, list[Range]], dict[str, int]]:
+        """Under the queue lock: whether the policy lets `ticket` go now among the live `waiters` (without it),
+        with what is taken of the GPUs involved and their sizes (MiB)."""
+        policy = self.scheduling.policy
         mine = need.entry()
         me = policyfiles.want(ticket, mine, info)
         involved, sizes = set(me.candidates), {}
@@ -315,22 +322,7 @@ class GPULockManager:
         rules = Rules(policy, placement, read_load(self.root, now) if placement == planning.LEAST_BUSY else {})
         board = policyfiles.board(self._holders.records(), sizes, now) if policy == BACKFILL else None  # after taken()
         decision = policies.decide(planning.rooms(taken, sizes, fractional), waiting, me, rules, board=board, now=now)
-        if not decision.uuids:
-            return None, decision.ahead
-        # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
-        # what is taken of them is still what was probed above.
-        uuids = list(decision.uuids)
-        ranges, locked = self._holders.lock(uuids, mine["share_mib"], sizes, taken, ticket)
-        if not locked:  # cannot happen under the queue lock, but never double-book
-            return None, decision.ahead
-        gpus = mine["share_mib"] / sizes[uuids[0]] if mine["share_mib"] else len(uuids)
-        grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges, gpus)
-        self._holders.write(grant, {**info, "seconds": need.seconds, "gpus": gpus / len(uuids),
-                                    "backfilled": decision.backfilled}, now)
-        entry = self.root / "queue" / f"{ticket:016d}.json"
-        entry.unlink(missing_ok=True)
-        entry.with_suffix(".fifo").unlink(missing_ok=True)
-        return grant, decision.ahead
+        return decision, taken, sizes
 
     def claim_scheduling(self) -> None:
         """Mark the lock directory as granted from with this manager's scheduling, for as long as this process
@@ -346,10 +338,19 @@ class GPULockManager:
         self._holders.unlock(grant)
         self.wake_all()
 
+    def listen(self, name: str) -> int:
+        """A wake-up FIFO, listeners/<name>.fifo, for a process that is no request (a server's dispatcher): woken
+        with every waiter. Returns its descriptor; unlisten() removes it, and this removes those whose process
+        is gone."""
+        return self._queue.listen(name)
+
+    def unlisten(self, name: str) -> None:
+        """Remove the wake-up FIFO listen() made."""
+        self._queue.unlisten(name)
+
     def wake_all(self) -> None:
-        """Wake every waiting request so it re-checks the queue."""
-        for name in lockdir.names(self.root / "queue", "", ".fifo"):
-            lockdir.poke(self.root / "queue" / name)
+        """Wake every waiting request so it re-checks the queue, and every listener."""
+        self._queue.wake_all()
 
     # -- after a crash ---------------------------------------------------------------
 
@@ -381,7 +382,7 @@ class GPULockManager:
     def queue(self) -> list[dict[str, Any]]:
         """The live waiting requests, in ticket order."""
         with self._locked():
-            return self._waiters()
+            return self._queue.waiters()
 
     def snapshot(self, plan: bool = False) -> dict[str, Any]:
         """Who holds which GPU and who waits, in the policy's order: {"held": {uuid: [record]}, "queue": [entry]};
@@ -395,7 +396,7 @@ class GPULockManager:
         nothing is removed or killed here (granters and sweeps do that)."""
         records = self._holders.records()
         return {"held": self.held(records), "queue": policyfiles.in_order(
-            self.root, self.scheduling, self._waiters(prune=False), records, plan)}
+            self.root, self.scheduling, self._queue.waiters(prune=False), records, plan)}
 
     def held(self, records: Records | None = None) -> dict[str, list[dict[str, Any]]]:
         """Who holds which GPU, as snapshot()'s "held" (the held/ `records`, read now if not given); no lock."""
@@ -409,5 +410,3 @@ class GPULockManager:
         for found in held.values():
             found.sort(key=lambda holder: holder["sequence"])
         return held
-
-

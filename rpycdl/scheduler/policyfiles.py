@@ -58,7 +58,7 @@ def _claimed(folder: Path, key: str) -> Scheduling | None:
 
 
 def want(ticket: int, entry: Mapping[str, Any], info: Mapping[str, Any]) -> Want:
-    """A request as the policies see it, from its queue entry (or locks.Need.entry()) and info."""
+    """A request as the policies see it, from its queue entry (or queuedir.Need.entry()) and info."""
     return Want(ticket, entry["ngpus"], entry["share_mib"], tuple(entry["candidates"]), entry.get("seconds"),
                 info.get("account", ""))
 

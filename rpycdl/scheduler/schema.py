@@ -21,6 +21,19 @@ from pathlib import Path
 
 from rpycdl.errors import LedgerError
 
+REFUSALS = ("invalid", "limit", "connections", "auth", "not_allowed")
+"""Why a server refuses a request, the reasons count_refusal counts: a run or submit request it could
+never serve (InvalidRequestError), over a limit (LimitError: a full queue, --max-payload), a connection
+over --max-connections, an authentication that failed, a user acting on another's job (NotAllowedError)."""
+
+DROPS = ("startups", "per_source", "grace")
+"""Why a server's parent drops a connection before it authenticated, the reasons count_drops counts: over
+--max-startups, over --per-source-startups, its handshake not completed in time."""
+
+ARTIFACT_STATES = ("uploading", "uploaded", "failed")
+"""Where a job's outputs stand: going to the artifact store, there, or kept on the server (its error says
+why) for `rpycdl artifacts JOB --retry`."""
+
 LIVE = "state IN ('PENDING', 'RUNNING')"
 """The UNFINISHED rows, in the words of the unique index (the planner matches words)."""
 

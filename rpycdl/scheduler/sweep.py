@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 from rpycdl.defaults import KILL_WAIT
 from rpycdl.scheduler import procs
@@ -13,15 +14,21 @@ from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.states import JobState
 
 
-def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
+def end_orphaned(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]) -> list[JobRecord]:
     """End the unfinished jobs, of any server, whose owner died: an attached job's connection process
     (FAILED, or CANCELLED if a cancel was asked), a detached job's supervisor (LOST). What is left of
     each job is killed first (rpycdl.scheduler.procs), and its working directory removed (its outputs
-    stay on the server). Returns the jobs ended here."""
+    stay on the server). A detached job still `queued` as a row (the ids of those) is no orphan: its supervisor
+    died before its grant, and a dispatcher starts another. Returns the jobs ended here."""
     ended = []
-    for record in ledger.unfinished():
+    rows = None
+    for record in ledger.unfinished(owned=True):
         if procs.alive(record.owner_pid, record.owner_start):
             continue
+        if record.detached and record.state is JobState.PENDING:
+            rows = queued() if rows is None else rows
+            if record.job_id in rows:
+                continue
         leader = (record.pgid, record.leader_start) if record.pgid else None
         procs.kill_until_gone(functools.partial(procs.job_processes, record.job_id, leader), KILL_WAIT)
         if record.detached:
@@ -39,15 +46,31 @@ def end_orphaned(ledger: Ledger, files: JobFiles) -> list[JobRecord]:
     return ended
 
 
-def remove_unrecorded(ledger: Ledger, files: JobFiles) -> list[str]:
-    """Remove the files of jobs whose maker died before their row was in the ledger (JobFiles.begin): no
-    row, so end_orphaned would never see them. Returns their ids."""
+def end_unqueued(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]) -> list[str]:
+    """End as LOST the rows that wait for no process and are not `queued` any more (a cancel that died between
+    taking the row from the queue and ending it). The queue is read after the ledger (a row's entry is made
+    before its row), and a row a dispatcher started meanwhile has an owner: it is left alone. Returns their ids."""
+    ended = []
+    unowned = ledger.unowned()
+    rows = queued() if unowned else set()
+    for job_id in unowned:
+        if job_id not in rows and ledger.end(job_id, JobState.LOST, "its place in line was lost before it ran",
+                                               "JobLostError", unowned=True):
+            files.remove_working_dir(job_id)
+            ended.append(job_id)
+    return ended
+
+
+def remove_unrecorded(ledger: Ledger, files: JobFiles, drop_row: Callable[[str], bool]) -> list[str]:
+    """Remove the files of jobs whose maker died before their row was in the ledger (JobFiles.begin), and their
+    place in line (`drop_row`): no row, so end_orphaned would never see them. Returns their ids."""
     removed = []
     for job_id, (pid, start) in files.unrecorded().items():
         if procs.alive(pid, start):
             continue
         if ledger.get(job_id) is None:  # read after the maker's death: it can write none now
             removed.append(job_id)
+            drop_row(job_id)
             files.remove(job_id)
         else:  # end_orphaned's to end, if it has not ended
             files.recorded(job_id)

@@ -37,8 +37,9 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
-from rpycdl.server import child, container_watcher, draining, drops, gate, keeper, runner, supervisor
+from rpycdl.server import child, container_watcher, draining, drops, gate, keeper, orphans, runner, supervisor
 from rpycdl.server.context import ServerContext
+from rpycdl.server.dispatcher import Dispatcher
 from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
 from rpycdl.wire import stream
@@ -93,6 +94,7 @@ class DLServer(ForkingServer):
         self._stop = threading.Event()
         self._connections: set[int] = set()  # pids of the connection processes serving a client
         self._spares: set[int] = set()  # pids of those still waiting for one
+        self._supervisors: set[int] = set()  # pids of the detached jobs' supervisors it started (its dispatcher)
         self._queued = 0  # connections handed to the spares that no spare has said it took yet
         self._fork_failed = False
         self._forking = threading.Lock()  # held while those sets change: the sweeper kills other children
@@ -106,10 +108,13 @@ class DLServer(ForkingServer):
         self.gate = gate.Gate(self.listener, credentials, startups, self.tally)
         self.gate.watch(self._taken_r, self._note_taken)
         self.gate.watch(self._exited_r, lambda: lockdir.drain(self._exited_r))
+        self._dispatcher = Dispatcher(context, self._forking, self._supervisors)
 
     def start(self) -> None:
         child.become_subreaper()
         threading.Thread(target=self._sweep, name="rpycdl-sweeper", daemon=True).start()
+        threading.Thread(target=self._dispatcher.run, args=(self._stop,), name="rpycdl-dispatcher",
+                         daemon=True).start()
         super().start()
 
     def close(self) -> None:
@@ -117,6 +122,7 @@ class DLServer(ForkingServer):
         there drain: rpycdl.server.draining), let the forkserver go once its jobs have, kill the spares."""
         self._stop.set()
         _poke(self._wake_w)
+        self._dispatcher.close()
         for pid in list(self._connections):  # no lock: this runs in a signal handler, maybe inside _forking
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, draining.DRAIN_SIGNAL)
@@ -185,6 +191,9 @@ class DLServer(ForkingServer):
         with self._forking:
             self._connections = {pid for pid in self._connections if _running(pid)}
             self._spares = {pid for pid in self._spares if _running(pid)}
+            for pid in [pid for pid in self._supervisors if not _running(pid)]:
+                self._supervisors.discard(pid)
+                orphans.forget(pid)
 
     def _authenticated(self) -> int:
         """The connections that got in and have a connection process, or are on their way to one."""
@@ -352,6 +361,9 @@ class DLServer(ForkingServer):
                 if time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + min(PRUNE_INTERVAL, self.context.limits.keep / 10)
                     sweep.prune(self.context.ledger, self.context.files, self.context.limits.keep)
+                    for job_id in sweep.end_unqueued(self.context.ledger, self.context.files,
+                                                     self.context.locks.queued_rows):
+                        log.warning("job %s ended: its place in line was lost before it ran", job_id)
                 if self.context.scheduling.policy == FAIR and time.monotonic() >= next_share:
                     next_share = time.monotonic() + FAIR_SHARE_REFRESH
                     fairshare.refresh(self.context.lock_dir, self.context.ledger, self.context.scheduling.fair_share)
@@ -378,10 +390,10 @@ class DLServer(ForkingServer):
 
         for record in ctx.locks.clear_orphans(claim):
             log.warning("GPUs of job %s granted again: its connection process died", record.get("job_id"))
-        for record in sweep.end_orphaned(ctx.ledger, ctx.files):
+        for record in sweep.end_orphaned(ctx.ledger, ctx.files, ctx.locks.queued_rows):
             log.warning("job %s ended: %s", record.job_id, record.error)
             ctx.locks.wake_all()
-        for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files):
+        for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files, ctx.locks.drop_row):
             log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)
 
     def _adopted(self) -> list[int]:
@@ -392,8 +404,8 @@ class DLServer(ForkingServer):
         removes its container, nor a detached job's supervisor (with its job), nor its load sampler."""
         launcher = self.context.launcher
         with self._forking:
-            mine = self._spares | self._connections | ({launcher.process.pid} if isinstance(launcher, ForkServer)
-                                                       else set())
+            mine = self._spares | self._connections | self._supervisors | (
+                {launcher.process.pid} if isinstance(launcher, ForkServer) else set())
             found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
         found = [pid for pid in found if not keeper.is_keeper(pid) and not any(
             procs.runs_module(pid, module) for module in (container_watcher.__name__, supervisor.MODULE,

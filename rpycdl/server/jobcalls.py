@@ -88,7 +88,7 @@ class JobCalls:
             options["ngpus"] = 1 if options.get("ngpus") is None else options["ngpus"]
             name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
             checked = self._request(options, container=spec, detached=True, name=name)
-            return _shown(self.context, supervisor.hand_over(self.context, checked, asked, seal), self._identity)
+            return _shown(self.context, supervisor.hand_over(self.context, checked, asked, seal), self._identity, {})
 
         return _answer(submit, self.context)
 
@@ -96,7 +96,8 @@ class JobCalls:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
         name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
         checked = self._request(options, detached=True, name=name, **job)
-        return _shown(self.context, supervisor.hand_over(self.context, checked, seal=seal), self._identity)
+        return _shown(self.context, supervisor.hand_over(self.context, checked, seal=seal), self._identity,
+                      {})  # a new row, last in line: its status says where it stands
 
     # -- any job of the ledger ---------------------------------------------------------
 
@@ -199,7 +200,9 @@ class JobCalls:
         def cancel() -> str:
             record = self._find(ref, mine=True)
             asked = self.context.ledger.request_cancel(record.job_id) or record
-            self.context.locks.wake_all()
+            if not (asked.detached and asked.state is JobState.PENDING and supervisor.cancel_queued(self.context,
+                                                                                                     record.job_id)):
+                self.context.locks.wake_all()  # its process sees the cancel
             return asked.state.value
 
         return _answer(cancel)
@@ -224,8 +227,8 @@ class JobCalls:
         def jobs() -> list[dict[str, Any]]:
             records = _query(self.context, netrefs.materialize(query or {}, self.context.limits.max_payload))
             waiting = any(record.state is JobState.PENDING for record in records)
-            snapshot = self.context.locks.snapshot() if waiting else None  # one for every waiting job's place
-            return [_shown(self.context, record, self._identity, snapshot) for record in records]
+            places = status.lines(self.context) if waiting else {}  # one snapshot for every waiting job's place
+            return [_shown(self.context, record, self._identity, places) for record in records]
 
         return _answer(jobs)
 
@@ -270,13 +273,14 @@ def _count(value: Any, name: str) -> int:
 
 
 def _shown(context: ServerContext, record: JobRecord, viewer: auth.Identity,
-           snapshot: dict[str, Any] | None = None) -> dict[str, Any]:
+           places: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """A row as `viewer` sees it (security.visibility): while it waits, with `ahead` (requests before it in
-    line) and `holders` (the jobs holding the GPUs it waits for: status.in_line, in the lock manager's
-    `snapshot` if given), and its log's size while it runs."""
+    line) and `holders` (the jobs holding the GPUs it waits for: status.lines, `places` if given, else read now
+    for it alone), and its log's size while it runs."""
     shown = record.to_dict()
     if record.state is JobState.PENDING:
-        shown.update(status.in_line(context, record.job_id, snapshot))
+        shown.update(status.in_line(context, record.job_id) if places is None
+                     else places.get(record.job_id, status.NOT_IN_LINE))
     if record.detached and not record.state.finished:
         shown["log_bytes"] = context.files.log_size(record.job_id)
     return visibility.shown(shown, viewer, auth.Identity(record.user, record.user_verified))

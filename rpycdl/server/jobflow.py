@@ -43,7 +43,7 @@ from rpycdl.gpu.watchdog import GPUWatch
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
-from rpycdl.scheduler.locks import Need, Place
+from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.server import child, commands, draining, jobdirs, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
@@ -172,7 +172,8 @@ class JobFlow:
         self._wake_fds = self.link.socket_fds()
         try:
             grant = ctx.locks.acquire(need_of(ctx, record), info, place=self._place,
-                                      queue_timeout=self.request.queue_timeout, wake_fds=self._wake_fds,
+                                      queue_timeout=self.request.queue_timeout,
+                                      waited=max(0.0, time.time() - record.submitted), wake_fds=self._wake_fds,
                                       on_wake=self._on_wake, on_position=self._on_position)
         except QueueTimeoutError as exc:  # who held them (what anyone sees), in the client's waiting line's words
             held = held_by(status.holders(ctx))

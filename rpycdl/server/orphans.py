@@ -75,6 +75,11 @@ def let_go(pid: int) -> None:
     _LET_GO.add(pid)
 
 
+def forget(pid: int) -> None:
+    """Forget a child let go (let_go) that someone else reaped (a server parent reaps every child it has)."""
+    _LET_GO.discard(pid)
+
+
 def adopted() -> list[int]:
     """Children of this process that it did not fork itself: what ended job processes left, adopted
     by this process (a child subreaper). Children it let go that have ended are reaped meanwhile."""

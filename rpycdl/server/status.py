@@ -36,18 +36,32 @@ def load(ctx: ServerContext) -> tuple[int, int, int]:
     return sum(1 for gpu in ctx.gpus if gpu.uuid not in held), len(queue), len(ctx.gpus)
 
 
-def in_line(ctx: ServerContext, job_id: str, snapshot: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Where a waiting job stands (in the lock manager's `snapshot`, taken now if not given): `ahead`, how many
-    waiting requests are before it in line (in the order of the host's policy) and compete for its GPUs, and
-    `holders`, the jobs holding the GPUs it may use (holders()); `ahead` None and no holders if it does not wait."""
+def in_line(ctx: ServerContext, job_id: str) -> dict[str, Any]:
+    """Where a waiting job stands now: lines()'s for it."""
+    return lines(ctx).get(job_id, NOT_IN_LINE)
+
+
+NOT_IN_LINE: dict[str, Any] = {"ahead": None, "holders": []}
+"""in_line of a job that does not wait."""
+
+
+def lines(ctx: ServerContext, snapshot: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Where each waiting job stands, by job id (in the lock manager's `snapshot`, taken now if not given):
+    `ahead`, how many waiting requests are before it in line (in the order of the host's policy) and compete for
+    its GPUs, and `holders`, the jobs holding the GPUs it may use (holders()). One pass over the queue, counting
+    those ahead by their set of GPUs (a server's requests share one), so that thousands waiting cost little."""
     snapshot = ctx.locks.snapshot() if snapshot is None else snapshot
-    queue = snapshot["queue"]
-    place = next((place for place, waiter in enumerate(queue) if waiter["job_id"] == job_id), None)
-    if place is None:
-        return {"ahead": None, "holders": []}
-    mine = set(queue[place]["candidates"])
-    return {"ahead": sum(1 for waiter in queue[:place] if mine & set(waiter["candidates"])),
-            "holders": holders(ctx, snapshot["held"], queue[place]["candidates"])}
+    counted: dict[frozenset[str], int] = {}  # the requests met so far, by their candidates
+    held: dict[frozenset[str], list[dict[str, Any]]] = {}
+    found = {}
+    for waiter in snapshot["queue"]:
+        mine = frozenset(waiter["candidates"])
+        if mine not in held:
+            held[mine] = holders(ctx, snapshot["held"], waiter["candidates"])
+        found[waiter["job_id"]] = {"ahead": sum(count for theirs, count in counted.items() if theirs & mine),
+                                   "holders": held[mine]}
+        counted[mine] = counted.get(mine, 0) + 1
+    return found
 
 
 def holders(ctx: ServerContext, held: dict[str, list[dict[str, Any]]] | None = None,

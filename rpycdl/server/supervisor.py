@@ -1,18 +1,22 @@
-"""A detached job's supervisor: the process that owns the job from its submission to its end, so that
-the job outlives its client and the server that accepted it.
+"""A detached job's supervisor: the process that owns the job from its turn to its end, so that the job
+outlives its client and the server that accepted it.
 
-The connection process that accepts a submission writes the job's files (rpycdl.scheduler.jobfiles),
-takes its place in line, and starts `python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD` in a
-session of its own, handing it the place (the descriptor of its wake-up FIFO) and, down the secrets pipe, its
-state directory, job id and ticket (nothing of the job on its command line, which every user reads); it records the
-job in the ledger with the supervisor as its owner, and only then says go. The supervisor runs the
-job's flow (rpycdl.server.jobflow) as a connection process would, without a client: it waits in
-line, holds the GPU locks, forks the job process, writes its output to the job's log and its outcome
-to its result file, and records its end. Nothing else of the server is needed meanwhile: a server
-that stops or dies, and the one that starts in its place, leave it alone (DLServer._adopted).
+A detached job waits as a row (hand_over): the connection process that accepts it writes its files
+(rpycdl.scheduler.jobfiles), takes its place in line as a queue entry that no process keeps
+(GPULockManager.enqueue_row) and records it in the ledger with no owner. Nothing runs for it meanwhile. When
+its turn comes, a dispatcher of whichever server of the lock directory is up claims the entry (one claim
+wins) and starts `python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD` in a session of its own
+(start), handing it the claim (the descriptor of the entry's wake-up FIFO) and, down the secrets pipe, its state
+directory, job id and ticket (nothing of the job on its command line, which every user reads); it records the
+supervisor as the job's owner, and only then says go (confirm). The supervisor runs the job's flow
+(rpycdl.server.jobflow) as a connection process would, without a client: it takes its grant, holds the GPU
+locks, forks the job process, writes its output to the job's log and its outcome to its result file, and
+records its end. Nothing else of the server is needed meanwhile: a server that stops or dies, and the one that
+starts in its place, leave it alone (DLServer._adopted).
 
-If the supervisor dies, its job process dies with it (it dies with its parent), its GPUs go back
-once nothing of the job runs, and any server's sweep marks the job LOST (rpycdl.scheduler.sweep)."""
+If the supervisor dies before its grant, its claim lapses with it and a dispatcher starts another; after it,
+its job process dies with it (it dies with its parent), its GPUs go back once nothing of the job runs, and any
+server's sweep marks the job LOST (rpycdl.scheduler.sweep)."""
 
 from __future__ import annotations
 
@@ -33,8 +37,8 @@ from rpycdl.gpu.inventory import load_inventory
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
-from rpycdl.scheduler.locks import Place
 from rpycdl.scheduler.policies import Scheduling
+from rpycdl.scheduler.queuedir import Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security import results
 from rpycdl.security.accounts import Account, Accounts
@@ -59,8 +63,9 @@ END_RETRY = 1.0
 
 def hand_over(context: ServerContext, checked: request.JobRequest,
               container: dict[str, Any] | None = None, seal: results.Seal | None = None) -> JobRecord:
-    """Accept a detached job: write its files, take its place in line, start its supervisor, record it.
-    Returns its ledger row once the supervisor owns it.
+    """Accept a detached job: write its files, take its place in line as a row (no process waits for it: when
+    its turn comes, a server of the lock directory starts its supervisor, start()), record it. Returns its
+    ledger row.
 
     Args:
         context: the accepting server's.
@@ -72,9 +77,10 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
 
     Raises:
         InvalidRequestError: the user has an unfinished job of that name.
-        LimitError: the queue is full, or no process could be started.
+        LimitError: the queue is full.
     """
     record = JobFlow.new_record(context, checked)
+    record.owner_pid, record.owner_start = 0, 0  # no process owns it until its supervisor starts
     if seal is not None:
         record.result_nonce, record.result_key_id = seal.nonce, seal.key_id
     if checked.name is not None:
@@ -83,27 +89,67 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
             raise _duplicate(checked.name, existing)
     check_queue_limits(context, checked, record.job_id)
     context.files.begin(record.job_id)
+    ticket = None
     try:
         context.files.create(record.job_id, _spec(context, checked, container), checked.body)
         if seal is not None:
             results.write_job_key(context.files.path(record.job_id), seal.key)
         jobdirs.prepare(context, record.job_id, checked)  # now: the cache may let its working directory go later
-        place = context.locks.enqueue(need_of(context, record), queue_info(context, record, checked))
-        try:
-            pid, go = _spawn(context.state_dir, record.job_id, place)
-        finally:
-            os.close(place.fifo_fd)  # the supervisor holds the place now (or nobody: it is dropped)
-        record.owner_pid, record.owner_start = procs.identify(pid)
-        try:
-            context.ledger.save(record)  # InvalidRequestError if a submission of the same name won the race
-            context.files.recorded(record.job_id)
-            child.write_all(go, GO)
-        finally:
-            os.close(go)  # without GO, the supervisor leaves at once
+        deadline = None if checked.queue_timeout is None else record.submitted + checked.queue_timeout
+        # The row's entry first: a row in the ledger without one would never run (a dispatcher skips an entry
+        # until its row is there, and a sweep drops it if its maker died first: sweep.remove_unrecorded).
+        ticket = context.locks.enqueue_row(need_of(context, record), {
+            **queue_info(context, record, checked), "state_dir": context.state_dir, "deadline": deadline})
+        context.ledger.save(record)  # InvalidRequestError if a submission of the same name won the race
+        context.files.recorded(record.job_id)
     except BaseException:
+        if ticket is not None:
+            context.locks.leave(ticket)
         context.files.remove(record.job_id)
         raise
+    context.locks.wake_all()  # the dispatchers: its turn may have come
     return record
+
+
+def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
+    """Start the supervisor of a queued row that a server's dispatcher claimed (locks.dispatch), with the
+    claim's place, which it inherits (the caller closes its own descriptor: the claim is the supervisor's, or
+    lapses); confirm() lets it go on. Returns its pid and the pipe to send it GO on.
+
+    Raises:
+        LimitError: no process could be started (the claim lapses: the row is dispatched again).
+    """
+    return _spawn(entry["state_dir"], entry["job_id"], place)
+
+
+def confirm(ledger: Ledger, record: JobRecord, pid: int, go: int) -> bool:
+    """Make a started supervisor the owner of its job's row and send it GO, if the row still waits as `record`
+    read it (no other supervisor started meanwhile); without GO it leaves at once, and its claim with it.
+    Returns whether it went on."""
+    try:
+        if not ledger.set_owner(record.job_id, procs.identify(pid), (record.owner_pid, record.owner_start)):
+            return False
+        child.write_all(go, GO)
+        return True
+    finally:
+        os.close(go)
+
+
+def cancel_queued(context: ServerContext, job_id: str) -> bool:
+    """Cancel a detached job waiting as a row that no supervisor holds yet: it leaves the queue and ends
+    CANCELLED here. Returns False if it is no such row (a supervisor holds it: it sees the cancel itself)."""
+    if not context.locks.drop_row(job_id):
+        return False
+    _end_unstarted(context, job_id)
+    return True
+
+
+def _end_unstarted(context: ServerContext, job_id: str) -> None:
+    """End a cancelled detached job that never started: its copies and payload go, its outputs (none) stay."""
+    context.files.remove_working_dir(job_id)
+    context.files.drop_payload(job_id)
+    results.drop_job_key(context.files.path(job_id))
+    context.ledger.end(job_id, JobState.CANCELLED, f"job {job_id} was cancelled while waiting", "JobCancelledError")
 
 
 def _duplicate(name: str, existing: JobRecord) -> InvalidRequestError:
@@ -235,14 +281,7 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
     state_dir, job_id, place = told["state_dir"], told["job_id"], Place(told["ticket"], fifo_fd)
     with os.fdopen(go_fd, "rb") as go:
         told = go.read(len(GO))
-    if told != GO:  # the submission broke off (a name taken meanwhile, the connection process died)
-        ledger = Ledger(state_dir)
-        record = ledger.get(job_id)
-        if record is None:  # never recorded: nothing of it may stay
-            JobFiles(state_dir).remove(job_id)
-        elif (record.owner_pid, record.owner_start) == procs.myself():
-            JobFiles(state_dir).remove_working_dir(job_id)  # its copies, made at submission: before its end
-            ledger.end(job_id, JobState.FAILED, "its submission broke off before it was confirmed")
+    if told != GO:  # its row was cancelled, or its dispatcher died: the row waits on, for another
         return 1
     try:
         spec = JobFiles(state_dir).spec(job_id)
@@ -253,6 +292,10 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
     except (OSError, ValueError, KeyError, TypeError, AssertionError, RpycdlError) as exc:
         Ledger(state_dir).end(job_id, JobState.FAILED, f"its supervisor could not start: {exc}", type(exc).__name__)
         return 1
+    if record.cancel_requested:  # asked as its supervisor started: it never runs
+        context.locks.leave(place.ticket)
+        _end_unstarted(context, job_id)
+        return 0
     log = LogWriter(context.files.path(job_id, "log"), context.limits.max_log)
 
     def write(text: str) -> None:

@@ -37,7 +37,8 @@ def test_a_jobs_files_come_and_go_together(tmp_path):
 
 def test_the_sweep_removes_only_what_a_dead_maker_left_unrecorded(tmp_path):
     """Three jobs marked before their rows: one whose maker lives, one whose maker died with no row (its
-    files go), one whose maker died after its row was saved (its files are end_orphaned's: they stay)."""
+    files go, and its place in line), one whose maker died after its row was saved (its files are
+    end_orphaned's: they stay)."""
     ledger, files = Ledger(tmp_path), JobFiles(tmp_path)
     assert files.unrecorded() == {}
     dead = subprocess.Popen(["true"])
@@ -50,10 +51,12 @@ def test_the_sweep_removes_only_what_a_dead_maker_left_unrecorded(tmp_path):
         marker.write_text(f"{dead.pid} {procs.myself()[1]}")
     ledger.save(JobRecord("saved3", "server", "client", 1))
     assert sorted(files.unrecorded()) == ["alive1", "dead2", "saved3"]
-    assert sweep.remove_unrecorded(ledger, files) == ["dead2"]
+    dropped: list[str] = []
+    assert sweep.remove_unrecorded(ledger, files, lambda job_id: dropped.append(job_id) is None) == ["dead2"]
+    assert dropped == ["dead2"]
     assert sorted(files.listed()) == ["alive1", "saved3"] and list(files.unrecorded()) == ["alive1"]
     files.recorded("alive1")
-    assert files.unrecorded() == {} and sweep.remove_unrecorded(ledger, files) == []
+    assert files.unrecorded() == {} and sweep.remove_unrecorded(ledger, files, dropped.append) == []
     files.begin("gone4")
     files.remove("gone4")  # a refused submission takes its mark with it
     assert files.unrecorded() == {}

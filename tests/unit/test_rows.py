@@ -1,0 +1,110 @@
+"""Queued rows in the lock directory (rpycdl.scheduler.locks) and the sweep's rules for them
+(rpycdl.scheduler.sweep): a row is claimed by one dispatcher at a time, a claim whose holder is gone lapses, a
+cancel takes only an unclaimed row, and a row whose supervisor died before its grant is no orphan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from rpycdl.scheduler import sweep
+from rpycdl.scheduler.jobfiles import JobFiles
+from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.scheduler.locks import GPULockManager
+from rpycdl.scheduler.queuedir import Need
+from rpycdl.states import JobState
+
+GPUS = ("GPU-a", "GPU-b")
+
+
+def _row(locks: GPULockManager, job_id: str, ngpus: int = 1, deadline: float | None = None,
+         state_dir: str = "/mine") -> int:
+    return locks.enqueue_row(Need(ngpus, GPUS), {"job_id": job_id, "user": "alice", "server_id": "s",
+                                                 "state_dir": state_dir, "deadline": deadline})
+
+
+def test_a_row_is_claimed_once_and_again_once_its_claim_lapses(tmp_path):
+    locks = GPULockManager(tmp_path)
+    ticket = _row(locks, "job1")
+    [(entry, place)] = locks.dispatch()
+    assert entry["job_id"] == "job1" and place.ticket == ticket
+    assert locks.dispatch() == []  # claimed: no second dispatcher gets it
+    assert not locks.drop_row("job1")  # a cancel leaves it to the supervisor holding it
+    os.close(place.fifo_fd)  # the supervisor died before its grant
+    [(again, place)] = locks.dispatch()
+    assert again["job_id"] == "job1"
+    os.close(place.fifo_fd)
+    assert locks.drop_row("job1") and locks.queued_rows() == set() and locks.dispatch() == []
+
+
+def test_a_claim_held_by_another_process_lasts_while_it_lives(tmp_path):
+    """The claim is the FIFO's reader: a process that inherited the descriptor keeps it."""
+    locks = GPULockManager(tmp_path)
+    _row(locks, "job1")
+    [(_, place)] = locks.dispatch()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                              pass_fds=[place.fifo_fd])
+    os.close(place.fifo_fd)
+    try:
+        assert locks.dispatch() == [] and not locks.drop_row("job1")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [entry["job_id"] for entry, place in locks.dispatch()] == ["job1"]
+
+
+def test_rows_go_in_turn_first_come_first_served(tmp_path):
+    """Two GPUs: the first one-GPU row is claimed (the head of the line is, to wait as a process; the next waits
+    for its grant, as any later request does); then the second; the two-GPU row behind them is claimed once it
+    heads the line, to wait, and the later one-GPU row does not overtake it; a row whose deadline passed is
+    claimed to be ended whatever its turn."""
+    locks = GPULockManager(tmp_path)
+    for job_id, ngpus in (("one", 1), ("two", 1), ("both", 2), ("later", 1)):
+        _row(locks, job_id, ngpus)
+    _row(locks, "expired", 2, deadline=1.0)
+    claimed = locks.dispatch(ahead=1)
+    assert [entry["job_id"] for entry, _ in claimed] == ["one", "expired"]
+    grants = [locks.acquire(Need(1, GPUS), {"job_id": "one"}, place=claimed[0][1])]
+    os.close(claimed[1][1].fifo_fd)
+    (entry, place), (expired, again) = locks.dispatch(ahead=1)
+    assert (entry["job_id"], expired["job_id"]) == ("two", "expired")
+    os.close(again.fifo_fd)
+    grants.append(locks.acquire(Need(1, GPUS), {"job_id": "two"}, place=place))
+    assert sorted(uuid for grant in grants for uuid in grant.uuids) == list(GPUS)
+    assert [each[0]["job_id"] for each in locks.dispatch(ahead=1)] == ["both", "expired"]
+
+
+def test_a_dispatcher_starts_only_its_own_rows_and_they_wait_behind_the_others(tmp_path):
+    """A server starts supervisors only for the jobs of its own state directory (it runs them as its account);
+    another's row ahead still comes first."""
+    locks = GPULockManager(tmp_path)
+    _row(locks, "theirs", 2, state_dir="/theirs")
+    _row(locks, "mine", 1)
+    assert locks.dispatch(lambda entry: entry["state_dir"] == "/mine", ahead=1) == []
+    [(entry, place)] = locks.dispatch(lambda entry: entry["state_dir"] == "/theirs", ahead=1)
+    assert entry["job_id"] == "theirs"
+    [(second, ahead)] = locks.dispatch(lambda entry: entry["state_dir"] == "/mine", ahead=2)  # second in line
+    assert second["job_id"] == "mine"
+    for fd in (place.fifo_fd, ahead.fifo_fd):
+        os.close(fd)
+
+
+def test_the_sweep_leaves_a_queued_row_alone_and_ends_a_lost_one(tmp_path):
+    """A PENDING detached row whose supervisor died is dispatched again while its entry is queued, ended LOST
+    once it is not; a row no process owns is ended LOST only when it is not queued and still unowned."""
+    ledger, files = Ledger(tmp_path), JobFiles(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for job_id, owner in (("queued", dead.pid), ("granted", dead.pid), ("waiting", 0), ("dropped", 0)):
+        ledger.save(JobRecord(job_id=job_id, server_id="s", client="c", ngpus=1, share_bytes=0,
+                              state=JobState.PENDING, owner_pid=owner, owner_start=1 if owner else 0, detached=True))
+    queued = {"queued", "waiting"}
+    assert [record.job_id for record in sweep.end_orphaned(ledger, files, lambda: queued)] == ["granted"]
+    assert sweep.end_unqueued(ledger, files, lambda: queued) == ["dropped"]
+    states = {job_id: ledger.get(job_id).state for job_id in ("queued", "granted", "waiting", "dropped")}
+    assert states == {"queued": JobState.PENDING, "granted": JobState.LOST, "waiting": JobState.PENDING,
+                      "dropped": JobState.LOST}
+    assert ledger.set_owner("waiting", (dead.pid, 1), (0, 0))  # its dispatcher started it: no longer unowned
+    assert not ledger.set_owner("waiting", (dead.pid, 2), (0, 0))  # nor can another take it from that owner
+    assert sweep.end_unqueued(ledger, files, lambda: set()) == []
