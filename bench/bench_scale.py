@@ -5,12 +5,13 @@ count.
 - growth of the server's process tree while they wait: Pss (pages shared after a fork count once) and processes,
   per pending job;
 - a submit's latency on an open connection (p50 over the N submits);
-- `conn.root.jobs()` as `rpycdl jobs` asks it (its default view) and with no limit (every row), and
+- `conn.root.jobs()` as `rpycdl jobs` asks it (its default view, the newest 100) and with `limit=0` (every row), and
   `conn.root.gpu_status()` (what `rpycdl status` asks) with N pending, p50;
 - the hand-off with about N waiting: from the running job's function returning to the next job's function
-  starting, the median of the first --handoffs hand-offs (each job returns when its function started and ended).
+  starting, the median of the first --handoffs hand-offs (each of those jobs runs --job-seconds and returns when
+  its function started and ended).
 
-    python bench/bench_scale.py [--counts 100,1000,10000] [--handoffs 5]
+    python bench/bench_scale.py [--counts 6,100,1000,10000] [--handoffs 5] [--job-seconds 0.5]
 
 A count below --handoffs + 1 is raised to it (so many must wait for the hand-offs timed).
 
@@ -47,15 +48,16 @@ def hold_until(until: float) -> tuple[float, float]:
     return start, time.time()
 
 
-def stamp(_: object) -> tuple[float, float]:
-    """A pending job: when its function started and ended."""
+def stamp(seconds: float) -> tuple[float, float]:
+    """A pending job: runs `seconds`; when its function started and ended."""
     import time
 
     now = time.time()
+    time.sleep(seconds)
     return now, time.time()
 
 
-def measure(count: int, handoffs: int) -> dict[str, float]:
+def measure(count: int, handoffs: int, seconds: float) -> dict[str, float]:
     """One count, on a server of its own: the figures of the module's docstring."""
     limit = str(count + 50)
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
@@ -71,13 +73,13 @@ def measure(count: int, handoffs: int) -> dict[str, float]:
             submits, jobs = [], []
             for _ in range(count):
                 start = time.perf_counter()
-                jobs.append(conn.root.submit(stamp, None, ngpus=1))
+                jobs.append(conn.root.submit(stamp, seconds if len(jobs) <= handoffs else 0.0, ngpus=1))
                 submits.append(time.perf_counter() - start)
             time.sleep(settle)  # what each started has started
             tree = process_tree(server)
             grown_pss, grown_procs = sum(map(pss_of, tree)) - before_pss, len(tree) - before_procs
             default = _timed(conn.root.jobs, 5)
-            listing = _timed(lambda: conn.root.jobs(limit=None), 3)
+            listing = _timed(lambda: conn.root.jobs(limit=0), 3)
             status = _timed(conn.root.gpu_status, 5)
             holder.cancel()
             spans = [job.result(timeout=120) for job in jobs[:handoffs + 1]]
@@ -97,16 +99,19 @@ def _timed(call, times: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--counts", default="100,1000,10000",
+    parser.add_argument("--counts", default="6,100,1000,10000",
                         help="pending jobs, comma-separated (default: %(default)s)")
     parser.add_argument("--handoffs", type=int, default=5, help="hand-offs timed at each count (default: %(default)s)")
+    parser.add_argument("--job-seconds", type=float, default=0.5,
+                        help="how long each job of the hand-offs runs (default: %(default)s; a job shorter than a "
+                             "supervisor's start, about 0.2 s here, times that start instead)")
     args = parser.parse_args()
     counts = sorted({max(int(each), args.handoffs + 1) for each in args.counts.split(",")})  # enough for the hand-offs
-    figures = {count: measure(count, args.handoffs) for count in counts}
+    figures = {count: measure(count, args.handoffs, args.job_seconds) for count in counts}
     base = figures[min(figures)]
     print(f"Machine: {platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}\n")
     print("| pending | Pss per pending job | processes per pending job | submit p50 | jobs() p50 "
-          "| jobs(limit=None) p50 | gpu_status() p50 | hand-off | hand-off / the least count's |")
+          "| jobs(limit=0) p50 | gpu_status() p50 | hand-off | hand-off / the least count's |")
     print("|---|---|---|---|---|---|---|---|---|")
     for count, each in figures.items():
         print(f"| {count} | {each['pss'] / KiB:.1f} KiB | {each['procs']:.3f} | {each['submit'] * 1e3:.1f} ms | "

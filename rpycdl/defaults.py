@@ -33,6 +33,10 @@ DISPATCH_AHEAD = 2
 """How many queued rows at the head of each line (a set of candidate GPUs) have their supervisor started before
 their turn: it waits as any request does, so that a release hands the GPUs over without a process start."""
 
+DISPATCH_SETTLE = 0.05
+"""Seconds a woken dispatcher lets pass before it reads the queue: the supervisors waiting at the head of the
+line, woken by the same release, take their grants first, without its pass over a long queue beside them."""
+
 DISPATCH_LOOKAHEAD = 8
 """How many queued rows, per set of candidate GPUs, a server's dispatcher asks the policy about in one pass
 when none of them can go (those behind them wait too: rpycdl.scheduler.locks.GPULockManager.dispatch)."""

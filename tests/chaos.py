@@ -1446,7 +1446,7 @@ class EndCheck:
         found.processes = [p for ps in job_processes(read_reports(self.reports_dir), self.token).values() for p in ps]
         found.records = live_records(self.lock_dir)
         found.held_files = lock_dir_entries(self.lock_dir / "held")
-        found.queue_files = lock_dir_entries(self.lock_dir / "queue")
+        found.queue_files = lock_dir_entries(self.lock_dir / "queue") + lock_dir_entries(self.lock_dir / "rows")
         found.job_files = job_files_leftovers(self.lock_dir)
         return found
 

@@ -248,7 +248,8 @@ def test_a_user_can_rename_replace_or_write_no_lock_file_record_log_or_result(si
         targets = {
             **{f"lock {path.name}": str(path) for path in (site.locks / "gpus").iterdir()},
             **{f"held {path.name}": str(path) for path in (site.locks / "held").iterdir()},
-            **{f"queue {path.name}": str(path) for path in (site.locks / "queue").iterdir()},
+            **{f"queue {path.name}": str(path) for folder in ("queue", "rows")
+               for path in (site.locks / folder).iterdir()},
             "her job's directory": str(jobs / finished.id), "her log": str(jobs / finished.id / "log"),
             "her result": str(jobs / finished.id / "result"), "the queue lock": str(site.locks / "queue.lock"),
         }
@@ -365,16 +366,22 @@ def test_root_processes_carry_no_job_id_on_their_command_line_and_hidepid_is_ask
         holder.wait_state("running")
         waiting = alice.root.submit(lambda _: None, None)
         wait_until(lambda: waiting.status().state is rpycdl.JobState.PENDING, what="her job to wait")
-        lines = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                uid = os.stat(f"/proc/{pid}").st_uid
-            except OSError:
-                continue
-            if uid == 0 and "rpycdl" in cmdline:
-                lines.append(cmdline)
-        assert any("rpycdl.server.supervisor" in line for line in lines), lines
+
+        def root_command_lines() -> list[str]:
+            lines = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    uid = os.stat(f"/proc/{pid}").st_uid
+                except OSError:
+                    continue
+                if uid == 0 and "rpycdl" in cmdline:
+                    lines.append(cmdline)
+            return lines
+
+        # the waiting job heads its line: its supervisor is started ahead of its turn (DISPATCH_AHEAD)
+        lines = wait_until(lambda: (found := root_command_lines()) and any(
+            "rpycdl.server.supervisor" in line for line in found) and found, what="her job's supervisor")
         assert not [line for line in lines if waiting.id in line or str(site.state) in line], lines
         open_gate(str(gate))
         assert holder.result() is None and waiting.wait(60).state is rpycdl.JobState.SUCCEEDED

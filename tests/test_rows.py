@@ -46,7 +46,8 @@ def _supervisors(parent: int) -> list[int]:
 
 
 def _queue_files(lock_dir: str) -> list[str]:
-    return sorted(name for name in os.listdir(Path(lock_dir) / "queue") if not name.endswith(".listen.fifo"))
+    """The files of the queue: the requests' entries and FIFOs, the rows."""
+    return sorted(name for folder in ("queue", "rows") for name in os.listdir(Path(lock_dir) / folder))
 
 
 def _finished(jobs: list[rpycdl.Job], timeout: float) -> list[rpycdl.JobStatus]:

@@ -236,18 +236,12 @@ class Ledger:
             return db.execute("UPDATE jobs SET owner_pid = ?, owner_start = ? WHERE job_id = ? AND state = 'PENDING' "
                               "AND owner_pid = ? AND owner_start = ?", (*owner, job_id, *was)).rowcount > 0
 
-    def unfinished(self, owned: bool = False) -> list[JobRecord]:
-        """The PENDING and RUNNING jobs, oldest first; with `owned`, only those a process owns (not the rows
-        waiting in line for no process: unowned())."""
+    def unfinished(self, owned: bool | None = None) -> list[JobRecord]:
+        """The PENDING and RUNNING jobs, oldest first; with `owned`, only those a process owns, or (False) only
+        those none does (the rows waiting in line for no process)."""
+        which = {None: "", True: " AND owner_pid != 0", False: " AND owner_pid = 0"}[owned]
         with self._db() as db:
-            return [from_row(row) for row in db.execute(
-                f"{_SELECT} WHERE {LIVE}{' AND owner_pid != 0' if owned else ''} ORDER BY submitted")]
-
-    def unowned(self) -> list[str]:
-        """The ids of the PENDING jobs no process owns (queued rows), oldest first."""
-        with self._db() as db:
-            return [row[0] for row in db.execute(
-                "SELECT job_id FROM jobs WHERE state = 'PENDING' AND owner_pid = 0 ORDER BY submitted")]
+            return [from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE}{which} ORDER BY submitted")]
 
     def query(self, *, users: Sequence[str] | None = None, states: Sequence[JobState] | None = None,
               since: float | None = None, active_or_ended_since: float | None = None,
@@ -311,6 +305,13 @@ class Ledger:
         """How many jobs the ledger holds."""
         with self._db() as db:
             return db.execute("SELECT count(*) FROM jobs").fetchone()[0]
+
+    def waiting(self, server_id: str, user: str, verified: bool) -> tuple[int, int]:
+        """How many jobs accepted by server `server_id` wait (PENDING), and how many of them are `user`'s (as
+        verified, or not). The index jobs_waiting covers it."""
+        with self._db() as db:
+            return db.execute("SELECT count(*), coalesce(sum(user = ? AND user_verified = ?), 0) FROM jobs "
+                              "WHERE state = 'PENDING' AND server_id = ?", (user, int(verified), server_id)).fetchone()
 
     def count_by_state(self) -> dict[JobState, int]:
         """How many jobs the ledger holds in each state (every state, 0 for none)."""

@@ -8,6 +8,7 @@ every container):
     held/<uuid>.<ticket>.json    who holds (part of) it: the job, its processes, its share, since
     queue/<ticket>.json          a waiting request: what it asks for and who it is
     queue/<ticket>.fifo          its wake-up pipe; a request that has died has no reader on it
+    rows/<ticket>.json           a queued detached job: a waiting request no process keeps
     listeners/<name>.fifo        the wake-up pipe of a server's dispatcher, woken with the waiters
     queue.lock                   serialises taking tickets, granting and probing (a blocking fcntl
                                  lock: a process waiting for it is woken the moment it is free)
@@ -76,7 +77,7 @@ class GPULockManager:
                  sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
         self.scheduling = scheduling or Scheduling()
-        for sub in ("", "gpus", "held", "queue", "listeners"):
+        for sub in ("", "gpus", "held", "queue", "rows", "listeners"):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
         if lockdir.writable():  # a reader (a monitor) takes no lock: it only probes
@@ -204,20 +205,25 @@ class GPULockManager:
         claimed: list[tuple[dict[str, Any], Place]] = []
         placed: dict[tuple[str, ...], int] = {}  # rows met so far, by their candidates
         blocked: dict[tuple[str, ...], int] = {}
-        with self._locked():
-            waiters = self._queue.waiters()
-            ordered = policyfiles.in_order(self.root, self.scheduling, waiters, self._holders.records())
-            now = time.time()
-            for entry in ordered:
-                if not entry.get("row"):
-                    continue
-                key, ticket = tuple(entry["candidates"]), entry["ticket"]
-                placed[key] = placed.get(key, 0) + 1
-                if not mine(entry) or blocked.get(key, 0) >= lookahead or self._queue.claimed(ticket):
+        # The queue as it is read now, without the lock (a grant waits on it): what is decided from it is only a
+        # start; the supervisor, a request as any, is granted in its turn or waits.
+        waiters = self._queue.waiters(prune=False)
+        ordered = policyfiles.in_order(self.root, self.scheduling, waiters, self._holders.records())
+        places = {waiter["ticket"]: index for index, waiter in enumerate(waiters)}  # waiters: in ticket order
+        now = time.time()
+        for entry in ordered:
+            if not entry.get("row"):
+                continue
+            key, ticket = tuple(entry["candidates"]), entry["ticket"]
+            placed[key] = placed.get(key, 0) + 1
+            if not mine(entry) or blocked.get(key, 0) >= lookahead:
+                continue
+            with self._locked():  # the claim: one dispatcher makes its FIFO
+                if not self._queue.exists(ticket) or self._queue.claimed(ticket):
                     continue
                 if placed[key] > ahead and (entry.get("deadline") is None or entry["deadline"] > now):
-                    others = [w for w in waiters if w["ticket"] != ticket and (
-                        self.scheduling.policy != FCFS or w["ticket"] < ticket)]
+                    index = places[ticket]
+                    others = waiters[:index] + ([] if self.scheduling.policy == FCFS else waiters[index + 1:])
                     if not self._decide(ticket, Need.from_entry(entry), entry, others)[0].uuids:
                         blocked[key] = blocked.get(key, 0) + 1
                         continue
@@ -351,6 +357,10 @@ class GPULockManager:
     def wake_all(self) -> None:
         """Wake every waiting request so it re-checks the queue, and every listener."""
         self._queue.wake_all()
+
+    def wake_listeners(self) -> None:
+        """Wake the listeners alone (the dispatchers: a row joined the queue)."""
+        self._queue.wake_all(requests=False)
 
     # -- after a crash ---------------------------------------------------------------
 

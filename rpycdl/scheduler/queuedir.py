@@ -3,9 +3,11 @@
 reader is the request's process: none means it died), and the FIFOs of listeners (listeners/<name>.fifo: a
 server's dispatcher), woken with the waiters.
 
-A queued detached job's entry is a row: marked `row`, it has no FIFO, so it lives with no process until it is
-granted or dropped. A dispatcher claims it by making its FIFO (open_fifo) and hands the descriptor to the
-supervisor it starts; a FIFO nobody reads any more is a claim that lapsed (claimed). Methods that change the
+A queued detached job's entry is a row (rows/<ticket>.json, marked `row`): it has no FIFO, so it lives with no
+process until it is granted or dropped. A dispatcher claims it by making its FIFO (queue/<ticket>.fifo:
+open_fifo) and hands the descriptor to the supervisor it starts; a FIFO nobody reads any more is a claim that
+lapsed (claimed). Rows have a directory of their own so that waking the waiters, at each grant and release,
+lists only the processes' entries, however many rows wait. Methods that change the
 queue are called under queue.lock, which the lock manager holds.
 """
 
@@ -23,6 +25,9 @@ from rpycdl.scheduler import lockdir
 from rpycdl.units import MiB, format_size
 
 _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path (never rewritten)
+
+AHEAD_KNOWN = 256
+"""A waiter with more entries than this before it lists the directories again rather than look at each."""
 
 HELD_ONLY = ("leader", "owner", "server_process")
 """Keys of a request's info that only its grant's record needs (to find the job after a crash);
@@ -88,36 +93,51 @@ class QueueDir:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._queue = root / "queue"
+        self._rows = root / "rows"
         self._listeners = root / "listeners"
+        # The entries found before a ticket, by the ticket: none can appear later, since a ticket is taken and its
+        # entry written under one hold of queue.lock, so a waiter looks again only at those (a request at the head
+        # of a long queue never lists it again).
+        self._ahead: dict[int, list[tuple[str, str]]] = {}
 
     def waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
         """Live waiting requests in ticket order (only those before ticket `before`, if given): rows, and those
-        whose process lives; with `prune` (under the queue lock only), removes the others."""
+        whose process lives; with `prune` (under the queue lock only), removes the others. Plain strings, not
+        Paths: with thousands of rows every dispatch and status reads them all."""
+        known = self._ahead.get(before) if before is not None else None
+        if known is not None and len(known) <= AHEAD_KNOWN:  # no entry before `before` can appear: see _ahead
+            listed = [(name, base) for name, base in known if os.path.lexists(base + name)]
+        else:
+            listed = [(name, f"{folder}/") for folder in (self._queue, self._rows)
+                      for name in lockdir.names(folder, "", ".json")]
+            if len(_ENTRIES) > 2 * len(listed) + 100:  # forget those granted or gone (names are never reused)
+                current = {base + name for name, base in listed}
+                for path in [path for path in _ENTRIES if path.startswith(str(self.root)) and path not in current]:
+                    del _ENTRIES[path]
+            if before is not None:  # the tickets' names sort as their numbers
+                bound = f"{before:016d}.json"
+                listed = [(name, base) for name, base in listed if name < bound]
+        if before is not None:
+            self._ahead = {before: listed}
         waiters = []
-        names = sorted(lockdir.names(self._queue, "", ".json"))
-        listed = {str(self._queue / n) for n in names}
-        for path in [p for p in _ENTRIES if p not in listed]:  # granted or gone since
-            del _ENTRIES[path]
-        for name in names:
-            if before is not None and int(name[:-5]) >= before:
-                break
-            entry = self._queue / name
-            info = _ENTRIES.get(str(entry)) or lockdir.read_json(entry)
-            fifo = entry.with_suffix(".fifo")
-            if info is None or (not info.get("row") and not lockdir.fifo_has_reader(fifo)):
-                _ENTRIES.pop(str(entry), None)
+        for name, base in sorted(listed):
+            entry = base + name
+            info = _ENTRIES.get(entry) or lockdir.read_json(Path(entry))
+            if info is None or (not info.get("row") and not lockdir.fifo_has_reader(Path(entry[:-5] + ".fifo"))):
+                _ENTRIES.pop(entry, None)
                 if prune:
-                    entry.unlink(missing_ok=True)
-                    fifo.unlink(missing_ok=True)
+                    self.remove(int(name[:-5]))
                 continue
-            _ENTRIES[str(entry)] = info
+            _ENTRIES[entry] = info
             waiters.append(info)
         return waiters
 
     def write(self, ticket: int, entry: dict[str, Any]) -> None:
-        """Under the queue lock: the ticket's entry, less the HELD_ONLY keys, with its ticket and time."""
+        """Under the queue lock: the ticket's entry (a row's in rows/, so that waking the requests' FIFOs never
+        lists the rows), less the HELD_ONLY keys, with its ticket and time."""
         shown = {key: value for key, value in entry.items() if key not in HELD_ONLY}
-        lockdir.write_json(self._queue / f"{ticket:016d}.json", {**shown, "ticket": ticket, "since": time.time()})
+        lockdir.write_json((self._rows if entry.get("row") else self._queue) / f"{ticket:016d}.json",
+                           {**shown, "ticket": ticket, "since": time.time()})
 
     def open_fifo(self, ticket: int) -> int:
         """Under the queue lock: make the ticket's wake-up FIFO; returns a descriptor of it."""
@@ -130,12 +150,12 @@ class QueueDir:
 
     def remove(self, ticket: int) -> None:
         """Under the queue lock: the ticket's entry and FIFO go."""
-        entry = self._queue / f"{ticket:016d}.json"
-        entry.unlink(missing_ok=True)
-        entry.with_suffix(".fifo").unlink(missing_ok=True)
+        for path in (self._queue / f"{ticket:016d}.json", self._rows / f"{ticket:016d}.json",
+                     self._queue / f"{ticket:016d}.fifo"):
+            path.unlink(missing_ok=True)
 
     def exists(self, ticket: int) -> bool:
-        return (self._queue / f"{ticket:016d}.json").exists()
+        return any((folder / f"{ticket:016d}.json").exists() for folder in (self._queue, self._rows))
 
     def claimed(self, ticket: int) -> bool:
         """Under the queue lock: whether a process holds the row's FIFO; one nobody holds is removed."""
@@ -173,8 +193,8 @@ class QueueDir:
         """Remove the wake-up FIFO listen() made."""
         (self._listeners / f"{name}.fifo").unlink(missing_ok=True)
 
-    def wake_all(self) -> None:
-        """Wake every waiting request so it re-checks the queue, and every listener."""
-        for folder in (self._queue, self._listeners):
+    def wake_all(self, requests: bool = True) -> None:
+        """Wake every listener, and every waiting request (unless not `requests`) so it re-checks the queue."""
+        for folder in (self._queue, self._listeners) if requests else (self._listeners,):
             for name in lockdir.names(folder, "", ".fifo"):
                 lockdir.poke(folder / name)

@@ -11,7 +11,8 @@ error, updated)` says where a job's outputs stand; a job's row going takes it al
 adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair share counts; version 5
 `drops(service, reason, count)`, the connections the host's servers dropped before they authenticated; version 6
 `jobs.result_nonce` and `jobs.result_key_id`, a detached job's seal (rpycdl.security.results; NULL for jobs
-without one).
+without one); version 7 the index `jobs_waiting` (server_id, user, user_verified) of the PENDING rows, which a
+submit counts against the queue's limits.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ MIGRATIONS = [
     """
     ALTER TABLE jobs ADD COLUMN result_nonce TEXT;
     ALTER TABLE jobs ADD COLUMN result_key_id TEXT;
+    """,
+    """
+    CREATE INDEX jobs_waiting ON jobs (server_id, user, user_verified) WHERE state = 'PENDING';
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

@@ -51,7 +51,7 @@ def end_unqueued(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]
     taking the row from the queue and ending it). The queue is read after the ledger (a row's entry is made
     before its row), and a row a dispatcher started meanwhile has an owner: it is left alone. Returns their ids."""
     ended = []
-    unowned = ledger.unowned()
+    unowned = [record.job_id for record in ledger.unfinished(owned=False)]
     rows = queued() if unowned else set()
     for job_id in unowned:
         if job_id not in rows and ledger.end(job_id, JobState.LOST, "its place in line was lost before it ran",

@@ -9,9 +9,10 @@ import logging
 import os
 import select
 import threading
+import time
 from typing import Any
 
-from rpycdl.defaults import WAIT_FALLBACK_POLL
+from rpycdl.defaults import DISPATCH_SETTLE, WAIT_FALLBACK_POLL
 from rpycdl.scheduler import lockdir, procs
 from rpycdl.scheduler.queuedir import Place
 from rpycdl.server import supervisor
@@ -50,7 +51,8 @@ class Dispatcher:
                         log.exception("could not start the supervisor of job %s", entry["job_id"])
                     finally:
                         os.close(place.fifo_fd)  # the supervisor holds the claim now, or nobody does
-            select.select([wake], [], [], WAIT_FALLBACK_POLL)
+            if select.select([wake], [], [], WAIT_FALLBACK_POLL)[0]:
+                time.sleep(DISPATCH_SETTLE)  # a release woke the waiting supervisors too: they go first
             lockdir.drain(wake)
 
     def close(self) -> None:

@@ -193,7 +193,7 @@ class JobFlow:
     def _on_position(self, ahead: int) -> None:
         if self._waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
             if self._place is None:  # a detached job's place was checked when it was submitted
-                check_queue_limits(self.context, self.request, self.record.job_id)
+                check_queue_limits(self.context, self.request)
             self._waiting_since = time.monotonic()
             self.context.ledger.save(self.record)
         if self.request.output.on_state is not None:  # the GPUs' holders are read only for a client listening
@@ -394,17 +394,20 @@ def queue_info(context: ServerContext, record: JobRecord, request: JobRequest) -
             "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user}
 
 
-def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str) -> None:
-    """Raise LimitError if this server's queue, or this user's share of it, is full (without the job)."""
+def check_queue_limits(context: ServerContext, request: JobRequest) -> int:
+    """Raise LimitError if this server's queue, or this user's share of it, is full: its PENDING rows in the
+    ledger (an attached request's, saved once it has to wait, after this check; a detached job's, a row, saved
+    after it too).
+    Returns how many of this server's wait."""
     label = request.owner.label
-    others = [w for w in context.locks.queue() if w["server_id"] == context.server_id and w["job_id"] != job_id]
-    if len(others) >= context.limits.max_queued:
-        raise LimitError(f"this server's queue is full: {len(others)} requests wait, the limit is "
+    waiting, mine = context.ledger.waiting(context.server_id, request.owner.user, request.owner.verified)
+    if waiting >= context.limits.max_queued:
+        raise LimitError(f"this server's queue is full: {waiting} requests wait, the limit is "
                          f"{context.limits.max_queued} (--max-queued); try again later or another server")
-    mine = sum(1 for w in others if w.get("user") == label)
     if mine >= context.limits.max_queued_per_user:
         raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
                          f"{context.limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
+    return waiting
 
 
 def decode_bounded(outcome: bytes, plain: bool) -> Any:

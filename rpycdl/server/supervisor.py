@@ -31,13 +31,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from rpycdl.defaults import SUPERVISOR_MODULE
+from rpycdl.defaults import DISPATCH_AHEAD, SUPERVISOR_MODULE
 from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
-from rpycdl.scheduler.policies import Scheduling
+from rpycdl.scheduler.policies import FCFS, Scheduling
 from rpycdl.scheduler.queuedir import Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security import results
@@ -87,7 +87,7 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
         existing = context.ledger.find(checked.name, checked.owner.user)
         if existing is not None and not existing.state.finished and existing.name == checked.name:
             raise _duplicate(checked.name, existing)
-    check_queue_limits(context, checked, record.job_id)
+    waiting = check_queue_limits(context, checked)
     context.files.begin(record.job_id)
     ticket = None
     try:
@@ -107,7 +107,8 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
             context.locks.leave(ticket)
         context.files.remove(record.job_id)
         raise
-    context.locks.wake_all()  # the dispatchers: its turn may have come
+    if waiting < DISPATCH_AHEAD or context.scheduling.policy != FCFS:  # else it waits behind them: the
+        context.locks.wake_listeners()  # dispatchers' next pass is soon enough (they pass twice a second)
     return record
 
 
