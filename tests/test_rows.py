@@ -64,9 +64,12 @@ def test_pending_jobs_are_rows_and_run_in_their_turn(cluster, connect, lock_dir,
     holder = conn.root.submit(gate_job(gate), "held")
     wait_until(lambda: holder.status().state is JobState.RUNNING, 20, "the first job to run")
     pending = [conn.root.submit(_recorder, {"log": log}, name=f"row-{index}") for index in range(20)]
-    time.sleep(1.0)  # a dispatcher's pass or two
-    # The running job's supervisor, and the one of the job at the head of the line (DISPATCH_AHEAD), waiting.
-    assert len(_supervisors(server_pid(cluster, port))) == 1 + DISPATCH_AHEAD
+    # The running job's supervisor, and those of the jobs at the head of the line (DISPATCH_AHEAD), waiting;
+    # no other, however long they wait.
+    parent = server_pid(cluster, port)
+    wait_until(lambda: len(_supervisors(parent)) >= 1 + DISPATCH_AHEAD, 30, "the head of the line's supervisors")
+    time.sleep(1.0)  # two passes of every dispatcher more
+    assert len(_supervisors(parent)) == 1 + DISPATCH_AHEAD
     assert len(_queue_files(lock_dir)) == 20 + DISPATCH_AHEAD, "one entry a job, and no FIFO but the head's"
     rows = [job.refresh() for job in pending]
     assert all(row["state"] == "PENDING" and row["owner_pid"] == 0 for row in rows[DISPATCH_AHEAD:]), rows
