@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 from rpycdl.defaults import ENV_REGISTRY
@@ -47,7 +47,8 @@ def run(gpus: str | None, client: str | None, keep: bool) -> int:
                 print(f"\nrpycdl demo: client exited with {code}", flush=True)
             if keep:
                 print(kept_text(cluster.registry_address), flush=True)
-                threading.Event().wait()  # until Ctrl-C, SIGTERM or SIGHUP (rpycdl.cli: KeyboardInterrupt)
+                while True:  # until Ctrl-C, SIGTERM or SIGHUP (rpycdl.cli: KeyboardInterrupt). Not one wait for
+                    time.sleep(0.5)  # ever: a signal the kernel hands to another thread interrupts none of it
         finally:  # the cluster and its directory go whatever ended the demo; then an interrupt goes on (exit 130)
             print("rpycdl demo: stopping the server and the registry", flush=True)
     if not keep:
