@@ -141,12 +141,7 @@ class QueueDir:
 
     def open_fifo(self, ticket: int) -> int:
         """Under the queue lock: make the ticket's wake-up FIFO; returns a descriptor of it."""
-        fifo = self._queue / f"{ticket:016d}.fifo"
-        os.mkfifo(fifo)
-        os.chmod(fifo, lockdir.fifo_mode())  # others must open it to wake us (and to see we live)
-        # O_RDWR keeps the FIFO open for writing too, so it never reads as end-of-file,
-        # and writers see a reader for exactly as long as a process holds it.
-        return os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+        return _make_fifo(self._queue / f"{ticket:016d}.fifo")
 
     def remove(self, ticket: int) -> None:
         """Under the queue lock: the ticket's entry and FIFO go."""
@@ -185,9 +180,7 @@ class QueueDir:
                 (self._listeners / stale).unlink(missing_ok=True)
         fifo = self._listeners / f"{name}.fifo"
         fifo.unlink(missing_ok=True)
-        os.mkfifo(fifo)
-        os.chmod(fifo, lockdir.fifo_mode())
-        return os.open(fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        return _make_fifo(fifo)
 
     def unlisten(self, name: str) -> None:
         """Remove the wake-up FIFO listen() made."""
@@ -198,3 +191,12 @@ class QueueDir:
         for folder in (self._queue, self._listeners) if requests else (self._listeners,):
             for name in lockdir.names(folder, "", ".fifo"):
                 lockdir.poke(folder / name)
+
+
+def _make_fifo(fifo: Path) -> int:
+    """Make a wake-up FIFO that others may open (to wake its reader, and to see it lives); returns a descriptor of
+    it. O_RDWR keeps it open for writing too, so it never reads as end-of-file, and writers see a reader for
+    exactly as long as a process holds it."""
+    os.mkfifo(fifo)
+    os.chmod(fifo, lockdir.fifo_mode())
+    return os.open(fifo, os.O_RDWR | os.O_NONBLOCK)

@@ -112,17 +112,6 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
     return record
 
 
-def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
-    """Start the supervisor of a queued row that a server's dispatcher claimed (locks.dispatch), with the
-    claim's place, which it inherits (the caller closes its own descriptor: the claim is the supervisor's, or
-    lapses); confirm() lets it go on. Returns its pid and the pipe to send it GO on.
-
-    Raises:
-        LimitError: no process could be started (the claim lapses: the row is dispatched again).
-    """
-    return _spawn(entry["state_dir"], entry["job_id"], place)
-
-
 def confirm(ledger: Ledger, record: JobRecord, pid: int, go: int) -> bool:
     """Make a started supervisor the owner of its job's row and send it GO, if the row still waits as `record`
     read it (no other supervisor started meanwhile); without GO it leaves at once, and its claim with it.
@@ -175,11 +164,18 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                         "account": None if checked.account is None else checked.account.to_dict()}}
 
 
-def _spawn(state_dir: str, job_id: str, place: Place) -> tuple[int, int]:
-    """Start the supervisor, in a session of its own, with the place's descriptor; returns its pid
-    and the pipe to send it GO on. It is this process's own child (orphans), not a leftover. Its
-    environment is clean of credentials (forkserver.clean_environment): they come down a pipe, which it
-    reads only once its job process is forked, so that no job ever holds them."""
+def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
+    """Start the supervisor of a queued row that a server's dispatcher claimed (locks.dispatch), in a session of
+    its own, with the claim's place, which it inherits (the caller closes its own descriptor: the claim is the
+    supervisor's, or lapses); confirm() lets it go on. Returns its pid and the pipe to send it GO on. It is this
+    process's own child (orphans), not a leftover. Its environment is clean of credentials
+    (forkserver.clean_environment): they come down a pipe, which it reads only once its job process is forked,
+    so that no job ever holds them.
+
+    Raises:
+        LimitError: no process could be started (the claim lapses: the row is dispatched again).
+    """
+    state_dir, job_id = entry["state_dir"], entry["job_id"]
     go_r, go_w = os.pipe()
     secrets_r, secrets_w = os.pipe()
     env = clean_environment(os.environ)
