@@ -93,6 +93,10 @@ def test_the_columns_of_jobs_and_status_never_run_together(host, tmp_path):
     row = next(line for line in lines if line.startswith(shared.id))
     assert "5.8 GiB of one GPU  20" in row  # the share, two spaces, the date it was submitted (20YY-...)
     assert long_name not in row and long_name[:23] + "~" in row  # cut to its column, with a marker
+    wide = rpycdl_cli("jobs", "--all", "--long", *flags, env=as_user)  # with what they used (or "-")
+    assert wide.returncode == 0, wide.stderr
+    columns_apart(wide.stdout.splitlines())
+    assert wide.stdout.split()[9:13] == ["MEM", "CPU", "PROCS", "INFO"]
     status = rpycdl_cli("status", *flags)
     assert status.returncode == 0, status.stderr
     table = [line for line in status.stdout.splitlines() if line.startswith("  ") and not line.startswith("   ")]

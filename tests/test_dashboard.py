@@ -1,8 +1,9 @@
 """The monitor's dashboard against real servers on simulated GPUs: in a real browser (headless Chromium driven
 by selenium: a job goes from waiting to running to done without a reload, others' jobs reduced, its page follows
-its log for its owner signed in with the site's secret; 8 GPUs, 100 waiting and 1000 jobs render quickly; a
-screenshot, $RPYCDL_SCREENSHOT), and its JSON API and log endpoint over real HTTP (who asks, the log's bounds,
-untrusted text kept as data). tests/test_visibility.py has the monitor with the team's client certificates."""
+its log for its owner signed in with the site's secret; what an ended job used, for its owner; 8 GPUs, 100
+waiting and 1000 jobs render quickly; a screenshot, $RPYCDL_SCREENSHOT), and its JSON API and log endpoint over
+real HTTP (who asks, the log's bounds, untrusted text kept as data). tests/test_visibility.py has the monitor
+with the team's client certificates."""
 
 from __future__ import annotations
 
@@ -302,6 +303,28 @@ def test_the_dashboard_renders_8_gpus_100_waiting_and_1000_jobs_quickly(lock_dir
         for place in places:
             os.close(place.fifo_fd)
         locks.release(grant)
+
+
+def test_a_jobs_page_shows_its_owner_what_it_used(lock_dir, browser, secret_file):
+    ledger, now = Ledger(state_dir(lock_dir)), time.time()
+    rows = {job_id: JobRecord(job_id=job_id, server_id="s", client="127.0.0.1:1", ngpus=1, state=JobState.SUCCEEDED,
+                              submitted=now - 100, started=now - 90, ended=now, user="alice", service="pytorch",
+                              detached=True, kind="command", **used)
+            for job_id, used in (("measured0001", {"peak_memory": 3 * GiB, "cpu_seconds": 3725.2, "max_procs": 17}),
+                                 ("unmeasured01", {}))}
+    for record in rows.values():
+        ledger.save(record)
+    with _monitor(lock_dir, "fake:2", "--secret-file", secret_file) as base:
+        browser.get(base + "/jobs/measured0001")
+        wait_until(lambda: _text(browser, "#job-state") == "SUCCEEDED", 20, "the job's page")
+        assert _text(browser, "#job-peak-memory") == ""  # nobody signed in: not theirs to see
+        _sign_in(browser, "alice")
+        wait_until(lambda: _text(browser, "#job-peak-memory") == "3 GiB", 20, "what her job used")
+        assert (_text(browser, "#job-cpu"), _text(browser, "#job-max-procs")) == ("1h02m", "17 at most at once")
+        browser.get(base + "/jobs/unmeasured01")  # signed in still (this tab's session)
+        wait_until(lambda: "alice" in _text(browser, "#viewer") and _text(browser, "#job-state") == "SUCCEEDED", 20,
+                   "the other job's page")
+        assert "peak memory" not in _text(browser, "#details") and "CPU time" not in _text(browser, "#details")
 
 
 # -- over HTTP ---------------------------------------------------------------------------------------------

@@ -90,6 +90,11 @@ def test_every_metric_says_what_the_servers_do(cluster, connect, monitor, tmp_pa
     ran = sum((row["ended"] - row["started"]).total_seconds() for row in rows)
     # the rows' datetimes hold microseconds: each run time is exact to 1 µs
     assert 0 < value(samples, "rpycdl_job_run_seconds_sum", service="pytorch") == pytest.approx(ran, abs=1e-5)
+    # what they used, for those their server measured (none where it cannot fence its jobs)
+    measured = [row for row in rows if row.get("peak_memory") is not None]
+    assert (value(samples, "rpycdl_job_peak_memory_bytes_count", service="pytorch") or 0) == len(measured)
+    assert (value(samples, "rpycdl_job_cpu_seconds_total", service="pytorch") or 0.0) == pytest.approx(
+        sum(row["cpu_seconds"] or 0.0 for row in rows))
     assert value(samples, "rpycdl_queue_waiting_requests", service="pytorch") is None
     assert all(value(samples, "rpycdl_gpu_memory_granted_bytes", uuid=uuid) == 0 for uuid in UUIDS)
     assert scrape(monitor) == samples  # counted once, however often it is scraped

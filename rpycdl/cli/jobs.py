@@ -28,7 +28,7 @@ from rpycdl.cli.common import (
 )
 from rpycdl.client import Job, connect, job
 from rpycdl.client.detached import EXISTS
-from rpycdl.client.displays import seconds
+from rpycdl.client.displays import seconds, usage_cells
 from rpycdl.defaults import UPLOAD_WAIT
 from rpycdl.errors import ContainerError, InvalidRequestError, JobNotFinishedError, RpycdlError
 from rpycdl.security.auth import Identity
@@ -131,6 +131,9 @@ def _add_jobs(command: Command) -> None:
                          help="the jobs submitted in the last DURATION, such as 2d or 12h, however long ago they "
                               "ended (instead of the recent ones)")
     listing.add_argument("--limit", type=int, default=None, metavar="N", help="at most N jobs (default 100; 0: all)")
+    listing.add_argument("-l", "--long", action="store_true",
+                         help="also what each ended job used: its peak memory (MEM), CPU time (CPU) and most "
+                              "processes at once (PROCS), as its server measured them ('-': not measured)")
     listing.add_argument("--json", action="store_true", help="print JSON")
     server_flags(listing)
 
@@ -207,14 +210,14 @@ def _jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(shown, indent=2, default=iso))
     else:
-        print(format_jobs(shown))
+        print(format_jobs(shown, long=args.long))
     return report_unreached(args, results)
 
 
-def format_jobs(rows: list[dict[str, Any]]) -> str:
+def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
     """Jobs as a table (rows as conn.root.jobs() gives them: times as datetimes): id, name, state, owner,
-    service, what they asked for, when, how long they waited and ran, and why they ended (or, waiting, what
-    they wait behind)."""
+    service, what they asked for, when, how long they waited and ran, with `long` what they used (peak
+    memory, CPU time, most processes at once), and why they ended (or, waiting, what they wait behind)."""
     cells = []
     for row in rows:
         started, ended = row["started"], row["ended"]
@@ -228,10 +231,12 @@ def format_jobs(rows: list[dict[str, Any]]) -> str:
         user = Identity(row["user"], row["user_verified"]).label
         cells.append([row["job_id"], row.get("name") or "-", row["state"], user, row["service"],
                       need_text(row["ngpus"], row["share_bytes"]),
-                      row["submitted"].strftime("%Y-%m-%d %H:%M"), waited, ran, info])
-    header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN", "INFO"]
-    return "\n".join(table(header, cells, widest=[None, 24, None, 24, 16, None, None, None, None, 100])
-                     + ([] if rows else ["(no jobs)"]))
+                      row["submitted"].strftime("%Y-%m-%d %H:%M"), waited, ran,
+                      *(usage_cells(row) if long else []), info])
+    header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN",
+              *(["MEM", "CPU", "PROCS"] if long else []), "INFO"]
+    widest = [None, 24, None, 24, 16] + [None] * (len(header) - 6) + [100]
+    return "\n".join(table(header, cells, widest=widest) + ([] if rows else ["(no jobs)"]))
 
 
 def _find(args: argparse.Namespace) -> Job:

@@ -64,8 +64,8 @@ class GPUStatus(dict):  # type: ignore[type-arg]
 
 
 def job_cells(row: Mapping[str, Any]) -> list[str]:
-    """A job's row as the cells of a table: id, name, state, user, GPUs, waited, ran, and what it waits for or
-    why it ended."""
+    """A job's row as the cells of a table: id, name, state, user, GPUs, waited, ran, its peak memory and CPU
+    time (usage_cells), and what it waits for or why it ended."""
     started, ended = row.get("started"), row.get("ended")
     waited = seconds(row.get("submitted"), started or ended)
     ran = seconds(started, ended)
@@ -75,7 +75,23 @@ def job_cells(row: Mapping[str, Any]) -> list[str]:
         info = row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
     user = Identity(row.get("user", "unknown"), bool(row.get("user_verified"))).label
     return [row["job_id"], row.get("name") or "-", row["state"], user, gpus_text(row),
-            "-" if waited is None else format_duration(waited), "-" if ran is None else format_duration(ran), info]
+            "-" if waited is None else format_duration(waited), "-" if ran is None else format_duration(ran),
+            *usage_cells(row)[:2], info]
+
+
+def usage_cells(row: Mapping[str, Any]) -> list[str]:
+    """What a job used, as the server measured it at its end: its peak host memory, CPU time and most processes
+    at once ('-' for each not measured, or not shown to this viewer)."""
+    memory, cpu, procs = (row.get(key) for key in ("peak_memory", "cpu_seconds", "max_procs"))
+    return ["-" if memory is None else format_size(memory), cpu_text(cpu), "-" if procs is None else str(procs)]
+
+
+def cpu_text(cpu_seconds: float | None) -> str:
+    """CPU time in words: to a tenth of a second under a minute ('0.4s', '12.3s'), else to the second as
+    format_duration writes it ('3m05s', '1h02m'); '-' for None."""
+    if cpu_seconds is None:
+        return "-"
+    return f"{cpu_seconds:.1f}s" if round(cpu_seconds, 1) < 60 else format_duration(round(cpu_seconds))
 
 
 def gpus_text(row: Mapping[str, Any]) -> str:
@@ -86,7 +102,7 @@ def gpus_text(row: Mapping[str, Any]) -> str:
     return need_text(row.get("ngpus", 1), row.get("share_bytes", 0))
 
 
-JOB_HEADER = ["job", "name", "state", "user", "GPUs", "waited", "ran", "info"]
+JOB_HEADER = ["job", "name", "state", "user", "GPUs", "waited", "ran", "peak memory", "CPU", "info"]
 
 
 def table(header: Iterable[str], rows: Iterable[Iterable[Any]], caption: str = "") -> str:

@@ -99,8 +99,9 @@ class HostView:
     def job(self, job_id: str, viewer: Identity | None) -> dict[str, Any] | None:
         """One job's row as `viewer` may see it (None: no such job); for its owner or an admin: the list's
         fields, its request, full error, the server that accepted it, its GPUs' uuids, its log's size now (a
-        detached job's) and, while it waits, its place in the queue (1: next); "logs": whether the viewer
-        may read its log here."""
+        detached job's), what it used as measured at its end (peak_memory, cpu_seconds, max_procs; None: not
+        measured) and, while it waits, its place in the queue (1: next); "logs": whether the viewer may read
+        its log here."""
         record = self.ledger.get(job_id) if valid_job_id(job_id) else None
         if record is None:
             return None
@@ -109,7 +110,8 @@ class HostView:
         row = _row(record, index, short=False)
         row.update(request=record.request, error_type=record.error_type, client=record.client, server=record.server,
                    gpu_uuids=record.gpu_uuids, result_bytes=record.result_bytes,
-                   cancel_requested=record.cancel_requested, position=None,
+                   cancel_requested=record.cancel_requested, position=None, peak_memory=record.peak_memory,
+                   cpu_seconds=record.cpu_seconds, max_procs=record.max_procs,
                    log_size=self.files.log_size(job_id) if record.detached else None)
         if record.state in UNFINISHED and not record.started:
             with SNAPSHOTS:

@@ -4,9 +4,9 @@ GPUs when it is scraped (prometheus_client's custom collector; nothing is hand-w
 It takes no lock a grant waits on: the lock directory's snapshot probes with F_GETLK, which takes
 nothing, and the ledger is read in WAL mode, which never blocks a writer. Labels stay bounded: GPUs,
 services, states and reasons; a job id appears only on `rpycdl_gpu_holder_info`, one series per current
-holder. The histograms and the watchdog's counter count the jobs that ended since the monitor started;
-the refusals and the connections dropped before authenticating are the ledger's own counts, host-wide since
-it was made.
+holder. The histograms and the counters of the watchdog's stops and of CPU time count the jobs that ended
+since the monitor started (peak memory and CPU time: those their server measured); the refusals and the
+connections dropped before authenticating are the ledger's own counts, host-wide since it was made.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from rpycdl.scheduler.policyfiles import host_scheduling
 BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0, math.inf)
 """Upper bounds of the queue wait and run time histograms, in seconds (a second to a day)."""
 
+MEMORY_BUCKETS = (*(16.0 * 1024**2 * 4**power for power in range(9)), math.inf)
+"""Upper bounds of the peak memory histogram, in bytes: 16 MiB, 64 MiB, ... 1 TiB."""
+
 LATE_COMMIT = 300.0
 """Seconds of ends read again at each scrape: a job's end may be committed after a later one's."""
 
@@ -46,19 +49,20 @@ MEMORY_STOP = "GPUMemoryExceededError"
 
 
 class _Histogram:
-    """Counts of one histogram's observations by bucket, their sum."""
+    """Counts of one histogram's observations by bucket (upper `bounds`, the last infinite), their sum."""
 
-    def __init__(self) -> None:
-        self.counts = [0] * len(BUCKETS)
+    def __init__(self, bounds: tuple[float, ...] = BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
         self.total = 0.0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[next(index for index, bound in enumerate(BUCKETS) if seconds <= bound)] += 1
-        self.total += seconds
+    def observe(self, value: float) -> None:
+        self.counts[next(index for index, bound in enumerate(self.bounds) if value <= bound)] += 1
+        self.total += value
 
     def buckets(self) -> list[tuple[str, int]]:
         cumulative, out = 0, []
-        for bound, count in zip(BUCKETS, self.counts, strict=True):
+        for bound, count in zip(self.bounds, self.counts, strict=True):
             cumulative += count
             out.append((floatToGoString(bound), cumulative))  # "1.0", "+Inf": as prometheus_client's own
         return out
@@ -79,6 +83,8 @@ class HostCollector(Collector):
         self._waits: dict[str, _Histogram] = {}
         self._runs: dict[str, _Histogram] = {}
         self._stops: dict[str, int] = {}
+        self._memory: dict[str, _Histogram] = {}
+        self._cpu: dict[str, float] = {}
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.locks.snapshot()
@@ -149,8 +155,8 @@ class HostCollector(Collector):
         yield from (info, total, used, granted, busy, holders)
 
     def _ended(self) -> Iterator[Metric]:
-        """The histograms of queue wait and run time, and the watchdog's stops, of the jobs that ended
-        since the monitor started, by service."""
+        """The histograms of queue wait, run time and peak memory, the watchdog's stops and the CPU time of the
+        jobs that ended since the monitor started, by service."""
         with self._lock:
             for record in self.ledger.ended_since(max(self._since, max(self._counted.values(), default=0.0)
                                                       - LATE_COMMIT), known=self._counted):
@@ -161,14 +167,20 @@ class HostCollector(Collector):
                                           "GPUs, by service", labels=["service"])
             runs = HistogramMetricFamily("rpycdl_job_run_seconds", "How long ended jobs ran, by service",
                                          labels=["service"])
-            for family, histograms in ((waits, self._waits), (runs, self._runs)):
+            memory = HistogramMetricFamily("rpycdl_job_peak_memory_bytes", "The peak host memory of ended jobs, "
+                                           "by service (the jobs their server measured)", labels=["service"])
+            for family, histograms in ((waits, self._waits), (runs, self._runs), (memory, self._memory)):
                 for service, histogram in sorted(histograms.items()):
                     family.add_metric([service], histogram.buckets(), histogram.total)
             stops = CounterMetricFamily("rpycdl_gpu_memory_stops", "Jobs the watchdog stopped for using more GPU "
                                         "memory than their share, by service", labels=["service"])
             for service, count in sorted(self._stops.items()):
                 stops.add_metric([service], count)
-        yield from (waits, runs, stops)
+            cpu = CounterMetricFamily("rpycdl_job_cpu_seconds", "CPU time, user and system, of ended jobs' "
+                                      "processes, by service (the jobs their server measured)", labels=["service"])
+            for service, seconds in sorted(self._cpu.items()):
+                cpu.add_metric([service], seconds)
+        yield from (waits, runs, memory, stops, cpu)
 
     def _count(self, record: JobRecord) -> None:
         self._counted[record.job_id] = record.ended or 0.0
@@ -178,4 +190,8 @@ class HostCollector(Collector):
                                                                         - record.started)
         if record.error_type == MEMORY_STOP:
             self._stops[record.service] = self._stops.get(record.service, 0) + 1
+        if record.peak_memory is not None:
+            self._memory.setdefault(record.service, _Histogram(MEMORY_BUCKETS)).observe(record.peak_memory)
+        if record.cpu_seconds is not None:
+            self._cpu[record.service] = self._cpu.get(record.service, 0.0) + record.cpu_seconds
 

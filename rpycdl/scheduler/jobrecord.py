@@ -25,7 +25,9 @@ class JobRecord:
     `owner_pid` is the process that owns the job now (the connection process of an attached job, the
     supervisor of a detached one) and `pgid` the job process, which leads its own session, each with
     its start time (rpycdl.scheduler.procs.Pid). `user` sent it, proven by a client certificate when
-    `user_verified`. `cancel_requested` is read from the row: only Ledger.request_cancel writes it."""
+    `user_verified`. `cancel_requested` is read from the row: only Ledger.request_cancel writes it.
+    `peak_memory`, `cpu_seconds` and `max_procs` are what the server measured of the job's cgroup at its end
+    (None: not measured, by a server that cannot fence its jobs, or before the end)."""
 
     job_id: str
     server_id: str
@@ -58,6 +60,9 @@ class JobRecord:
     gpus: float = 0.0  # GPUs it was granted: ngpus, or its share's fraction of its GPU (0 before its grant)
     result_nonce: str | None = None  # a detached job's seal (rpycdl.security.results), as its client gave it:
     result_key_id: str | None = None  # the nonce its result key is derived from, and which client key (hex)
+    peak_memory: int | None = None  # bytes of host memory at most
+    cpu_seconds: float | None = None  # CPU time, user and system, of all its processes
+    max_procs: int | None = None  # the most processes (tasks) it had at once
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""

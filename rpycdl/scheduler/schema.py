@@ -12,7 +12,8 @@ adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair sh
 `drops(service, reason, count)`, the connections the host's servers dropped before they authenticated; version 6
 `jobs.result_nonce` and `jobs.result_key_id`, a detached job's seal (rpycdl.security.results; NULL for jobs
 without one); version 7 the index `jobs_waiting` (server_id, user, user_verified) of the PENDING rows, which a
-submit counts against the queue's limits.
+submit counts against the queue's limits; version 8 `jobs.peak_memory`, `jobs.cpu_seconds` and `jobs.max_procs`,
+what the server measured of a job's cgroup at its end (NULL: not measured).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ MIGRATIONS = [
     """,
     """
     CREATE INDEX jobs_waiting ON jobs (server_id, user, user_verified) WHERE state = 'PENDING';
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN peak_memory INTEGER;
+    ALTER TABLE jobs ADD COLUMN cpu_seconds REAL;
+    ALTER TABLE jobs ADD COLUMN max_procs INTEGER;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

@@ -1,6 +1,7 @@
 """What the client gives and shows of rows (issue 29): times as datetimes and `ahead` counting the holders
-(client_row), a waiting job's words, JobStatus's repr, the HTML tables; whether a person looks; the remote
-traceback's frames rebuilt, and the source lines of a script's functions sent with a call."""
+(client_row), a waiting job's words, JobStatus's repr, the HTML tables and `rpycdl jobs`' table with what jobs
+used; whether a person looks; the remote traceback's frames rebuilt, and the source lines of a script's functions
+sent with a call."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import sys
 import traceback
 from datetime import datetime
 
+from rpycdl.cli.jobs import format_jobs
 from rpycdl.client import failures
-from rpycdl.client.displays import GPUStatus, JobList, client_row
-from rpycdl.client.jobs import JobStatus
+from rpycdl.client.displays import GPUStatus, JobList, client_row, cpu_text
+from rpycdl.client.jobs import Job, JobStatus
 from rpycdl.client.notices import looking
 from rpycdl.errors import InvalidRequestError
 from rpycdl.states import JobState, held_by, need_text, waiting_behind
@@ -61,6 +63,39 @@ def test_job_lists_and_gpu_status_are_html_tables_with_their_cells_escaped():
                                    "gpus": [{"index": 0, "name": "Simulated GPU", "memory_total": 1 << 30,
                                              "memory_used": 0, "holders": HOLDERS[:1]}], "queue": []}))
     assert "<td>job 3f2a of alice since" in status._repr_html_() and "nobody waiting" in status._repr_html_()
+
+
+def ended_row(**fields) -> dict:
+    """A finished job's row as conn.root.jobs() gives it to its owner."""
+    return client_row({"job_id": "3f2a", "name": "train", "state": "SUCCEEDED", "user": "alice",
+                       "user_verified": True, "service": "pytorch", "detached": True, "ngpus": 1, "share_bytes": 0,
+                       "gpu_uuids": ["GPU-a"], "submitted": NOW, "started": NOW + 2, "ended": NOW + 62,
+                       "exit_code": 0, "error": "", **fields})
+
+
+def test_what_an_ended_job_used_is_shown_where_measured_and_a_dash_where_not():
+    assert [cpu_text(value) for value in (None, 0.0, 0.44, 12.34, 59.94, 59.96, 185.0, 3725.0)] == [
+        "-", "0.0s", "0.4s", "12.3s", "59.9s", "1m", "3m05s", "1h02m"]
+    used = ended_row(peak_memory=int(3.5 * 1024**3), cpu_seconds=3725.2, max_procs=17)
+    unmeasured = ended_row(job_id="77b1", peak_memory=None, cpu_seconds=None, max_procs=None)
+    reduced = {key: value for key, value in ended_row(job_id="99c0").items() if key not in ("name", "error",
+                                                                                            "exit_code")}
+    header, *lines = format_jobs([used, unmeasured, reduced], long=True).splitlines()
+    assert header.split() == ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN",
+                              "MEM", "CPU", "PROCS", "INFO"]
+    assert lines[0].split()[-7:] == ["1m", "3.5", "GiB", "1h02m", "17", "exit", "0"]
+    assert lines[1].split()[-6:] == ["1m", "-", "-", "-", "exit", "0"]
+    assert lines[2].split()[-4:] == ["1m", "-", "-", "-"]  # another's job: its usage is not shown to them
+    assert lines[1].index(" - ") == lines[0].index("3.5 GiB") - 1  # the columns line up
+    short = format_jobs([used]).splitlines()  # the default table leaves them out
+    assert "MEM" not in short[0] and "GiB" not in short[1] and short[0].split()[-1] == "INFO"
+    html = JobList([used, unmeasured])._repr_html_()
+    assert "<th>peak memory</th><th>CPU</th><th>info</th>" in html
+    assert "<td>1m</td><td>3.5 GiB</td><td>1h02m</td><td>exit 0</td>" in html
+    assert "<td>1m</td><td>-</td><td>-</td><td>exit 0</td>" in html
+    job = Job({**used, "cpu_seconds": 12.34}, connection=None)  # ended: shown as it is, without asking its server
+    shown = job._repr_mimebundle_()["text/html"]
+    assert "<td>3.5 GiB</td><td>12.3s</td>" in shown and shown.startswith("<table")
 
 
 def test_a_person_looks_at_a_terminal_or_a_notebook_unless_told_otherwise(monkeypatch):

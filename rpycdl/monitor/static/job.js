@@ -1,8 +1,8 @@
 // rpycdl monitor: a job's page. Polls /api/jobs/<id> for its row until it ends, and, for its owner or an
 // admin (signed in: common.js), follows a detached job's log through /api/jobs/<id>/log?offset=N. Anyone
-// else gets the row reduced (`reduced`: no command, name, error) and no log. The log is bytes: decoded as a
-// stream (a character cut between two reads stays whole) and added as text nodes; the oldest are dropped
-// past KEEP characters.
+// else gets the row reduced (`reduced`: no command, name, error, what it used) and no log. The log is bytes:
+// decoded as a stream (a character cut between two reads stays whole) and added as text nodes; the oldest
+// are dropped past KEEP characters.
 "use strict";
 
 (() => {
@@ -22,6 +22,11 @@
   function row(label, value, id) {
     if (value === null || value === undefined || value === "") return [];
     return [el("dt", {text: label}), el("dd", {text: value, id: id ? `job-${id}` : undefined})];
+  }
+
+  /** CPU time as rpycdl prints it: "0.4s", "12.3s" under a minute, else "3m05s", "1h02m". */
+  function cpu(seconds) {
+    return Math.round(seconds * 10) / 10 < 60 ? `${seconds.toFixed(1)}s` : duration(Math.round(seconds));
   }
 
   function renderJob(data) {
@@ -44,8 +49,8 @@
       ...row("service", `${job.service}, on the server at ${job.server}`),
       ...row("kind", `${job.kind === "call" ? "a function" : job.kind}, ` +
                      (job.detached ? "detached" : "attached" + (job.client ? ` (from ${job.client})` : ""))),
-      ...row("details", job.reduced ? `only its owner (${job.user}) and admins see what it runs, its name, ` +
-                                      "its error and its log" : null, "reduced"),
+      ...row("details", job.reduced ? `only its owner (${job.user}) and admins see what it runs and used, its ` +
+                                      "name, its error and its log" : null, "reduced"),
       ...row("runs", job.what, "command"),
       ...row("asked for", need(job.ngpus, job.share_bytes) + (timeouts.length ? `; ${timeouts.join(", ")}` : "")),
       ...row("place in the queue", job.position ? `${job.position} (1: next)` : null),
@@ -59,6 +64,9 @@
       ...row("exit code", job.exit_code == null ? null : String(job.exit_code), "exit-code"),
       ...row("error", job.error ? (job.error_type ? `${job.error_type}: ${job.error}` : job.error) : null, "error"),
       ...row("result", job.result_bytes == null ? null : bytes(job.result_bytes)),
+      ...row("peak memory", job.peak_memory == null ? null : bytes(job.peak_memory), "peak-memory"),
+      ...row("CPU time", job.cpu_seconds == null ? null : cpu(job.cpu_seconds), "cpu"),
+      ...row("processes", job.max_procs == null ? null : `${job.max_procs} at most at once`, "max-procs"),
     );
     if (job.log_size != null) $("log-size").textContent = bytes(job.log_size);
     if (FINISHED.has(job.state) && stopRow) {
