@@ -84,6 +84,23 @@ MAX_LOG = 1024**3
 MAX_RESULT = 1024**3
 """Largest result a detached job may store, in bytes (`--max-result`)."""
 
+JOB_PIDS = 4096
+"""Processes and threads a job may have at once where its server fences it (`--job-pids`; a cgroup's pids.max)."""
+
+MIN_JOB_MEMORY = 64 * 1024**2
+"""The least host memory a job may ask for (`memory=`): less does not start Python with a framework."""
+
+MAX_OUTPUT = 100 * 1024**3
+"""Bytes a job may leave in its output directory (`--max-output`); past them, it is stopped and fails."""
+
+OUTPUT_CHECK_INTERVAL = 1.0
+"""Seconds between measures of a running job's output directory against --max-output (at least ten times as
+long as the last measure took, so that a large tree costs a tenth of a core at most)."""
+
+OUTPUT_DEPTH = 256
+"""Directories an output directory may nest at most for its measure: one deeper fails the job as over its
+--max-output (each level holds a descriptor while it is measured)."""
+
 MAX_WORKING_DIR = 2 * 1024**3
 """Largest working directory a job may bring (`--max-working-dir`): its files' bytes, after .rpycdlignore."""
 

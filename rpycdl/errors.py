@@ -59,6 +59,11 @@ class ConnectionDroppedError(LimitError):
     once that has passed."""
 
 
+class OutputLimitError(LimitError):
+    """A job left more in its output directory than the server's --max-output, and was stopped; what it
+    wrote is kept (uploaded as any job's outputs)."""
+
+
 class QueueTimeoutError(RpycdlError, TimeoutError):
     """A request waited longer than its queue_timeout for its GPUs."""
 
@@ -82,6 +87,11 @@ class JobCrashedError(RpycdlError):
 
 class GPUMemoryExceededError(RpycdlError):
     """A job on a share of a GPU used more memory than its grant plus the allowance, and was stopped."""
+
+
+class HostMemoryExceededError(RpycdlError):
+    """A job used all the host memory its cgroup allows (its memory=, or the server's --job-memory), and the
+    kernel stopped it; the message names the limit and its peak."""
 
 
 class GPUNotGrantedError(RpycdlError):

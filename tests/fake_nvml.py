@@ -61,6 +61,7 @@ class Device:
     utilization: int = 0  # percent of the last sample period its kernels ran
     memory_utilization: int = 0  # percent of it its memory was read or written
     processes: dict[int, int | None] = field(default_factory=dict)  # pid -> bytes used (None: not available)
+    minor: int | None = None  # its device node's minor number (/dev/nvidia<minor>); None: its place in the list
 
 
 @dataclass
@@ -181,6 +182,10 @@ class Driver:
     def nvmlDeviceGetPciInfo(self, handle: Handle) -> PciInfo:  # noqa: N802
         return PciInfo(busId=self._text(self._device(handle).bus_id))
 
+    def nvmlDeviceGetMinorNumber(self, handle: Handle) -> int:  # noqa: N802
+        device = self._device(handle)
+        return self.devices.index(device) if device.minor is None else device.minor
+
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Handle) -> list[ProcessInfo]:  # noqa: N802
         return [ProcessInfo(pid, used) for pid, used in self._device(handle).processes.items()]
 
@@ -191,7 +196,8 @@ class Driver:
 
 FUNCTIONS = ("nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
              "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo",
-             "nvmlDeviceGetPciInfo", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetUtilizationRates")
+             "nvmlDeviceGetPciInfo", "nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetUtilizationRates",
+             "nvmlDeviceGetMinorNumber")
 
 
 def make_nvml(devices: list[Device] | int = 2, *, init_error: int | None = None,

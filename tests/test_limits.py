@@ -7,11 +7,23 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import Background, connection_processes, gate_job, open_gate, refusal, server_pid, wait_until
+from helpers import (
+    Background,
+    connection_processes,
+    gate_job,
+    open_gate,
+    refusal,
+    server_pid,
+    wait_until,
+    write_user_map,
+)
 
 import rpycdl
+from rpycdl import JobState
+from rpycdl.site.local import LocalCluster
 
 
 def test_a_payload_over_the_limit_is_refused_by_name(server, connect):
@@ -144,3 +156,96 @@ def test_a_place_freed_before_the_server_noticed_goes_to_the_client_that_took_it
         assert third.root.run_code(lambda x: x, "served") == "served"
     assert first.root.run_code(lambda x: x, "still served") == "still served"
     first.close()
+
+
+def _make_writer() -> Any:
+    """A job that writes `chunks` pieces of 256 KiB into its output directory, `pause` seconds apart (made in a
+    function: dill sends it by value)."""
+
+    def write_outputs(args: dict[str, Any]) -> str:
+        import os
+        import time
+
+        import rpycdl
+
+        for number in range(args["chunks"]):
+            with open(os.path.join(rpycdl.output_dir(), f"part-{number:02d}"), "wb") as part:
+                part.write(b"o" * (256 << 10))
+            time.sleep(args["pause"])
+        return "wrote them all"
+
+    return write_outputs
+
+
+write_outputs = _make_writer()
+OVER = {"chunks": 16, "pause": 0.25}  # 4 MiB in 4 s: past 1 MiB after a second or so
+"""What the jobs over the output quota below write."""
+
+
+def _artifacts(job: rpycdl.Job) -> dict[str, Any]:
+    return wait_until(lambda: (entry := job.artifacts())["state"] in ("uploaded", "failed") and entry, 20,
+                      f"job {job.id}'s outputs to be uploaded")
+
+
+def test_a_detached_job_past_the_output_quota_fails_by_name_and_keeps_what_it_wrote(server, connect):
+    conn = connect(server("pytorch", "fake:1", "--max-output", "1MiB"))
+    job = conn.root.submit(write_outputs, OVER)
+    assert job.wait(30).state is JobState.FAILED
+    assert job.info["error_type"] == "OutputLimitError"
+    assert "wrote more than 1 MiB into its output directory, the server's --max-output" in job.info["error"]
+    with pytest.raises(rpycdl.OutputLimitError, match="--max-output"):
+        job.result()
+    kept = _artifacts(job)
+    assert kept["state"] == "uploaded" and kept["files"][0] == {"name": "part-00", "size": 256 << 10}
+    assert (1 << 20) < sum(entry["size"] for entry in kept["files"]) < (4 << 20)  # stopped before its end
+
+
+def test_an_attached_job_past_the_output_quota_raises_and_one_under_it_succeeds(server, connect):
+    conn = connect(server("pytorch", "fake:1", "--max-output", "1MiB"))
+    seen: list[str] = []
+    with pytest.raises(rpycdl.OutputLimitError, match=r"job \w+: the job wrote more than 1 MiB .*--max-output"):
+        conn.root.run_code(write_outputs, OVER, on_state=lambda state, info: seen.append(info["job_id"]))
+    job = conn.root.job(seen[-1])
+    assert job.info["state"] == "FAILED" and job.info["error_type"] == "OutputLimitError"
+    assert _artifacts(job)["state"] == "uploaded"
+    with pytest.raises(rpycdl.OutputLimitError):  # written at once, just before its end: measured at its end
+        conn.root.run_code(write_outputs, {"chunks": 8, "pause": 0})
+    assert conn.root.run_code(write_outputs, {"chunks": 3, "pause": 0.1}) == "wrote them all"  # 768 KiB
+
+
+def _make_hider() -> Any:
+    """A job that puts 2 MiB in a directory of its output directory that only root could enter after (mode 000),
+    beside a link to a big file of root's (made in a function: dill sends it by value)."""
+
+    def hide_outputs(args: dict[str, Any]) -> str:
+        import os
+        import time
+
+        import rpycdl
+
+        out = rpycdl.output_dir()
+        os.symlink(args["big"], os.path.join(out, "big"))  # a link: counted as one
+        os.makedirs(os.path.join(out, "hidden", "deeper"))
+        with open(os.path.join(out, "hidden", "deeper", "blob"), "wb") as blob:
+            blob.write(b"h" * args["size"])
+        os.chmod(os.path.join(out, "hidden"), 0)
+        time.sleep(args["sleep"])
+        return "hid it"
+
+    return hide_outputs
+
+
+hide_outputs = _make_hider()
+
+
+def test_a_root_server_measures_a_users_output_directory_whatever_he_hides(team, accounts, passable_dir, tmp_path):
+    write_user_map(passable_dir / "users.toml")
+    big = tmp_path / "big"  # root's, beyond the link
+    big.write_bytes(b"b" * (4 << 20))
+    with LocalCluster(str(passable_dir / "locks")) as cluster:
+        port = cluster.add_server("pytorch", "fake:1", *team.server_args("localhost"), "--user-map",
+                                  str(passable_dir / "users.toml"), "--max-output", "1MiB", isolated=True)[1]
+        with rpycdl.connect(host="127.0.0.1", port=port, **team.user("bob")) as bob:
+            assert bob.root.run_code(hide_outputs, {"big": str(big), "size": 100_000, "sleep": 0}) == "hid it"
+            job = bob.root.submit(hide_outputs, {"big": str(big), "size": 2 << 20, "sleep": 30})
+            assert job.wait(20).state is JobState.FAILED and job.info["error_type"] == "OutputLimitError"

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
 from rpycdl import registry
 from rpycdl.cli.common import EXIT_FAILED, EXIT_USAGE, Command, os_error
@@ -21,11 +22,13 @@ from rpycdl.defaults import (
     ENV_STATE_DIR,
     GPU_UNIT,
     IDLE_TIMEOUT,
+    JOB_PIDS,
     KEEP,
     LOCK_DIR,
     MAX_CONNECTIONS,
     MAX_FRAME_CEILING,
     MAX_LOG,
+    MAX_OUTPUT,
     MAX_PAYLOAD,
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
@@ -34,6 +37,7 @@ from rpycdl.defaults import (
     MAX_STARTUPS_CEILING,
     MAX_WORKING_DIR,
     MEMORY_ALLOWANCE,
+    MIN_JOB_MEMORY,
     MIN_MAX_PAYLOAD,
     PER_SOURCE_STARTUPS,
     REGISTRY_PORT,
@@ -96,6 +100,10 @@ def _add_job_store_flags(serve: argparse.ArgumentParser) -> None:
                        help="most output a detached job's log keeps (default: %(default)s)")
     serve.add_argument("--max-result", default=format_size(MAX_RESULT), metavar="SIZE",
                        help="largest result a detached job may store (default: %(default)s)")
+    serve.add_argument("--max-output", default=format_size(MAX_OUTPUT), metavar="SIZE",
+                       help="most a job may leave in its output directory, measured about once a second while it "
+                            "runs and at its end; past it, the job is stopped and fails, what it wrote is kept "
+                            "(default: %(default)s)")
     serve.add_argument("--artifacts", default=None, metavar="URL",
                        help="where jobs' outputs go when they end: a directory, or s3://BUCKET[/PREFIX] (credentials "
                             "and region from the AWS variables; default: artifacts/ in the state directory)")
@@ -107,6 +115,45 @@ def _add_job_store_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--working-dir-cache", default=format_size(WORKING_DIR_CACHE), metavar="SIZE",
                        help="working directories kept by content in the state directory, so that the same one is not "
                             "sent twice; the least recently used go first (default: %(default)s)")
+
+
+def _add_fence_flags(serve: argparse.ArgumentParser) -> None:
+    """What each job may use of the host, where the server fences jobs (root: a cgroup per job, a private /tmp)."""
+    serve.add_argument("--job-memory", default="auto", metavar="SIZE",
+                       help="host memory of a job that does not ask (memory=): past it, the kernel stops the job and "
+                            "it fails naming its limit (default: auto, its GPUs' share of this machine's memory)")
+    serve.add_argument("--max-job-memory", default=None, metavar="SIZE",
+                       help="most host memory a job may ask for (default: this machine's memory)")
+    serve.add_argument("--job-pids", type=int, default=JOB_PIDS, metavar="N",
+                       help="most processes and threads a job may have at once (default: %(default)s)")
+    serve.add_argument("--job-cpus", type=float, default=None, metavar="N",
+                       help="CPU cores a job that does not ask (cpus=) may use, a bandwidth share such as 4 or 0.5 "
+                            "(default: all of them)")
+    serve.add_argument("--job-tmp", default="off", metavar="SIZE",
+                       help="give each job its own empty /tmp and /dev/shm of this size, gone at its end (auto: as "
+                            "the job's memory limit, which its files there count against); off: jobs see the host's, "
+                            "where a client on this host may leave them files (default: %(default)s)")
+
+
+def _fence_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The fence flags as context.Limits fields, checked."""
+    from rpycdl.server.context import memory
+
+    job_memory = 0 if args.job_memory == "auto" else parse_size(args.job_memory)
+    max_job_memory = memory() if args.max_job_memory is None else parse_size(args.max_job_memory)
+    job_tmp = {"auto": 0, "off": -1}.get(args.job_tmp)
+    if job_tmp is None:
+        job_tmp = parse_size(args.job_tmp)
+    if job_memory and not MIN_JOB_MEMORY <= job_memory <= max_job_memory or max_job_memory < MIN_JOB_MEMORY:
+        raise InvalidRequestError(f"--job-memory and --max-job-memory must be at least {format_size(MIN_JOB_MEMORY)}, "
+                                  "--job-memory at most --max-job-memory")
+    job_cpus = args.job_cpus or 0.0
+    if args.job_pids < 16 or not 0 <= job_cpus <= (os.cpu_count() or 1) or job_tmp < 4096 and \
+            args.job_tmp not in ("auto", "off"):
+        raise InvalidRequestError(f"--job-pids must be at least 16, --job-cpus between 0 and this machine's "
+                                  f"{os.cpu_count()} cores, --job-tmp a size, auto or off")
+    return {"job_memory": job_memory, "max_job_memory": max_job_memory, "job_pids": args.job_pids,
+            "job_cpus": job_cpus, "job_tmp": job_tmp}
 
 
 def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
@@ -232,6 +279,7 @@ def _add_serve(command: Command) -> None:
     serve.add_argument("--insecure", action="store_true",
                        help="allow listening on a non-loopback address without authentication")
     _add_limit_flags(serve)
+    _add_fence_flags(serve)
     serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
                        help="granularity of shares of a GPU (gpus=0.25, gpu_memory='6GiB'): a size such as "
                             "1GiB or a fraction such as 1/8; shares are rounded up to it (default: %(default)s)")
@@ -277,14 +325,16 @@ def _serve(args: argparse.Namespace) -> int:
     limits = Limits(max_payload=max_payload, max_queued=args.max_queued, max_queued_per_user=args.max_queued_per_user,
                     max_connections=args.max_connections, idle_timeout=args.idle_timeout,
                     max_result=parse_size(args.max_result), max_log=parse_size(args.max_log),
+                    max_output=parse_size(args.max_output),
                     keep=parse_duration(args.keep), max_working_dir=parse_size(args.max_working_dir),
                     working_dir_cache=parse_size(args.working_dir_cache),
                     max_startups=parse_max_startups(args.max_startups, MAX_STARTUPS_CEILING),
                     per_source_startups=args.per_source_startups, max_frame=_max_frame(args.max_frame),
-                    drain_timeout=parse_duration(args.drain_timeout))
-    if min(limits.max_result, limits.max_log, limits.max_working_dir, limits.working_dir_cache) < 1 or limits.keep <= 0:
-        raise InvalidRequestError("--max-result, --max-log, --max-working-dir, --working-dir-cache and --keep must be "
-                                  "more than 0")
+                    drain_timeout=parse_duration(args.drain_timeout), **_fence_limits(args))
+    if min(limits.max_result, limits.max_log, limits.max_output, limits.max_working_dir,
+           limits.working_dir_cache) < 1 or limits.keep <= 0:
+        raise InvalidRequestError("--max-result, --max-log, --max-output, --max-working-dir, --working-dir-cache and "
+                                  "--keep must be more than 0")
     shares = ShareRules(unit=args.gpu_unit, allowance=parse_size(args.memory_allowance))
     config = ServerConfig(service=args.service, host=args.host, port=args.port, registry=args.registry,
                           inventory=args.gpus, lock_dir=args.lock_dir, state_dir=args.state_dir,

@@ -47,9 +47,10 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
     scheduling = server.get("scheduling") or {"policy": "fcfs", "placement": "pack"}  # a server before policies
     isolation = server.get("isolation", "one account")  # a server before isolation ran every job as itself
     preloaded = ", ".join(server.get("preload", [])) or "nothing"
+    fencing = server.get("fencing", "none")  # a server before fencing fenced nothing
     lines = [f"{server['name']} @ {address[0]}:{address[1]}  [{', '.join(server['aliases'])}]  {kind}  "
              f"policy {scheduling['policy']}, placement {scheduling['placement']}, isolation: {isolation}, "
-             f"preloaded: {preloaded}"]
+             f"fencing: {fencing}, preloaded: {preloaded}"]
     rows = []
     for gpu in status["gpus"]:
         used = "?" if gpu["memory_used"] is None else format_size(gpu["memory_used"])

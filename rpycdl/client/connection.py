@@ -72,22 +72,21 @@ class RemoteRoot(DetachedCalls):
                  gpus: float | None = None, gpu_memory: str | int | None = None,
                  timeout: float | None = None, queue_timeout: float | None = None,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None) -> Any:
+                 on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None,
+                 memory: str | int | None = None, cpus: float | None = None) -> Any:
         """Run `fn(args)` on the server with `ngpus` GPUs of its own, or a share of one GPU, and
         return its value. While it waits for its GPUs, a line on stderr says what it waits for, and one
         when it starts, where a person looks, unless the connection is quiet (rpycdl.client.notices).
 
         Args:
-            fn: a callable (serialised here with dill), or dill bytes of one.
-            args: the single argument passed to fn.
+            fn, args: a callable (serialised here with dill), or dill bytes of one; the one argument it gets.
             ngpus: whole GPUs to lock, or -1 for all of the server's (default 1).
             gpus: instead of ngpus, a share of one GPU (0.25: a quarter of its memory), or a whole
                 number of GPUs.
             gpu_memory: instead of ngpus, a share of one GPU by memory ("6GiB", or bytes). A share
                 is rounded up to the server's unit; the job is held to it (rpycdl.gpu.caps and the
                 server's watchdog, which raises GPUMemoryExceededError).
-            timeout: seconds the job may run; past it, JobTimeoutError.
-            queue_timeout: seconds to wait for the GPUs; past it, QueueTimeoutError.
+            timeout, queue_timeout: seconds the job may run, and wait for its GPUs; JobTimeoutError, QueueTimeoutError.
             stdout, stderr: where the job's output goes, live (default: this process's).
             on_state: called as on_state(state, info) when the job waits ("pending", with info["ahead"],
                 the jobs ahead of it: those holding the GPUs it waits for, info["holders"], and the waiting
@@ -96,6 +95,8 @@ class RemoteRoot(DetachedCalls):
             working_dir: a local directory the job runs in on the server: packed here (leaving out
                 what its .rpycdlignore names), sent unless the server has it already (by content
                 hash), unpacked for this job alone; its current directory and first on its sys.path.
+            memory, cpus: host memory ("16GiB") and CPU cores (4, 0.5) the job may use where the server fences
+                jobs; past it, HostMemoryExceededError (default: its --job-memory, --job-cpus).
 
         Raises:
             The job's own exception (its type where it can be rebuilt here, else RemoteError) from the job's
@@ -104,8 +105,7 @@ class RemoteRoot(DetachedCalls):
             InvalidRequestError for a function the server cannot load (naming `working_dir="."` when its
             module is beside you), ... KeyboardInterrupt (one line) cancels the job: the connection closes.
 
-        Large bytes, bytearrays and NumPy arrays travel beside the call (rpycdl.wire.bulk).
-        """
+        Large bytes, bytearrays and NumPy arrays travel beside the call (rpycdl.wire.bulk)."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         payload, buffers = codec.encode_call(fn, args)
         layout = codec.layout(buffers)
@@ -117,7 +117,9 @@ class RemoteRoot(DetachedCalls):
         received: list[Any] = []
         digest = self._working_dir(working_dir)
         try:
-            outcome = self._run_buffers(payload, layout, buffers, received, (*options, gpus, gpu_memory, digest))
+            fence = () if memory is None and cpus is None else (memory, cpus)  # servers before fencing take none
+            asked = (*options, gpus, gpu_memory, digest, *fence)
+            outcome = self._run_buffers(payload, layout, buffers, received, asked)
             if outcome is None:  # a server from before run_buffers: everything in band
                 outcome = self._connection.call("run", codec.encode_payload(fn, args) if buffers else payload,
                                                 *options, *share)
@@ -191,7 +193,8 @@ class RemoteRoot(DetachedCalls):
 
     def session(self, ngpus: int | None = None, *, gpus: float | None = None, gpu_memory: str | int | None = None,
                 timeout: float | None = None, idle_timeout: float | None = None, queue_timeout: float | None = None,
-                on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None) -> Session:
+                on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None,
+                memory: str | int | None = None, cpus: float | None = None) -> Session:
         """A session: it waits in line for `ngpus` GPUs (or a share: `gpus`, `gpu_memory`) like any job, then
         holds them and one process on the server, in which `run()` calls one after another, so that what a
         call leaves in module globals is there for the next. Opened by `with` (or open()), ended by leaving
@@ -199,14 +202,15 @@ class RemoteRoot(DetachedCalls):
         after `timeout` seconds in all, or by a cancel (rpycdl cancel ID).
 
         Args:
-            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir: as for run_code (the waiting line
-                is the session's).
+            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir, memory, cpus: as for run_code (the
+                waiting line, the memory and the CPUs are the session's).
             timeout: seconds the session may last; idle_timeout: seconds it may wait for its next call.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         options = {"ngpus": 1 if ngpus is None and gpus is None and gpu_memory is None else ngpus, "gpus": gpus,
                    "gpu_memory": gpu_memory, "timeout": timeout, "idle_timeout": idle_timeout,
-                   "queue_timeout": queue_timeout, "working_dir": self._working_dir(working_dir)}
+                   "queue_timeout": queue_timeout, "working_dir": self._working_dir(working_dir), "memory": memory,
+                   "cpus": cpus}
         return Session(self, {name: value for name, value in options.items() if value is not None},
                        Notices(on_state, self._connection.quiet, "session"))
 

@@ -35,14 +35,15 @@ class DetachedCalls:
     def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
                gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                timeout: float | None = None, queue_timeout: float | None = None,
-               working_dir: str | os.PathLike[str] | None = None, exists: str = "error") -> Job:
+               working_dir: str | os.PathLike[str] | None = None, exists: str = "error",
+               memory: str | int | None = None, cpus: float | None = None) -> Job:
         """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
         queue as run_code, and runs to its end whatever happens to this client or to the server
         process that accepted it. Returns its handle once the server has recorded it.
 
         Args:
-            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout, working_dir: as for run_code (the
-                working directory is unpacked for the job when it is submitted).
+            fn, args, ngpus, gpus, gpu_memory, timeout, queue_timeout, working_dir, memory, cpus: as for
+                run_code (the working directory is unpacked for the job when it is submitted).
             name: a name to find it by (rpycdl.job(name)), unique among your unfinished jobs.
             exists: what to do if you have a job of that `name` already: "error" (the default: a second
                 unfinished one is refused), "return" (return that job, unfinished, else the latest that
@@ -60,20 +61,21 @@ class DetachedCalls:
             payload = codec.encode_payload(fn, args)
             self._check_size(len(payload))
             digest = self._working_dir(working_dir)
-            return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest)
+            return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest,
+                                   fence=(memory, cpus))
 
         return self._named(name, exists, submit)
 
     def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
                        gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
                        queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None,
-                       exists: str = "error") -> Job:
+                       exists: str = "error", memory: str | int | None = None, cpus: float | None = None) -> Job:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return self._named(name, exists, lambda: self._submitted(
             "submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
-            self._working_dir(working_dir)))
+            self._working_dir(working_dir), fence=(memory, cpus)))
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -118,18 +120,19 @@ class DetachedCalls:
             return None
         return found if found.name == name else None  # not a job whose id it happens to be
 
-    def _submitted(self, name: str, *args: Any) -> Job:
+    def _submitted(self, name: str, *args: Any, fence: tuple[Any, Any] = (None, None)) -> Job:
         """Call the submit `name` with `args` and a fresh seal of the job's result (security.results: made
-        with this client's result key), as the last option; the job's handle. A server that predates seals
-        refuses the option: the job is submitted again without, and its result is then read unverified only
-        (result(verify=False))."""
+        with this client's result key), then its `fence` (memory, cpus) if given; the job's handle. A server
+        that predates seals refuses the option: the job is submitted again without, and its result is then read
+        unverified only (result(verify=False))."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         secret, _ = credentials.result_secret()
+        fenced = fence if any(value is not None for value in fence) else ()  # servers before fencing
         try:
-            return Job(codec.decode_outcome(self._connection.call(name, *args, results.new_seal(secret).sent())),
-                       self._connection)
+            return Job(codec.decode_outcome(self._connection.call(name, *args, results.new_seal(secret).sent(),
+                                                                  *fenced)), self._connection)
         except InvalidRequestError as exc:
-            if not str(exc).startswith("too many arguments"):
+            if not str(exc).startswith("too many arguments") or fenced:
                 raise
         job = Job(codec.decode_outcome(self._connection.call(name, *args)), self._connection)
         where = job.info.get("server") or "this address"

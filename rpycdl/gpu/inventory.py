@@ -40,6 +40,7 @@ class GPU:
     name: str
     memory_total: int
     pci_bus_id: str = ""
+    minor: int = -1  # its device node's minor number (/dev/nvidia<minor>, major 195); -1: unknown
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +83,14 @@ class Inventory:
         memory use there; a driver needs nothing)."""
 
 
+def _minor(nvml: ModuleType, handle: Any) -> int:
+    """The GPU's device node minor number (NVML's), -1 where the driver does not say (a MIG instance)."""
+    try:
+        return int(nvml.nvmlDeviceGetMinorNumber(handle))
+    except Exception:
+        return -1
+
+
 class FakeInventory(Inventory):
     """A simulated inventory: `fake:4` or `fake:2x16GiB`.
 
@@ -106,7 +115,7 @@ class FakeInventory(Inventory):
             raise InvalidRequestError(f"bad simulated inventory {spec!r}: a GPU needs some memory")
         self.spec = spec.strip()
         self._gpus = [
-            GPU(i, f"GPU-00000000-0000-4000-8000-{i:012d}", "Simulated GPU", memory, f"00000000:{i + 1:02X}:00.0")
+            GPU(i, f"GPU-00000000-0000-4000-8000-{i:012d}", "Simulated GPU", memory, f"00000000:{i + 1:02X}:00.0", i)
             for i in range(count)
         ]
 
@@ -185,7 +194,7 @@ class NvmlInventory(Inventory):
                 gpus.append((number, GPU(len(gpus), _text(nvml.nvmlDeviceGetUUID(handle)),
                                          _text(nvml.nvmlDeviceGetName(handle)),
                                          int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
-                                         _text(nvml.nvmlDeviceGetPciInfo(handle).busId))))
+                                         _text(nvml.nvmlDeviceGetPciInfo(handle).busId), _minor(nvml, handle))))
             return gpus
         except Exception as exc:  # a GPU that fails to answer is not served: say which one, and why
             raise NoInventoryError(f"NVML could not query {what} ({exc}); check it with nvidia-smi, "

@@ -2,7 +2,8 @@
 as root acts in the lock and state trees and on the directories it hands to users (systemd's chase(), openat2's
 RESOLVE_NO_SYMLINKS, Go's os.Root). Each component is opened O_NOFOLLOW from its open parent; owners and modes
 change on an entry of an open directory (fchownat without following, fchmod of a descriptor); a tree is walked
-by scandir of its descriptors. check_trusted says whether a path's every directory is root's to change."""
+by scandir of its descriptors, and measured so (usage). check_trusted says whether a path's every directory is
+root's to change."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rpycdl.errors import RpycdlError
+from rpycdl.errors import LimitError, RpycdlError
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 """A directory opened without following a link (ELOOP or ENOTDIR if the name is one)."""
@@ -59,6 +60,57 @@ def walk(fd: int, visit: Visit, skip: Callable[[tuple[str, ...]], bool] = lambda
             finally:
                 os.close(inner)
         visit(fd, name, status)
+
+
+def usage(fd: int, deepest: int) -> int:
+    """Bytes the entries below the open directory `fd` take, no link followed: each file once however many hard
+    links it has, at the larger of its length and its blocks (a sparse file counts as much as reading it gives).
+    Directories are entered one at a time, without recursion, each held open until its entries are done;
+    entries that go away meanwhile, or cannot be opened, are passed over.
+
+    Raises:
+        LimitError: directories nest deeper than `deepest` levels below `fd`.
+    """
+    total, linked = 0, set[tuple[int, int]]()
+
+    def listed(at: int) -> list[str]:
+        """Count the entries of the open directory `at`; return its directories' names."""
+        nonlocal total
+        inner: list[str] = []
+        with os.scandir(at) as entries:
+            for entry in _present(entries):
+                status = entry.stat(follow_symlinks=False)
+                if status.st_nlink > 1 and not stat.S_ISDIR(status.st_mode):
+                    if (status.st_dev, status.st_ino) in linked:
+                        continue
+                    linked.add((status.st_dev, status.st_ino))
+                total += max(status.st_size, status.st_blocks * 512)
+                if stat.S_ISDIR(status.st_mode):
+                    inner.append(entry.name)
+        return inner
+
+    levels = [(fd, listed(fd))]  # the directories open on the way down, each with the names left to enter
+    try:
+        while levels:
+            at, names = levels[-1]
+            if not names:
+                levels.pop()
+                if at != fd:
+                    os.close(at)
+                continue
+            try:
+                inner = open_dir(names.pop(), at)
+            except OSError:
+                continue  # gone, replaced by something else since it was listed, or not this account's to read
+            levels.append((inner, []))
+            if len(levels) > deepest + 1:
+                raise LimitError(f"its directories nest deeper than {deepest} levels")
+            levels[-1] = (inner, listed(inner))
+    finally:
+        for at, _ in levels:
+            if at != fd:
+                os.close(at)
+    return total
 
 
 def _present(entries: Iterator[os.DirEntry[str]]) -> Iterator[os.DirEntry[str]]:

@@ -24,7 +24,7 @@ from rpycdl.scheduler import dirfds, lockdir
 from rpycdl.scheduler.planning import LEAST_BUSY
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
-from rpycdl.security import auth, tls
+from rpycdl.security import auth, cgroups, tls
 from rpycdl.security.accounts import Accounts
 from rpycdl.security.auth import is_loopback
 from rpycdl.security.handshake import ServerCredentials
@@ -154,6 +154,7 @@ def build_server(config: ServerConfig) -> DLServer:
     lockdir.claim_isolation(Path(directory), context.accounts.mode)
     context.locks.claim_scheduling()
     context.preload = preload_of(config)
+    cgroups.hierarchy()  # where jobs' cgroups go, found once before any fork
     context.launcher = ForkServer(context.server_id, context.preload)  # before any fork: connections ask it for jobs
     registrar = None
     if config.registry != "none":
@@ -213,7 +214,8 @@ def serve(config: ServerConfig) -> None:
     print(f"rpycdl server {ctx.name} on {config.host}:{server.port} as {', '.join(ctx.aliases)}; "
           f"{len(ctx.gpus)} GPU(s) ({kind} {ctx.inventory.spec}): {gpus}; locks in {ctx.lock_dir}; "
           f"ledger {ctx.ledger.path} ({ctx.ledger.count()} job(s)); artifacts to {ctx.artifact_store}; "
-          f"authentication: {server.credentials.mode or 'none'}; isolation: {ctx.accounts.mode}; preloaded: "
+          f"authentication: {server.credentials.mode or 'none'}; isolation: {ctx.accounts.mode}; "
+          f"fencing: {cgroups.fencing(ctx.limits.job_tmp != -1)}; preloaded: "
           f"{', '.join(ctx.preload) or 'nothing'}; jobs' working "
           f"directories {'cloned' if can_clone(ctx.working_dirs.root) else 'copied (no reflinks here)'}", flush=True)
     if ctx.accounts.isolated and not proc_hides_pids():

@@ -32,8 +32,9 @@ from typing import Any
 from rpycdl.defaults import OUTPUT_FLUSH_DELAY, WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
-from rpycdl.security import accounts
+from rpycdl.security import accounts, cgroups
 from rpycdl.security.accounts import Account
+from rpycdl.security.fence import Fence
 from rpycdl.wire import bulk, codec, tracebacks
 
 PR_SET_PDEATHSIG = 1
@@ -114,6 +115,8 @@ class Go:
         body: the payload (wire.codec.check_payload's body).
         layout: the payload's out-of-band buffers, which follow it on the pipe.
         out_of_band: whether its result's large buffers may go out of band.
+        session: a session's first Go (its calls follow, one Go each).
+        fence: how it is fenced (a server that fences: Fence), or None.
     """
 
     env: dict[str, str]
@@ -122,12 +125,14 @@ class Go:
     layout: codec.Layout = ()
     out_of_band: bool = False
     session: bool = False
+    fence: Fence | None = None
 
     def header(self, files: Sequence[int] = ()) -> bytes:
         """The message up to the buffers: GO, the JSON of the rest, the body. `files`: the buffers (by index)
         whose files come on the files socket instead of their bytes on the pipe (bulk.Spooled)."""
         text = json.dumps({"env": self.env, "account": None if self.account is None else self.account.to_dict(),
-                           "layout": self.layout, "files": list(files), "session": self.session}).encode()
+                           "layout": self.layout, "files": list(files), "session": self.session,
+                           "fence": None if self.fence is None else self.fence.to_dict()}).encode()
         return GO.pack(len(text), len(self.body), self.out_of_band) + text + self.body
 
 
@@ -162,7 +167,8 @@ def read_go(fd: int, files: int) -> tuple[Go, list[Any]] | None:
         del cells
         buffers.append(buffer)
     account = None if told["account"] is None else Account.from_dict(told["account"])
-    return Go(told["env"], account, body, layout, out_of_band, told.get("session", False)), buffers
+    fence = None if told.get("fence") is None else Fence.from_dict(told["fence"])
+    return Go(told["env"], account, body, layout, out_of_band, told.get("session", False), fence), buffers
 
 
 def _read_exactly(fd: int, count: int) -> bytes | None:
@@ -175,8 +181,11 @@ def _read_exactly(fd: int, count: int) -> bytes | None:
     return bytes(data)
 
 
-def _become(go: Go, parent: int) -> None:
-    """Become the job's owner (if the server is root), dying with `parent` still, with its variables."""
+def _become(go: Go, parent: int, cgroup: cgroups.JobCgroup | None = None) -> None:
+    """Become the job's owner (if the server is root), fenced first (a server that fences), dying with `parent`
+    still, with its variables."""
+    if go.fence is not None:
+        go.fence.enter(cgroup, go.env)
     if go.account is not None:
         accounts.switch_to(go.account)
         prctl(PR_SET_DUMPABLE, 1)  # the kernel clears it when the ids change: its owner may debug it
@@ -210,10 +219,13 @@ def _start(parent: int, name: str, fds: Sequence[int]) -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent: int) -> None:
-    """Body of the job process: waits for its Go on `go_r` (and `files`), then runs the payload, its output on
-    `out_w` and `err_w`, its outcome on `res_w`. Never returns."""
+def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent: int,
+            cgroup: cgroups.JobCgroup | None = None) -> None:
+    """Body of the job process: moves into its `cgroup` (its parent made it), waits for its Go on `go_r` (and
+    `files`), then runs the payload, its output on `out_w` and `err_w`, its outcome on `res_w`. Never returns."""
     try:
+        if cgroup is not None:
+            cgroup.join()
         _start(parent, "rpycdl-job", (go_r, out_w, err_w, res_w, files))
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -225,7 +237,7 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
         told = read_go(go_r, files)
         if told is None:  # closed before its GPUs came: nothing to run
             os._exit(0)
-        _become(told[0], parent)
+        _become(told[0], parent, cgroup)
         caps.install_caps()
         flush_partial_lines(sys.stdout, sys.stderr)
         if told[0].session:  # Ctrl-C of a call (SIGINT, held back between calls) raises KeyboardInterrupt in it

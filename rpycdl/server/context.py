@@ -15,10 +15,12 @@ from rpycdl.defaults import (
     FRAME_MEMORY_SHARE,
     FRAME_SLACK,
     IDLE_TIMEOUT,
+    JOB_PIDS,
     KEEP,
     MAX_CONNECTIONS,
     MAX_FRAME_CEILING,
     MAX_LOG,
+    MAX_OUTPUT,
     MAX_PAYLOAD,
     MAX_QUEUED,
     MAX_QUEUED_PER_USER,
@@ -35,6 +37,7 @@ from rpycdl.scheduler.ledger import Ledger
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
+from rpycdl.security import cgroups
 from rpycdl.security.accounts import Accounts
 from rpycdl.server import orphans, runner
 
@@ -51,12 +54,18 @@ class Limits:
     drain_timeout: float = DRAIN_TIMEOUT
     max_result: int = MAX_RESULT
     max_log: int = MAX_LOG
+    max_output: int = MAX_OUTPUT
     keep: float = KEEP
     max_working_dir: int = MAX_WORKING_DIR
     working_dir_cache: int = WORKING_DIR_CACHE
     max_startups: tuple[int, int, int] = MAX_STARTUPS  # LOW, RATE (percent), HIGH
     per_source_startups: int = PER_SOURCE_STARTUPS
     max_frame: int = 0  # 0: default_max_frame(max_payload)
+    job_memory: int = 0  # a job's host memory unless it asks (memory=); 0: its GPUs' share of the machine's
+    max_job_memory: int = 0  # the most a job may ask for; 0: the machine's memory
+    job_pids: int = JOB_PIDS
+    job_cpus: float = 0.0  # CPU cores a job may use unless it asks (cpus=); 0: all of them
+    job_tmp: int = -1  # bytes of a job's private /tmp and /dev/shm; 0: as its memory; -1: none (the host's)
 
     def __post_init__(self) -> None:
         if not self.max_frame:
@@ -69,6 +78,19 @@ class Limits:
 def memory() -> int:
     """This machine's memory, in bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def job_memory(limits: Limits, ngpus: int, served: int) -> int:
+    """The host memory of a job of `ngpus` GPUs (a share counts as one) that did not ask (memory=) on a server of
+    `served` GPUs: --job-memory, else its GPUs' share of the machine's, as Slurm's DefMemPerGPU."""
+    if limits.job_memory:
+        return limits.job_memory
+    return memory() * max(1, ngpus) // max(1, served)
+
+
+def max_job_memory(limits: Limits) -> int:
+    """The most host memory a job may ask for: --max-job-memory, else the machine's."""
+    return limits.max_job_memory or memory()
 
 
 def default_max_frame(max_payload: int) -> int:
@@ -128,4 +150,5 @@ class ServerContext:
                 "pid": os.getpid(), "limits": self.limits.to_dict(), "shares": self.shares.to_dict(),
                 "lock_dir": self.lock_dir, "state_dir": self.state_dir, "ledger_id": self.ledger.ledger_id,
                 "artifact_store": self.artifact_store, "scheduling": self.scheduling.to_dict(),
-                "isolation": self.accounts.mode, "preload": list(self.preload)}
+                "isolation": self.accounts.mode, "preload": list(self.preload),
+                "fencing": cgroups.fencing(self.limits.job_tmp != -1)}

@@ -34,7 +34,7 @@ from rpycdl.defaults import (
 from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import fairshare, lockdir, procs, sweep
 from rpycdl.scheduler.policies import FAIR
-from rpycdl.security import auth
+from rpycdl.security import auth, cgroups
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
 from rpycdl.server import child, container_watcher, draining, drops, gate, keeper, orphans, runner, supervisor
@@ -373,10 +373,13 @@ class DLServer(ForkingServer):
             lockdir.drain(self._wake_r)
 
     def _sweep_once(self) -> None:
-        """Kill what this server adopted; then, unless some of it will not die, clear the orphaned
+        """Kill what is left in the cgroups of jobs whose keeper died, and what this server adopted;
+        then, unless some of it will not die, clear the orphaned
         grants of its dead connection processes; clear those of dead servers; end dead jobs' records; remove
         the files of jobs whose maker died before recording them."""
         ctx = self.context
+        if cgroups.sweep():  # what a job whose keeper and requester died left, however it daemonized
+            log.warning("removed the cgroups of jobs whose keeper died")
         adopted = self._adopted()
         if adopted:
             log.warning("killing processes left by dead connection processes: %s", adopted)

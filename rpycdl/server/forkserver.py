@@ -15,9 +15,11 @@ abstract address (ForkServer.launch, after the forkserver it knew died):
 
     request   JSON {"kind": "job" | "check"}; SCM_RIGHTS: a control socket, then the child's descriptors
               (job: go, stdout, stderr, result, files; check: go, result, files)
-    reply     from the keeper, on the control socket: PID (pid, start time), SCM_RIGHTS: the child's pidfd
-    end       from the keeper, on the control socket: STATUS (wait status), once the child and everything of
-              its job are gone; then the control socket closes
+    reply     from the keeper, on the control socket: PID (pid, start time), then the name of the job's cgroup
+              if it has one (rpycdl.security.cgroups); SCM_RIGHTS: the child's pidfd
+    end       from the keeper, on the control socket: STATUS (wait status), then the JSON of its cgroup's usage
+              (rpycdl.security.cgroups.Usage) if the job had one, once the child and everything of its job are
+              gone; then the control socket closes
 
 A requester that closes its control socket (it died, or let go) has its child killed by the keeper. The
 forkserver leaves once every connection has closed and its keepers are gone."""
@@ -46,6 +48,7 @@ from rpycdl.defaults import (
 )
 from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import procs
+from rpycdl.security import cgroups
 from rpycdl.server import child, keeper
 from rpycdl.server.keeper import PID, STATUS
 
@@ -68,9 +71,11 @@ class Launched:
     def __init__(self, control: socket.socket) -> None:
         self.control = control
         self.status: int | None = None
+        self.usage: cgroups.Usage | None = None  # once it has ended, if its job had a cgroup
         self._told: tuple[int, int, int] | None = None
         self._failed = ""
         self._job_id = ""
+        self._cgroup = ""  # the name of its job's cgroup, if it has one
 
     @property
     def pid(self) -> int:
@@ -87,11 +92,12 @@ class Launched:
     def _reply(self) -> tuple[int, int, int]:
         if self._told is None and not self._failed:
             try:
-                data, fds_back, _, _ = socket.recv_fds(self.control, PID.size, 1)
+                data, fds_back, _, _ = socket.recv_fds(self.control, 4096, 1)
             except OSError as exc:
                 data, fds_back, self._failed = b"", [], f"its forkserver: {exc}"
-            if len(data) == PID.size and fds_back:
-                self._told = (*PID.unpack(data), fds_back[0])
+            if len(data) >= PID.size and fds_back:
+                self._told = (*PID.unpack(data[:PID.size]), fds_back[0])
+                self._cgroup = data[PID.size:].decode()
             else:
                 for fd in fds_back:
                     os.close(fd)
@@ -112,11 +118,15 @@ class Launched:
             data = b""
             with contextlib.suppress(OSError, LimitError):  # never forked: its status says killed, as for a death
                 self._reply()
-                data = self.control.recv(STATUS.size)
-            if len(data) == STATUS.size:
-                self.status = STATUS.unpack(data)[0]
+                data = self.control.recv(4096)
+            if len(data) >= STATUS.size:
+                self.status = STATUS.unpack(data[:STATUS.size])[0]
+                if len(data) > STATUS.size:
+                    self.usage = cgroups.Usage.from_dict(json.loads(data[STATUS.size:]))
             else:  # the keeper died: its job process with it, not what that started
                 self.status = signal.SIGKILL
+                if self._cgroup:
+                    self.usage = cgroups.finish(self._cgroup)
                 if self._told is not None:
                     procs.kill_until_gone(lambda: procs.job_processes(self._job_id, self._told[:2]), KILL_WAIT)
         return self.status
@@ -320,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's, which stops it
     child.become_subreaper()
     server = socket.socket(fileno=int(first))
+    cgroups.hierarchy()  # found once: every keeper makes its job's cgroup there
     for module in preload:
         try:
             importlib.import_module(module)

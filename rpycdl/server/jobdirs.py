@@ -1,26 +1,29 @@
 """A job's directories on the server: its working directory in (unpacked from the cache before it waits
 for GPUs), its output directory out (uploaded to the artifact store once its GPUs are back and its end is
 recorded). An upload that fails keeps the outputs on the server, the ledger saying why, until retried.
-What clients see of the outputs (`outputs`) says "uploading" from the job's end until they are up."""
+What clients see of the outputs (`outputs`) says "uploading" from the job's end until they are up. While the job
+runs, its output directory is measured from outside it against --max-output (OutputQuota)."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rpycdl.artifacts.files import Identity
-from rpycdl.defaults import OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
-from rpycdl.errors import ArtifactStoreError, InvalidRequestError
+from rpycdl.defaults import OUTPUT_CHECK_INTERVAL, OUTPUT_DEPTH, OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
+from rpycdl.errors import ArtifactStoreError, InvalidRequestError, LimitError
 from rpycdl.scheduler import dirfds, procs
-from rpycdl.scheduler.jobfiles import OUTPUT_DIR, WORKING_DIR
+from rpycdl.scheduler.jobfiles import OUTPUT_DIR, WORKING_DIR, JobFiles
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.security.accounts import Account
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest
+from rpycdl.units import format_size
 
 
 def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[str, str]:
@@ -60,6 +63,45 @@ def give(parent: Path, name: str, account: Account | None, fill: Callable[[Path]
     is: its owner's, never walked again by the server."""
     dirfds.hand_over(parent, name, None if account is None else account.uid,
                      None if account is None else account.gid, fill)
+
+
+class OutputQuota:
+    """A job's output directory against the server's --max-output, measured from outside the job (output_size),
+    when asked but at most every OUTPUT_CHECK_INTERVAL seconds, or ten times as long as the last measure took."""
+
+    def __init__(self, context: ServerContext, job_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._files, self._job_id, self._limit, self._clock = context.files, job_id, context.limits.max_output, clock
+        self._due = 0.0
+
+    def over(self, now: bool = False) -> str | None:
+        """Why the job must stop, naming --max-output, or None (also when the measure is not due, unless `now`)."""
+        began = self._clock()
+        if not now and began < self._due:
+            return None
+        try:
+            used = output_size(self._files, self._job_id)
+        except LimitError as exc:
+            return f"the job's output directory could not be measured for --max-output: {exc}"
+        ended = self._clock()
+        self._due = ended + max(OUTPUT_CHECK_INTERVAL, 10 * (ended - began))
+        if used <= self._limit:
+            return None
+        size = format_size(self._limit)
+        return f"the job wrote more than {size} into its output directory, the server's --max-output"
+
+
+def output_size(files: JobFiles, job_id: str) -> int:
+    """Bytes the job's output directory holds (dirfds.usage: no link followed, hard links once), reached through
+    root's directories only; 0 where there is none (a container's job), or no directory any more.
+
+    Raises:
+        LimitError: its directories nest deeper than OUTPUT_DEPTH levels.
+    """
+    try:
+        with dirfds.opened_dir(files.path(job_id)) as job_dir, dirfds.opened_dir(OUTPUT_DIR, job_dir) as output:
+            return dirfds.usage(output, OUTPUT_DEPTH)
+    except OSError:
+        return 0
 
 
 def finish(context: ServerContext, record: JobRecord, saved: Mapping[str, Identity] | None = None) -> None:

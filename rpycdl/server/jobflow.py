@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import resource
 import select
-import signal
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -21,19 +19,18 @@ from typing import Any, Protocol
 from rpycdl.defaults import (
     ENV_SIMULATED_GPUS,
     RELEASE_BEFORE_REPLY,
-    RESULT_DECODE_TIMEOUT,
-    RESULT_MEMORY_FACTOR,
-    RESULT_MEMORY_MIN,
     SAVE_SOCKET_VARIABLE,
 )
 from rpycdl.errors import (
     ContainerError,
     GPUMemoryExceededError,
     GPUNotGrantedError,
+    HostMemoryExceededError,
     JobCancelledError,
     JobCrashedError,
     JobTimeoutError,
     LimitError,
+    OutputLimitError,
     QueueTimeoutError,
     RemoteError,
 )
@@ -44,7 +41,8 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.queuedir import Need, Place
-from rpycdl.server import child, commands, draining, jobdirs, runner, saves, status
+from rpycdl.security.fence import Fence
+from rpycdl.server import child, commands, draining, fencing, jobdirs, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
@@ -59,10 +57,12 @@ Stop = Callable[[int], tuple[runner.Ending, str] | None]
 
 STATES = {runner.Ending.TIMED_OUT: JobState.TIMED_OUT, runner.Ending.CANCELLED: JobState.CANCELLED,
           runner.Ending.CRASHED: JobState.FAILED, runner.Ending.OVER_MEMORY: JobState.FAILED,
-          runner.Ending.ELSEWHERE: JobState.FAILED}
+          runner.Ending.ELSEWHERE: JobState.FAILED, runner.Ending.OVER_OUTPUT: JobState.FAILED,
+          runner.Ending.OVER_HOST_MEMORY: JobState.FAILED}
 ERRORS = {runner.Ending.TIMED_OUT: JobTimeoutError, runner.Ending.CANCELLED: JobCancelledError,
           runner.Ending.CRASHED: JobCrashedError, runner.Ending.OVER_MEMORY: GPUMemoryExceededError,
-          runner.Ending.ELSEWHERE: GPUNotGrantedError}
+          runner.Ending.ELSEWHERE: GPUNotGrantedError, runner.Ending.OVER_OUTPUT: OutputLimitError,
+          runner.Ending.OVER_HOST_MEMORY: HostMemoryExceededError}
 """How a job that did not finish ends: its record's state, and the error its client gets."""
 WATCHED = {watchdog.ELSEWHERE: runner.Ending.ELSEWHERE, watchdog.OVER_MEMORY: runner.Ending.OVER_MEMORY}
 """How a job the GPU watchdog stopped ends."""
@@ -109,6 +109,7 @@ class JobFlow:
         self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare), its saves' socket (saves)
         self._saver: saves.Saver | None = None
         self._waiting_since: float | None = None
+        self._quota = jobdirs.OutputQuota(context, self.record.job_id)  # shared by its Stops: measured once a second
 
     @staticmethod
     def new_record(context: ServerContext, request: JobRequest) -> JobRecord:
@@ -244,7 +245,8 @@ class JobFlow:
         return {**env, **self._env}
 
     def _stopper(self) -> Stop:
-        """The job's Stop: a cancel request, or the GPU watchdog (a GPU it was not granted; over its share)."""
+        """The job's Stop: a cancel request, its output directory past --max-output, or the GPU watchdog (a GPU
+        it was not granted; over its share)."""
         ctx, grant, job_id = self.context, self.grant, self.record.job_id
         assert grant is not None
         watch = GPUWatch(ctx.inventory, {gpu.uuid: gpu for gpu in ctx.gpus},
@@ -255,6 +257,9 @@ class JobFlow:
                 return runner.Ending.CANCELLED, "the job was cancelled"
             if draining.overdue():
                 return runner.Ending.CANCELLED, f"the job was cancelled: {draining.REASON}"
+            over = self._quota.over()
+            if over is not None:
+                return runner.Ending.OVER_OUTPUT, over
             found = watch.check(pid)
             return (WATCHED[found[0]], found[1]) if found else None
 
@@ -268,9 +273,19 @@ class JobFlow:
         job = self.job
         assert job is not None  # run() forks it for every payload
         self._start_saves()
-        return job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
-                       account=self.request.account, on_start=self._save_running,
-                       **self._following(self.request.output, self.request.timeout))
+        result = job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
+                         account=self.request.account, fence=self.fence(), on_start=self._save_running,
+                         **self._following(self.request.output, self.request.timeout))
+        if result.ending is runner.Ending.CRASHED:  # the kernel's OOM killer, at its memory limit?
+            why = fencing.over_memory(self.context, job.usage, job.exit_status(), self.request.memory is not None)
+            result = runner.Result(runner.Ending.OVER_HOST_MEMORY, reason=why) if why else result
+        over = self._quota.over(now=True) if result.ending is runner.Ending.FINISHED else None  # what it left
+        return result if over is None else runner.Result(runner.Ending.OVER_OUTPUT, reason=over)
+
+    def fence(self) -> Fence | None:
+        """How the job is fenced (fencing.job_fence), where this server fences jobs."""
+        granted = {self._gpu(uuid).minor for uuid in self.grant.uuids} if self.grant is not None else set()
+        return fencing.job_fence(self.context, self.record, self.request.memory, self.request.cpus, granted)
 
     def _start_saves(self) -> None:
         """Take the job's saves (rpycdl.save_artifact) on a socket its environment names."""
@@ -330,11 +345,12 @@ class JobFlow:
         """Leave nothing of the job running, release its GPUs, write its row's end."""
         if self._check is not None:
             self._check.close()
+        record, result = self.record, self.result
         if self.job is not None:
             self.job.close()  # gone before its GPUs are released
+            fencing.record_usage(record, self.job.usage)
         if self.grant is not None:
             self.context.locks.release(self.grant)
-        record, result = self.record, self.result
         if record.state.finished:  # it failed before its job could end (record.error says why)
             pass
         elif result is None:
@@ -408,35 +424,3 @@ def check_queue_limits(context: ServerContext, request: JobRequest) -> int:
         raise LimitError(f"{label} has {mine} requests waiting on this server, the limit per user is "
                          f"{context.limits.max_queued_per_user} (--max-queued-per-user); wait for some to start")
     return waiting
-
-
-def decode_bounded(outcome: bytes, plain: bool) -> Any:
-    """The job's value (or its exception, raised) for an original client, which gets it by reference
-    from this process: made here within RESULT_DECODE_TIMEOUT seconds and RESULT_MEMORY_FACTOR times
-    the outcome's size (RESULT_MEMORY_MIN at least) of new memory, whatever its pickle asks for. With `plain`
-    (this process runs as another account than the job: a root server's), only plain data is unpickled
-    (untrusted.outcome): nothing of the job's runs here.
-
-    Raises:
-        LimitError: it took longer, or needed more memory.
-        RemoteError: `plain`, and the job raised, or returned a value that is not plain data.
-    """
-    def too_slow(*_: Any) -> None:
-        raise LimitError(f"the job's result took longer than {RESULT_DECODE_TIMEOUT:g} s to load on the server")
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as statm:
-        mapped = int(statm.read().split()[0]) * resource.getpagesize()
-    budget = mapped + max(RESULT_MEMORY_FACTOR * len(outcome), RESULT_MEMORY_MIN)
-    previous = signal.signal(signal.SIGALRM, too_slow)
-    signal.setitimer(signal.ITIMER_REAL, RESULT_DECODE_TIMEOUT)
-    try:
-        resource.setrlimit(resource.RLIMIT_AS, (budget if hard == resource.RLIM_INFINITY else min(budget, hard), hard))
-        return untrusted.outcome(outcome) if plain else codec.decode_outcome(outcome)
-    except MemoryError:
-        raise LimitError(f"the job's result needs more than {budget - mapped} bytes of memory to load on the server "
-                         "(it returned something that grows when unpickled)") from None
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)

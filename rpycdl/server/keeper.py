@@ -18,6 +18,7 @@ which finds it by the job's id and session: forkserver.Launched.wait)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -27,11 +28,12 @@ from typing import NoReturn
 
 from rpycdl.defaults import SWEEP_INTERVAL
 from rpycdl.scheduler import procs
+from rpycdl.security import cgroups
 from rpycdl.server import child
 
 NAME = "rpycdl-keeper"
-PID = struct.Struct("<iQ")  # reply: pid, start time
-STATUS = struct.Struct("<i")  # end: wait status
+PID = struct.Struct("<iQ")  # reply: pid, start time, then the name of its cgroup (if it has one)
+STATUS = struct.Struct("<i")  # end: wait status, then the JSON of its cgroup's usage (if it had one)
 
 
 def is_keeper(pid: int) -> bool:
@@ -58,18 +60,22 @@ def keep(kind: str, control: int, fds: list[int]) -> NoReturn:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         requester = socket.socket(fileno=control)
         me = os.getpid()
+        cgroup = cgroups.for_job() if kind == "job" else None
         try:
             pid = os.fork()
         except OSError:
+            if cgroup is not None:
+                cgroup.remove()
             os._exit(0)  # the requester reads an empty reply: LimitError
         if pid == 0:
             signal.set_wakeup_fd(-1)  # its other signals are reset by child._start
             if kind == "job":  # it keeps nothing of the keeper's but `fds` (child.keep_only)
-                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=me)
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=me,
+                              cgroup=cgroup)
             child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=me)
         for fd in fds:
             os.close(fd)
-        _Keeper(requester, pid, wake_r).run()
+        _Keeper(requester, pid, wake_r, cgroup).run()
     finally:
         os._exit(0)
 
@@ -77,15 +83,17 @@ def keep(kind: str, control: int, fds: list[int]) -> NoReturn:
 class _Keeper:
     """The keeper's loop: its requester's messages, its job process's end, what the job left."""
 
-    def __init__(self, requester: socket.socket, pid: int, wake_r: int) -> None:
+    def __init__(self, requester: socket.socket, pid: int, wake_r: int, cgroup: cgroups.JobCgroup | None) -> None:
         self.requester = requester
+        self.cgroup = cgroup
         self.pid = pid
         self.wake_r = wake_r
         self.watched = True  # the requester still holds its control socket
         self.status: int | None = None  # once the job process is reaped
         pidfd = os.pidfd_open(pid)
         try:
-            socket.send_fds(requester, [PID.pack(pid, procs.identify(pid)[1])], [pidfd])
+            named = b"" if cgroup is None else cgroup.name.encode()
+            socket.send_fds(requester, [PID.pack(pid, procs.identify(pid)[1]) + named], [pidfd])
         except OSError:  # the requester is gone already
             self._let_go()
         finally:
@@ -100,8 +108,9 @@ class _Keeper:
                 os.read(self.wake_r, 4096)
             self._reap()
             if self.status is not None and self._gone():
+                usage = b"" if self.cgroup is None else json.dumps(self.cgroup.finish().to_dict()).encode()
                 with contextlib.suppress(OSError):
-                    self.requester.send(STATUS.pack(self.status))
+                    self.requester.send(STATUS.pack(self.status) + usage)
                 return
 
     def _told(self) -> None:
@@ -125,5 +134,7 @@ class _Keeper:
     def _gone(self) -> bool:
         """Once the job process has ended: kill what it left (all of this process's subtree); whether none runs."""
         left = [pid for pid in procs.subtree(os.getpid()) if procs.alive(pid)]
+        if self.cgroup is not None:  # however it left the subtree (nothing does, but a cgroup is exact)
+            left += sorted(self.cgroup.pids() - set(left))
         procs.kill(left)
         return not left

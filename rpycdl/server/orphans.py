@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from rpycdl.defaults import KILL_WAIT
 from rpycdl.errors import LimitError
 from rpycdl.scheduler import procs
+from rpycdl.security import cgroups
 from rpycdl.server import child
 
 _OWN: set[int] = set()
@@ -118,10 +119,12 @@ def kill_strays() -> None:
 class Forked:
     """A job process or load check forked by this process (runner.Launched)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, cgroup: cgroups.JobCgroup | None = None) -> None:
         self.pid = pid
         self.start = procs.identify(pid)[1]
         self.pidfd = os.pidfd_open(pid)
+        self.cgroup = cgroup
+        self.usage: cgroups.Usage | None = None  # once it has ended, if it had a cgroup
         self._status: int | None = None
 
     def name_job(self, job_id: str) -> None:
@@ -132,6 +135,8 @@ class Forked:
         if self._status is None:
             self._status = reap(self.pid)
             kill_strays()
+            if self.cgroup is not None:
+                self.usage = self.cgroup.finish()
         return self._status
 
     def close(self) -> None:
@@ -146,14 +151,21 @@ class _Here:
 
     def launch(self, kind: str, fds: list[int]) -> Forked:
         parent = os.getpid()
-        pid = fork("the job" if kind == "job" else "a load check", fds)
+        cgroup = cgroups.for_job() if kind == "job" else None
+        try:
+            pid = fork("the job" if kind == "job" else "a load check", fds)
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         if pid == 0:
             if kind == "job":
-                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=parent)
+                child.run_job(go_r=fds[0], out_w=fds[1], err_w=fds[2], res_w=fds[3], files=fds[4], parent=parent,
+                              cgroup=cgroup)
             child.run_check(go_r=fds[0], res_w=fds[1], files=fds[2], parent=parent)
         for fd in fds:
             os.close(fd)
-        return Forked(pid)
+        return Forked(pid, cgroup)
 
 
 HERE = _Here()

@@ -5,15 +5,18 @@ whose it is. Nothing unchecked goes further."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rpycdl.defaults import MIN_JOB_MEMORY
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler.shares import GPURequest, parse_request
 from rpycdl.security.accounts import Account
 from rpycdl.security.auth import Identity
-from rpycdl.server.context import ServerContext
+from rpycdl.server.context import ServerContext, max_job_memory
+from rpycdl.units import format_size, parse_size
 
 if TYPE_CHECKING:  # docker is needed only by servers that run containers
     from rpycdl.server.containers import JobSpec
@@ -22,22 +25,24 @@ MAX_TIMEOUT = 366 * 24 * 3600.0
 """The longest timeout or queue_timeout a request may give, in seconds."""
 
 CALL_OPTIONS = ("ngpus", "stdout", "stderr", "timeout", "queue_timeout", "on_state", "gpus", "gpu_memory",
-                "working_dir")
+                "working_dir", "memory", "cpus")
 """The options of `run` and `run_buffers` after their fixed arguments, in the order rpycdl clients
 send them positionally (they may also come by name); `working_dir` is the content hash of a working
-directory sent before (exposed_put_working_dir)."""
+directory sent before (exposed_put_working_dir); `memory` and `cpus` are the host memory and CPU cores it may use."""
 
 CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
 """The options of `run_container` after the image and the command, likewise."""
 
-SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal")
+SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal", "memory",
+                  "cpus")
 """The options of `submit` and `submit_command` after the payload or the command; `seal` is the client's seal
 of the job's result (rpycdl.security.results.Seal.sent), or None."""
 
 SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name", "seal")
 """The options of `submit_container` after the image and the command."""
 
-SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "idle_timeout", "on_state", "working_dir")
+SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "idle_timeout", "on_state", "working_dir",
+                   "memory", "cpus")
 """The options of `session_open`."""
 
 SESSION_CALL_OPTIONS = ("stdout", "stderr", "timeout")
@@ -91,6 +96,8 @@ class JobRequest:
         account: the Unix account it runs as (a root server's: its owner's); None: the server's own.
         session: a session (rpycdl.server.sessions): it holds its GPUs and its process between calls;
             `timeout` bounds its life, `idle_timeout` the time between its calls.
+        memory, cpus: the host memory (bytes) and CPU cores it asked for; None: the server's defaults
+            (--job-memory, --job-cpus), where it fences jobs.
     """
 
     gpu_request: GPURequest
@@ -109,6 +116,8 @@ class JobRequest:
     account: Account | None = None
     session: bool = False
     idle_timeout: float | None = None
+    memory: int | None = None
+    cpus: float | None = None
 
     @property
     def kind(self) -> str:
@@ -128,6 +137,10 @@ class JobRequest:
             asked["working_dir"] = self.working_dir
         if self.session:
             asked.update(idle_timeout=self.idle_timeout, calls=0)
+        if self.memory is not None:
+            asked["memory"] = self.memory
+        if self.cpus is not None:
+            asked["cpus"] = self.cpus
         return asked
 
 
@@ -187,9 +200,36 @@ def check_command(command: Any) -> tuple[str, ...]:
     return tuple(command)
 
 
+def check_memory(value: Any, context: ServerContext) -> int | None:
+    """Check a job's host memory: None, or a size ("16GiB", or bytes) within the server's --max-job-memory."""
+    if value is None:
+        return None
+    try:
+        size = parse_size(value) if isinstance(value, str) else value
+    except InvalidRequestError:
+        size = None
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidRequestError(f"memory={value!r}: a size of host memory, such as '16GiB' or a number of bytes")
+    most = max_job_memory(context.limits)
+    if not MIN_JOB_MEMORY <= size <= most:
+        raise InvalidRequestError(f"memory={value!r}: between {format_size(MIN_JOB_MEMORY)} and this server's "
+                                  f"--max-job-memory ({format_size(most)})")
+    return size
+
+
+def check_cpus(value: Any) -> float | None:
+    """Check a job's CPU cores: None, or a positive number up to this machine's cores."""
+    if value is None:
+        return None
+    cores = os.cpu_count() or 1
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.01 <= value <= cores:
+        raise InvalidRequestError(f"cpus={value!r}: a number of CPU cores between 0.01 and this machine's {cores}")
+    return float(value)
+
+
 def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = None, gpus: Any = None,
           gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, working_dir: Any = None,
-          **job: Any) -> JobRequest:
+          memory: Any = None, cpus: Any = None, **job: Any) -> JobRequest:
     """Check what a request asks for against this server, and make it a JobRequest.
 
     Args:
@@ -198,6 +238,7 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         ngpus, gpus, gpu_memory: the GPUs, as the client gave them (scheduler.shares.parse_request).
         timeout, queue_timeout: seconds, as the client gave them.
         working_dir: the content hash of a working directory in the server's cache that `owner` sent, or None.
+        memory, cpus: the host memory and CPU cores it asks for, as the client gave them (check_memory, check_cpus).
         job: what to run and where its output goes: `body` and `buffers` (and `command`), or
             `container`; `output`; `detached` and `name`.
 
@@ -213,7 +254,8 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
     return JobRequest(parse_request(ngpus, gpus, gpu_memory, sizes, context.shares), owner, client,
                       timeout=check_seconds(timeout, "timeout"),
                       queue_timeout=check_seconds(queue_timeout, "queue_timeout"), working_dir=working_dir,
-                      account=context.accounts.account(owner), **job)
+                      account=context.accounts.account(owner), memory=check_memory(memory, context),
+                      cpus=check_cpus(cpus), **job)
 
 
 def writer(stream: Any) -> Callable[[str], None]:

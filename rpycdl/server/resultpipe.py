@@ -1,13 +1,19 @@
 """The connection process's end of a job process's result pipe, for one call: what child._answer writes, read
-as it comes without blocking (runner.JobProcess watches it with the job's output)."""
+as it comes without blocking (runner.JobProcess watches it with the job's output); and an original client's value
+made from it within bounds (decode_bounded)."""
 
 from __future__ import annotations
 
 import os
+import resource
+import signal
 from collections.abc import Callable
+from typing import Any
 
+from rpycdl.defaults import RESULT_DECODE_TIMEOUT, RESULT_MEMORY_FACTOR, RESULT_MEMORY_MIN
+from rpycdl.errors import LimitError
 from rpycdl.server.child import COUNT, ENTRY, SIZE
-from rpycdl.wire import codec
+from rpycdl.wire import codec, untrusted
 
 _READ = 1 << 20
 """Bytes read at a time."""
@@ -86,3 +92,35 @@ class ResultPipe:
                 return False
             into += chunk
         return True
+
+
+def decode_bounded(data: bytes, plain: bool) -> Any:
+    """The job's value (or its exception, raised) from its outcome `data`, for an original client, which gets it
+    by reference from this process: made here within RESULT_DECODE_TIMEOUT seconds and RESULT_MEMORY_FACTOR times
+    the outcome's size (RESULT_MEMORY_MIN at least) of new memory, whatever its pickle asks for. With `plain`
+    (this process runs as another account than the job: a root server's), only plain data is unpickled
+    (untrusted.outcome): nothing of the job's runs here.
+
+    Raises:
+        LimitError: it took longer, or needed more memory.
+        RemoteError: `plain`, and the job raised, or returned a value that is not plain data.
+    """
+    def too_slow(*_: Any) -> None:
+        raise LimitError(f"the job's result took longer than {RESULT_DECODE_TIMEOUT:g} s to load on the server")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        mapped = int(statm.read().split()[0]) * resource.getpagesize()
+    budget = mapped + max(RESULT_MEMORY_FACTOR * len(data), RESULT_MEMORY_MIN)
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, RESULT_DECODE_TIMEOUT)
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (budget if hard == resource.RLIM_INFINITY else min(budget, hard), hard))
+        return untrusted.outcome(data) if plain else codec.decode_outcome(data)
+    except MemoryError:
+        raise LimitError(f"the job's result needs more than {budget - mapped} bytes of memory to load on the server "
+                         "(it returned something that grows when unpickled)") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -34,7 +34,9 @@ from typing import Any, Protocol
 
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import procs
+from rpycdl.security import cgroups
 from rpycdl.security.accounts import Account
+from rpycdl.security.fence import Fence
 from rpycdl.server import child, orphans
 from rpycdl.server.child import write_all
 from rpycdl.server.resultpipe import ResultPipe
@@ -57,6 +59,8 @@ class Ending(str, Enum):
     CRASHED = "crashed"  # died without an outcome
     OVER_MEMORY = "over_memory"  # stopped by the GPU watchdog: over its share of a GPU
     ELSEWHERE = "elsewhere"  # stopped by the GPU watchdog: on a GPU it was not granted
+    OVER_HOST_MEMORY = "over_host_memory"  # killed by the kernel: over its cgroup's memory limit
+    OVER_OUTPUT = "over_output"  # its output directory past --max-output (jobdirs.OutputQuota)
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Launched(Protocol):
     pid: int
     start: int
     pidfd: int
+    usage: cgroups.Usage | None  # once it has ended: what its job's cgroup measured, if it had one
 
     def name_job(self, job_id: str) -> None:
         """Say which job it runs: what the job starts is known by that id too."""
@@ -235,12 +240,16 @@ class JobProcess:
         """Whether the process has exited (a session's, between its calls)."""
         return self._pidfd < 0 or bool(select.select([self._pidfd], [], [], 0)[0])
 
-    def exit_status(self) -> int:
-        """Once it has ended: its wait status, when nothing of its job runs any more."""
+    def exit_status(self) -> int:  # once it has ended: its wait status, when nothing of its job runs any more
         return self._reap()
 
+    @property
+    def usage(self) -> cgroups.Usage | None:  # once it has ended (exit_status, close): what its cgroup measured
+        return self._process.usage if self._status is not None else None
+
     def run(self, env: dict[str, str], on_stdout: Callable[[str], None], on_stderr: Callable[[str], None], *,
-            account: Account | None = None, on_start: Callable[[int], None] | None = None, timeout: float | None = None,
+            account: Account | None = None, fence: Fence | None = None,
+            on_start: Callable[[int], None] | None = None, timeout: float | None = None,
             watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
             stop: Callable[[int], tuple[Ending, str] | None] | None = None,
             on_buffers: Callable[[codec.Layout, int], int] | None = None,
@@ -250,7 +259,7 @@ class JobProcess:
 
         Args:
             env: variables set in the job process before the payload is unpickled.
-            account: the account it runs as (a root server's); None: the one it was started as.
+            account, fence: the account it runs as (a root server's; None: its own), and its fence (or None).
             on_stdout, on_stderr: receive the job's output, as text, as it arrives.
             on_start: called with the job process id (its group id too) just before the payload
                 is let go, so that whatever it records is there before the job can be seen running.
@@ -272,14 +281,16 @@ class JobProcess:
         if self._body is None:
             raise RuntimeError("a job process runs only once give() named its payload")
         buffers, self._buffers = self._buffers, []  # sent: this process lets go of their memory
-        self._send(child.Go(env, account, self._body, codec.layout(buffers), on_buffers is not None), buffers)
+        self._send(child.Go(env, account, self._body, codec.layout(buffers), on_buffers is not None, fence=fence),
+                   buffers)
         return self._follow(on_stdout, on_stderr, timeout=timeout, watch_fds=watch_fds, on_watch=on_watch, stop=stop,
                             on_buffers=on_buffers, max_result=max_result)
 
-    def start_session(self, env: dict[str, str], account: Account | None = None) -> None:
-        """Make it a session's process (its GPUs granted): it takes `env`, becomes `account`, and then runs
-        one call() after another, keeping what each leaves in its globals, until close()."""
-        self._send(child.Go(env, account, b"", session=True), (), keep=True)
+    def start_session(self, env: dict[str, str], account: Account | None = None,
+                      fence: Fence | None = None) -> None:
+        """Make it a session's process (its GPUs granted): it takes `env`, is fenced by `fence`, becomes `account`,
+        and then runs one call() after another, keeping what each leaves in its globals, until close()."""
+        self._send(child.Go(env, account, b"", session=True, fence=fence), (), keep=True)
 
     def call(self, body: bytes, buffers: list[Any], on_stdout: Callable[[str], None],
              on_stderr: Callable[[str], None], **follow: Any) -> Result:

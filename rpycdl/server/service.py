@@ -17,10 +17,10 @@ import rpyc
 
 from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.security import auth
-from rpycdl.server import draining, request, runner, status
+from rpycdl.server import draining, request, resultpipe, runner, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import JobCalls, refused
-from rpycdl.server.jobflow import JobFlow, decode_bounded
+from rpycdl.server.jobflow import JobFlow
 from rpycdl.server.link import ConnectionLink
 from rpycdl.server.sessions import SessionCalls
 from rpycdl.server.workdircalls import WorkdirCalls
@@ -116,7 +116,7 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Serv
             refused(self.context, exc)
             raise
         self.after_reply()  # the job is over: its GPUs go back before its value is made here
-        return decode_bounded(outcome, plain=self.context.accounts.isolated)  # its code never runs as root
+        return resultpipe.decode_bounded(outcome, plain=self.context.accounts.isolated)  # its code never runs as root
 
     def exposed_run_container(self, image: str, command: Any, *args: Any, **kwargs: Any) -> bytes:
         """Run `command` (a list of strings) in a container of `image` with GPUs of its own (the

@@ -48,7 +48,7 @@ class SessionFlow(JobFlow):
             self.grant = self._acquire()
             self._start_saves()
             self._save_running()
-            self.job.start_session(self._environment(), self.request.account)
+            self.job.start_session(self._environment(), self.request.account, self.fence())
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
             record.error, record.error_type = str(exc) or type(exc).__name__, type(exc).__name__

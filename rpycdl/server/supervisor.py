@@ -161,7 +161,8 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                         "timeout": checked.timeout, "queue_timeout": checked.queue_timeout, "name": checked.name,
                         "command": None if checked.command is None else list(checked.command),
                         "container": container, "working_dir": checked.working_dir,
-                        "account": None if checked.account is None else checked.account.to_dict()}}
+                        "account": None if checked.account is None else checked.account.to_dict(),
+                        "memory": checked.memory, "cpus": checked.cpus}}
 
 
 def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
@@ -262,7 +263,8 @@ def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], No
         body=body, container=container, command=None if asked["command"] is None else tuple(asked["command"]),
         timeout=asked["timeout"], queue_timeout=asked["queue_timeout"], name=asked["name"], detached=True,
         output=request.Output(write, write), working_dir=asked.get("working_dir"),
-        account=None if asked.get("account") is None else Account.from_dict(asked["account"]))
+        account=None if asked.get("account") is None else Account.from_dict(asked["account"]),
+        memory=asked.get("memory"), cpus=asked.get("cpus"))
 
 
 def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rpycdl.errors import RemoteError, RpycdlError
+from rpycdl.errors import LimitError, RemoteError, RpycdlError
 from rpycdl.scheduler import dirfds, lockdir
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.wire import codec, untrusted
@@ -65,6 +65,46 @@ def test_a_walk_follows_no_link_and_skips_what_it_is_told(tmp_path):
     assert visited.index(("f", stat.S_IFREG)) < visited.index(("b", stat.S_IFDIR))  # children first
     with pytest.raises(OSError):
         dirfds.open_dir(tmp_path / "out")
+
+
+def test_a_trees_usage_follows_no_link_and_counts_a_hard_linked_file_once(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "big").write_bytes(b"b" * (4 << 20))
+    top = tmp_path / "out"
+    (top / "a" / "b").mkdir(parents=True)
+    (top / "model").write_bytes(b"m" * 100_000)
+    os.link(top / "model", top / "a" / "model-again")  # one file, two names
+    (top / "a" / "b" / "ckpt").write_bytes(b"c" * 50_000)
+    (top / "link").symlink_to(outside / "big")  # neither a link's target
+    (top / "a" / "dir-link").symlink_to(outside)  # nor a linked directory is counted
+    with open(top / "sparse", "wb") as sparse:
+        sparse.truncate(1 << 20)  # no block on disk, but 1 MiB to read (and to upload)
+    expected, seen = 0, set()
+    for where, names, files in os.walk(top):  # the same, by path
+        for name in names + files:
+            status = os.lstat(os.path.join(where, name))
+            if (status.st_dev, status.st_ino) not in seen:
+                seen.add((status.st_dev, status.st_ino))
+                expected += max(status.st_size, status.st_blocks * 512)
+    with dirfds.opened_dir(top) as fd:
+        used = dirfds.usage(fd, 10)
+    assert used == expected
+    assert 100_000 + 50_000 + (1 << 20) <= used < 2 * 100_000 + 50_000 + (1 << 20)  # not the 4 MiB outside
+
+
+def test_a_trees_usage_refuses_a_tree_nested_deeper_than_told(tmp_path):
+    deep = tmp_path.joinpath(*"abcde")
+    deep.mkdir(parents=True)
+    (deep / "f").write_bytes(b"x" * 1000)
+    with dirfds.opened_dir(tmp_path) as fd:
+        assert dirfds.usage(fd, 5) >= 1000
+        with pytest.raises(LimitError, match="deeper than 4 levels"):
+            dirfds.usage(fd, 4)
+    opened = len(os.listdir("/proc/self/fd"))
+    with dirfds.opened_dir(tmp_path) as fd, pytest.raises(LimitError):
+        dirfds.usage(fd, 2)
+    assert len(os.listdir("/proc/self/fd")) == opened  # every level's descriptor closed
 
 
 @needs_root

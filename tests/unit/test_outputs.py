@@ -13,7 +13,7 @@ from rpycdl.gpu.inventory import FakeInventory
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.ledger import JobRecord, JobState, new_job_id
 from rpycdl.server import jobdirs
-from rpycdl.server.context import ServerContext
+from rpycdl.server.context import Limits, ServerContext
 
 
 @pytest.fixture
@@ -74,3 +74,27 @@ def test_no_outputs_and_an_unfinished_job_are_as_the_ledger_says(context):
     context.ledger.save(running)
     context.files.output_dir(running.job_id).mkdir(parents=True)
     assert jobdirs.outputs(context, running)["state"] == "none"  # it writes its outputs: nothing uploads yet
+
+
+def test_the_output_quota_measures_at_most_once_a_second_and_names_its_limit(tmp_path):
+    context = ServerContext(name="pytorch", aliases=(), inventory=FakeInventory("fake:1"), lock_dir=str(tmp_path),
+                            state_dir=str(tmp_path / "state"), server_id="test", limits=Limits(max_output=100_000))
+    now = [0.0]
+    quota = jobdirs.OutputQuota(context, "job1", clock=lambda: now[0])
+    assert quota.over() is None  # no output directory (yet): nothing
+    output = context.files.output_dir("job1")
+    output.mkdir(parents=True)
+    (output / "a").write_bytes(b"a" * 50_000)
+    now[0] = 1.0
+    assert quota.over() is None
+    (output / "b").write_bytes(b"b" * 60_000)
+    now[0] = 1.5
+    assert quota.over() is None  # not due: measured a second after the last
+    assert "97.7 KiB" in (quota.over(now=True) or "")  # at the job's end, at once
+    now[0] = 3.0
+    assert quota.over() == ("the job wrote more than 97.7 KiB into its output directory, the server's "
+                            "--max-output")
+    (output / "b").unlink()
+    (output / "link").symlink_to(tmp_path / "state")  # what it names is not the job's
+    now[0] = 5.0
+    assert quota.over() is None

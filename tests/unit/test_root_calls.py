@@ -15,7 +15,7 @@ AUDITED = ("server", "scheduler", "artifacts", "monitor", "gpu", "security")
 """The sub-packages whose code a root process may run (with the client's and the job's own, which the table
 says are never root's)."""
 
-RULES = {"tree", "fds", "handed", "given", "proc", "user", "simulated", "none"}
+RULES = {"tree", "fds", "handed", "given", "proc", "cgroup", "ns", "user", "simulated", "none"}
 """The table's rules (docs/ARCHITECTURE.md, Root and paths, says what each means)."""
 
 _OS = {"open", "stat", "lstat", "listdir", "scandir", "walk", "mkdir", "makedirs", "rmdir", "unlink", "remove",
