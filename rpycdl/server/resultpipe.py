@@ -67,8 +67,11 @@ class ResultPipe:
                     self.complete = self._on_buffers(self.layout) == codec.layout_bytes(self.layout)  # type: ignore[misc]
                 self.header.clear()
                 break
+            had = len(self.header)
             if not self._read(self.header, need):
                 return False
+            if len(self.header) == had:  # nothing more there yet (a process the job started may hold the pipe)
+                return True
         if self.size is None:
             if not self._read(self.header, SIZE.size):
                 return False
