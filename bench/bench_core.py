@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import rpyc
 
 import rpycdl
+from rpycdl.security import cgroups
 from rpycdl.site.local import LocalCluster
 
 
@@ -195,6 +196,23 @@ def open_connection_round_trip(port: int, n: int) -> tuple[list[float], float, d
         before = _process_cpu()
         samples, cpu = timed_cpu(lambda: conn.root.run_code(trivial, 1, ngpus=1), n)
         return samples, cpu, cpu_by_process(before, n)
+
+
+def fence_cost(ports: dict[str, int], n: int, block: int = 10) -> dict[str, list[float]]:
+    """run ngpus=1 on an open connection to each server of `ports` (by name), `n` calls each, in alternating blocks of
+    `block` calls so that each sees the same machine; the times by name."""
+    conns = {name: rpycdl.connect(host="127.0.0.1", port=port) for name, port in ports.items()}
+    try:
+        for conn in conns.values():
+            timed(lambda conn=conn: conn.root.run_code(trivial, 1, ngpus=1), 5)  # warm up
+        samples: dict[str, list[float]] = {name: [] for name in conns}
+        for _ in range(n // block):
+            for name, conn in conns.items():
+                samples[name] += timed(lambda conn=conn: conn.root.run_code(trivial, 1, ngpus=1), block)
+        return samples
+    finally:
+        for conn in conns.values():
+            conn.close()
 
 
 def hand_off(port: int, n: int) -> list[float]:
@@ -404,6 +422,13 @@ def main() -> None:
         rows.append(("run ngpus=1 on an open connection", kept, base, "bare RPyC connect+call+close"))
         in_session, open_call, session_cpu = session_call(port, 10 * n)  # 0.5 ms each: 10 times as many
         rows.append(("call on an open session (ngpus=1)", in_session, open_call, "bare RPyC call, open connection"))
+        if not isinstance(cgroups.detect(), str):  # a root server fences its jobs: what it costs, against none
+            bare = cluster.add_server("pytorch", "fake:4", "--no-fence")[1]
+            private = cluster.add_server("pytorch", "fake:4", "--job-tmp", "64MiB")[1]
+            cost = fence_cost({"fenced": port, "bare": bare, "tmp": private}, n)
+            rows.append(("run ngpus=1 on an open connection, in a cgroup of its own", cost["fenced"], cost["bare"],
+                         "the same, --no-fence"))
+            rows.append(("the same with a private /tmp (--job-tmp)", cost["tmp"], cost["bare"], "the same, --no-fence"))
         if not args.round_trip:
             gaps = hand_off(port, 10 if args.quick else 40)
             rows.append(("hand-off (release to next job's start)", gaps, None, "original: 1 s polling"))

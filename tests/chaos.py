@@ -1289,7 +1289,8 @@ def live_records(lock_dir: Path) -> list[str]:
     return [describe_row(row) for row in ledger_rows(lock_dir, LIVE)]
 
 
-LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files", "job_files")
+LEFTOVER_KINDS = ("holders", "queue", "locked", "processes", "records", "held_files", "queue_files", "job_files",
+                  "cgroups")
 
 
 def job_files_leftovers(lock_dir: Path) -> list[str]:
@@ -1383,7 +1384,24 @@ def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: 
                          if not fifo_read(queue / name.replace(".json", ".fifo"))]
     found.records = [describe_row(row) for row in ledger_rows(lock_dir, LIVE) if row["job_id"] in orphaned]
     found.job_files = job_files_leftovers(lock_dir)
+    found.cgroups = stale_cgroups()
     return found
+
+
+def stale_cgroups() -> list[str]:
+    """The jobs' cgroups (a root server's: `rpycdl/job-<pid>-<start>-<n>` under this process's cgroup of each
+    hierarchy, named after the job's keeper or supervisor) whose keeper or supervisor is dead: its job's requester,
+    or a server's sweep, removes each. Read from /proc and the cgroup file systems, not through rpycdl."""
+    stale = []
+    with open("/proc/self/mountinfo") as mounts, open("/proc/self/cgroup") as mine:
+        points = [line.split()[4] for line in mounts if line.split(" - ")[1].split()[0] in ("cgroup", "cgroup2")]
+        own = {line.split(":", 2)[2].strip() for line in mine}
+    for base in {Path(point) / path.lstrip("/") / "rpycdl" for point in points for path in own}:
+        for entry in (base.iterdir() if base.is_dir() else ()):
+            named = re.fullmatch(r"job-(\d+)-(\d+)-\d+", entry.name)
+            if named and not alive(read_stat(int(named.group(1))), int(named.group(2))):
+                stale.append(str(entry))
+    return sorted(stale)
 
 
 def fifo_read(fifo: Path) -> bool:
@@ -1409,6 +1427,7 @@ class Leftovers:
     held_files: list[str] = field(default_factory=list)
     queue_files: list[str] = field(default_factory=list)
     job_files: list[str] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)  # jobs' cgroups whose keeper or supervisor is dead
 
     def __bool__(self) -> bool:
         return any(getattr(self, kind) for kind in LEFTOVER_KINDS)
@@ -1418,7 +1437,8 @@ class Leftovers:
             ("GPU holders (gpu_status)", self.holders), ("queue (gpu_status)", self.queue),
             ("locked GPU lock files", self.locked), ("job processes", self.processes),
             ("job records pending/running", self.records), ("held/ records", self.held_files),
-            ("queue/ entries", self.queue_files), ("job files", self.job_files)) if items]
+            ("queue/ entries", self.queue_files), ("job files", self.job_files),
+            ("cgroups of dead keepers", self.cgroups)) if items]
         return f"{self.after:.3f} s after: " + ("; ".join(parts) or "nothing left")
 
 
@@ -1448,6 +1468,7 @@ class EndCheck:
         found.held_files = lock_dir_entries(self.lock_dir / "held")
         found.queue_files = lock_dir_entries(self.lock_dir / "queue") + lock_dir_entries(self.lock_dir / "rows")
         found.job_files = job_files_leftovers(self.lock_dir)
+        found.cgroups = stale_cgroups()
         return found
 
     def _status(self, port: int) -> dict[str, Any] | None:

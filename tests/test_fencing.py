@@ -5,13 +5,18 @@ Each job attacks its fence from inside, as a job of another user would."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
 import stat
+import sys
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import unavailable, wait_until
+from helpers import forkserver, rpycdl_cli, running, scrape, server_pid, unavailable, wait_until
 
 import rpycdl
 from rpycdl.security import cgroups
@@ -174,10 +179,16 @@ def test_a_jobs_usage_is_in_the_ledger(server, connect):
     assert row["peak_memory"] >= 100 << 20 and row["cpu_seconds"] >= 0.3 and row["max_procs"] >= 1, row
 
 
-def test_the_server_says_how_it_fences(server, connect):
+def test_the_server_says_how_it_fences_and_the_monitor_which_live(server, connect, cluster):
     conn = connect(server("pytorch", "fake:1", "--job-tmp", "auto"))
     fencing = conn.root.gpu_status()["server"]["fencing"]
     assert fencing.startswith("cgroup v") and "memory" in fencing and fencing.endswith("private /tmp")
+    _, base = cluster.add_monitor("fake:1")
+    kind = fencing.split(" (")[0]
+    assert scrape(base)["rpycdl_fencing_info"] == [({"fencing": kind}, 1.0)]
+    connect(server("pytorch", "fake:1", "--no-fence"))
+    both = [({"fencing": kind}, 1.0), ({"fencing": "none"}, 1.0)]
+    wait_until(lambda: scrape(base)["rpycdl_fencing_info"] == both, what="the monitor to see both servers")
 
 
 def test_cgroups_of_jobs_are_removed_at_their_end(server, connect):
@@ -188,3 +199,139 @@ def test_cgroups_of_jobs_are_removed_at_their_end(server, connect):
                                              if "/rpycdl/job-" in line))
     base = next(iter(found.bases.values()))
     wait_until(lambda: not (base / name).exists(), 5, "the job's cgroup to be removed")
+
+
+def test_on_cgroup_v2_a_device_program_refuses_the_nodes_it_names(tmp_path):
+    """The v2 path on the host's cgroup v2 mount (this machine's controllers may be on v1: the device program needs
+    none), with the code a v2 host runs: a job's cgroup made, joined, limited to no node of minor 1, removed."""
+    unified = next((point for point, kind, _ in cgroups._mounts() if kind == "cgroup2"), None)
+    if unified is None:
+        unavailable("no cgroup v2 hierarchy is mounted here", "mount cgroup2 (as most hosts do)")
+    own = cgroups._own_paths().get("", "/").lstrip("/")
+    base = Path(unified) / own / f"rpycdl-test-{uuid.uuid4().hex[:8]}"
+    base.mkdir()
+    nodes = tmp_path / "dev"
+    nodes.mkdir()
+    for minor in (0, 1):
+        os.mknod(nodes / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(cgroups.NVIDIA_MAJOR, minor))
+    try:
+        job = cgroups.Hierarchy(2, {"": base}).create("job-1-1-0")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            seen = []
+            try:
+                job.join()
+                job.limit(cgroups.Limits(deny=((cgroups.NVIDIA_MAJOR, 1),)))
+                for minor in (0, 1):
+                    try:
+                        os.close(os.open(nodes / f"nvidia{minor}", os.O_RDWR))
+                        seen.append("opened")
+                    except OSError as exc:
+                        seen.append(errno.errorcode[exc.errno])
+                os.close(os.open("/dev/null", os.O_RDWR))
+                seen.append("null")
+            finally:
+                os.write(write, ",".join(seen).encode())
+                os._exit(0)
+        os.close(write)
+        told = os.read(read, 1024).decode().split(",")
+        os.waitpid(pid, 0)
+        assert told == ["ENXIO", "EPERM", "null"], told  # minor 0: allowed (no driver here); minor 1: refused
+        assert job.pids() == set()
+        job.remove()
+        assert not (base / "job-1-1-0").exists()
+    finally:
+        base.rmdir()
+
+
+def test_a_server_with_no_fence_fences_nothing(server, connect):
+    conn = connect(server("pytorch", "fake:1", "--no-fence"))
+    assert conn.root.gpu_status()["server"]["fencing"] == "none (--no-fence)"
+    cgroup = conn.root.run_code(lambda _: open("/proc/self/cgroup").read())
+    assert "/rpycdl/job-" not in cgroup
+    detached = conn.root.submit(lambda _: open("/proc/self/cgroup").read())  # its supervisor is told too
+    assert detached.wait(60).state is rpycdl.JobState.SUCCEEDED and "/rpycdl/job-" not in detached.result()
+    assert conn.root.run_code(touch, 512 << 20, memory="256MiB") == 512 << 20  # asked, but not held to it
+
+
+def test_a_command_over_its_memory_fails_naming_its_limit(server):
+    port = server("pytorch", "fake:1")
+    hog = "m = bytearray(1 << 30)\nfor i in range(0, len(m), 4096): m[i] = 1"
+    ran = rpycdl_cli("run", "pytorch", "--host", "127.0.0.1", "--port", str(port), "--memory", "200MiB", "--",
+                     sys.executable, "-c", hog, timeout=120)
+    assert ran.returncode != 0 and "killed the command (SIGKILL) at its job's memory limit" in ran.stderr, ran.stderr
+    assert "its limit (200 MiB)" in ran.stderr and "--memory" in ran.stderr
+    conn = rpycdl.connect(host="127.0.0.1", port=port)
+    try:  # the same submitted: its row says so
+        job = conn.root.submit_command([sys.executable, "-c", hog], memory="200MiB")
+        assert job.wait(60).state is rpycdl.JobState.FAILED
+        row = job.refresh()
+        assert row["error_type"] == "HostMemoryExceededError" and "200 MiB" in row["error"], row
+    finally:
+        conn.close()
+
+
+def test_the_gpu_self_tests_memory_check_passes_on_a_fencing_server_and_says_so_elsewhere(server, connect):
+    from rpycdl.site import selfchecks
+
+    port = server("pytorch", "fake:1")
+    fencing = connect(port).root.gpu_status()["server"]["fencing"]
+    assert selfchecks.fenced_memory(port, fencing).startswith("stopped: job ")
+    assert "nothing to check" in selfchecks.fenced_memory(port, "none (not root)")
+
+
+def _daemonizer():  # nested, so that dill sends it by value
+    def daemonizing(where: str) -> None:
+        """Runs on the server: starts a daemon (a double fork into a new session, exec'd with an empty environment:
+        nothing of it names its job), says where things are, and waits."""
+        import json
+        import os
+        import time
+
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(write, str(os.getpid()).encode())
+                os.execve("/bin/sleep", ["sleep", "300"], {})
+            os._exit(0)
+        daemon = int(os.read(read, 32))
+        cgroup = next(line.rsplit("/", 1)[1] for line in open("/proc/self/cgroup") if "/rpycdl/job-" in line)
+        with open(f"{where}.tmp", "w") as out:
+            json.dump({"daemon": daemon, "keeper": os.getppid(), "cgroup": cgroup}, out)
+        os.rename(f"{where}.tmp", where)
+        time.sleep(300)
+
+    return daemonizing
+
+
+_daemonizing = _daemonizer()
+
+
+def test_a_jobs_daemon_dies_through_its_cgroup_when_the_server_its_forkserver_and_its_keeper_are_killed(
+        cluster, connect, tmp_path):
+    """kill -9 of the server parent, its forkserver and the job's keeper: the job's daemon, which nothing else
+    would find (adopted by init, no variable naming its job), is killed through the job's cgroup by the connection
+    process, which notices, and the cgroup is removed."""
+    _, port = cluster.add_server("pytorch", "fake:1")
+    parent = server_pid(cluster, port)
+    conn = connect(port)
+    where = tmp_path / "daemon.json"
+    threading.Thread(target=lambda: _swallow(lambda: conn.root.run_code(_daemonizing, str(where))),
+                     daemon=True).start()
+    info = json.loads(wait_until(lambda: where.exists() and where.read_text(), 20, "the job's daemon"))
+    for pid in (parent, forkserver(parent), info["keeper"]):
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not running(info["daemon"]), 5, "the job's daemon to be killed")
+    found = cgroups.detect()
+    assert not isinstance(found, str)
+    wait_until(lambda: not any((base / info["cgroup"]).exists() for base in found.bases.values()), 5,
+               "the job's cgroup to be removed")
+
+
+def _swallow(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except BaseException:  # noqa: BLE001, S110 - its connection dies in this test, as planned
+        pass

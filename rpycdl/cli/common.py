@@ -110,11 +110,17 @@ def report_unreached(args: argparse.Namespace, results: list[tuple[tuple[str, in
 
 
 def size_flags(parser: argparse.ArgumentParser) -> None:
-    """--ngpus, --gpus or --gpu-memory: what a job asks for (run and submit)."""
+    """--ngpus, --gpus or --gpu-memory, and --memory and --cpus: what a job asks for (run and submit)."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
     size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
     size.add_argument("--gpu-memory", default=None, metavar="SIZE", help="a share of one GPU by memory, such as 6GiB")
+    parser.add_argument("--memory", default=None, metavar="SIZE",
+                        help="host memory the job may use, such as 16GiB, where the server fences jobs (default: the "
+                             "server's --job-memory)")
+    parser.add_argument("--cpus", type=float, default=None, metavar="N",
+                        help="CPU cores the job may use, such as 4 or 0.5, where the server fences jobs (default: the "
+                             "server's --job-cpus)")
 
 
 def working_dir_flag(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +141,8 @@ def exit_code(exc: RpycdlError) -> int:
 
 
 FLAGS = {"ngpus": "--ngpus", "gpus": "--gpus", "gpu_memory": "--gpu-memory", "timeout": "--timeout",
-         "queue_timeout": "--queue-timeout", "working_dir": "--working-dir", "name": "--name"}
+         "queue_timeout": "--queue-timeout", "working_dir": "--working-dir", "name": "--name", "memory": "--memory",
+         "cpus": "--cpus"}
 """The flag of each request argument that a server's refusal may name (shares, request: as `gpu_memory='6GiB'`)."""
 
 _ARGUMENT = re.compile(r"(?<![\w.-])(" + "|".join(FLAGS) + r")=('[^']*'|\"[^\"]*\"|[^\s,;:()]+)?")

@@ -176,6 +176,8 @@ def _submit(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--working-dir goes without --image: a container job's files come with its image")
     if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
         raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
+    if args.image and (args.memory is not None or args.cpus is not None):
+        raise InvalidRequestError("--memory and --cpus go without --image: a container job is not fenced by rpycdl")
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
     with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
                  tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
@@ -188,7 +190,7 @@ def _submit(args: argparse.Namespace) -> int:
             submitted = conn.root.submit_command(args.argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                                  name=args.name, timeout=args.timeout,
                                                  queue_timeout=args.queue_timeout, working_dir=args.working_dir,
-                                                 exists=args.exists)
+                                                 exists=args.exists, memory=args.memory, cpus=args.cpus)
         if args.quiet:
             print(submitted.id)
         else:

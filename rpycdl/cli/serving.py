@@ -129,6 +129,10 @@ def _add_fence_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--job-cpus", type=float, default=None, metavar="N",
                        help="CPU cores a job that does not ask (cpus=) may use, a bandwidth share such as 4 or 0.5 "
                             "(default: all of them)")
+    serve.add_argument("--no-fence", action="store_true",
+                       help="fence no job, even where this server could (root: a cgroup per job), as a server that is "
+                            "not root: no limit on a job's host memory, processes or CPUs, no device node kept from it "
+                            "(for a host whose jobs another layer confines, such as Slurm's cgroups)")
     serve.add_argument("--job-tmp", default="off", metavar="SIZE",
                        help="give each job its own empty /tmp and /dev/shm of this size, gone at its end (auto: as "
                             "the job's memory limit, which its files there count against); off: jobs see the host's, "
@@ -153,7 +157,7 @@ def _fence_limits(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidRequestError(f"--job-pids must be at least 16, --job-cpus between 0 and this machine's "
                                   f"{os.cpu_count()} cores, --job-tmp a size, auto or off")
     return {"job_memory": job_memory, "max_job_memory": max_job_memory, "job_pids": args.job_pids,
-            "job_cpus": job_cpus, "job_tmp": job_tmp}
+            "job_cpus": job_cpus, "job_tmp": job_tmp, "fence": not args.no_fence}
 
 
 def _add_limit_flags(serve: argparse.ArgumentParser) -> None:

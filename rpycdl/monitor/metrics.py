@@ -31,7 +31,7 @@ from prometheus_client.utils import floatToGoString
 from rpycdl.gpu.inventory import Inventory
 from rpycdl.scheduler import lockdir
 from rpycdl.scheduler.ledger import DROPS, REFUSALS, JobRecord, Ledger
-from rpycdl.scheduler.lockdir import host_isolation
+from rpycdl.scheduler.lockdir import host_fencing, host_isolation
 from rpycdl.scheduler.locks import GPULockManager
 from rpycdl.scheduler.policyfiles import host_scheduling
 
@@ -125,6 +125,12 @@ class HostCollector(Collector):
         if mode is not None:
             isolation.add_metric([], {"mode": mode})
         yield isolation
+        fencing = InfoMetricFamily("rpycdl_fencing", "How the host's live servers fence their jobs: 'cgroup v1', "
+                                   "'cgroup v2' (root servers: a cgroup per job) or 'none'; one per kind that lives",
+                                   labels=["fencing"])
+        for kind in host_fencing(self.locks.root):
+            fencing.add_metric([kind], {})
+        yield fencing
         yield from self._ended()
 
     def _gpus(self, held: dict[str, list[dict[str, Any]]]) -> Iterator[Metric]:

@@ -212,6 +212,20 @@ def host_isolation(root: Path) -> str | None:
     return None
 
 
+def claim_fencing(root: Path, mark: str) -> None:
+    """Mark the lock directory `root` as used by a server that fences its jobs so (`mark`: cgroup-v1, cgroup-v2 or
+    none: rpycdl.security.cgroups.mark), for as long as this process lives; servers of different fencing may share
+    it (the monitor says which live: host_fencing)."""
+    claim(root / "fencing", mark)
+
+
+def host_fencing(root: Path) -> list[str]:
+    """How the live servers of a lock directory fence their jobs ("cgroup v1", "cgroup v2", "none"), sorted."""
+    folder = root / "fencing"
+    return sorted(key.replace("-", " ") for key in (names(folder, "", "") if folder.is_dir() else ())
+                  if "." not in key and others(open_once(str(folder / key)), 0, 0, []))
+
+
 def isolation_marks(root: Path) -> set[str]:
     """The isolation modes of every server that has used the lock directory `root`, live or not (their marks
     stay after them)."""

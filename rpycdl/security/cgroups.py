@@ -11,9 +11,8 @@ reads its usage once it has ended, kills whatever is left in it and removes it (
 whose keeper died is emptied and removed by its requester, or by the next sweep of a server of the same
 hierarchy (`Hierarchy.sweep`).
 
-GPU device nodes are fenced on cgroup v1 (the devices controller denies the nodes of the GPUs the job was not
-granted: NVIDIA's major 195 and each GPU's minor); on cgroup v2 that takes a device BPF program, which is not built
-yet, so `Hierarchy.describe` says devices are not fenced there."""
+GPU device nodes are fenced by the devices controller on cgroup v1 (it denies the nodes of the GPUs the job was not
+granted: NVIDIA's major 195 and each GPU's minor), by a device BPF program on cgroup v2 (rpycdl.security.devices)."""
 
 from __future__ import annotations
 
@@ -24,13 +23,13 @@ import itertools
 import logging
 import os
 import re
-import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rpycdl.scheduler import procs
+from rpycdl.security import devices
 
 NVIDIA_MAJOR = 195
 """The major number of NVIDIA's GPU device nodes (/dev/nvidia0 is 195:0; 255 and 254 are the control nodes)."""
@@ -128,7 +127,9 @@ class JobCgroup:
             else:
                 self._write("cpu", "cpu.cfs_period_us", str(CFS_PERIOD))
                 self._write("cpu", "cpu.cfs_quota_us", str(quota))
-        if not v2:
+        if v2:
+            devices.deny(str(self.dirs[""]), limits.deny)
+        else:
             for major, minor in limits.deny:
                 self._write("devices", "devices.deny", f"c {major}:{minor} rwm")
 
@@ -174,10 +175,14 @@ class JobCgroup:
             found.cpu_seconds = int(nanoseconds) / 1e9 if nanoseconds and nanoseconds.strip().isdigit() else None
         return found
 
+    def empty(self) -> Usage:
+        """Once its job process has ended: kill what is left in it; what it measured."""
+        self.kill()
+        return self.usage()
+
     def finish(self) -> Usage:
         """Once its job process has ended: kill what is left in it, and remove it; what it measured."""
-        self.kill()
-        found = self.usage()
+        found = self.empty()
         self.remove()
         return found
 
@@ -223,7 +228,7 @@ class Hierarchy:
         if self.version == 1:
             return f"cgroup v1 ({', '.join(c for c in self.bases if c != 'cpuacct')})"
         controllers = _v2_controllers(self.bases[""])
-        return f"cgroup v2 ({', '.join(controllers) or 'processes only'}; devices not fenced)"
+        return f"cgroup v2 ({', '.join([*controllers, 'devices'])})"
 
     def create(self, name: str) -> JobCgroup:
         """A new job's cgroup named `name` (job-<keeper pid>-<keeper start>-<n>)."""
@@ -243,21 +248,27 @@ class Hierarchy:
         """The job's cgroup named `name`, made before (by its keeper or supervisor)."""
         return JobCgroup(self.version, {c: b / name for c, b in self.bases.items() if (b / name).is_dir()}, name)
 
+    def stale(self) -> list[str]:
+        """The names of the jobs' cgroups whose keeper (or supervisor) is gone, sorted."""
+        names = {entry.name for base in self.bases.values() if base.is_dir() for entry in base.iterdir()
+                 if entry.is_dir() and _NAME.match(entry.name)}
+        return sorted(name for name in names if procs.identify((keeper := _keeper(name))[0]) != keeper)
+
     def sweep(self) -> int:
         """Remove the cgroups of jobs whose keeper is gone (killing what they still hold); how many."""
         removed = 0
-        names = {entry.name for base in self.bases.values() if base.is_dir() for entry in base.iterdir()
-                 if entry.is_dir() and _NAME.match(entry.name)}
-        for name in names:
-            match = _NAME.match(name)
-            assert match is not None
-            keeper = (int(match.group(1)), int(match.group(2)))
-            if procs.identify(keeper[0]) == keeper:
-                continue
+        for name in self.stale():
             with contextlib.suppress(OSError):
                 self.job(name).remove()
                 removed += 1
         return removed
+
+
+def _keeper(name: str) -> procs.Pid:
+    """The keeper (or supervisor) a job's cgroup is named after: its pid and start time."""
+    match = _NAME.match(name)
+    assert match is not None
+    return int(match.group(1)), int(match.group(2))
 
 
 def _mounts() -> Iterable[tuple[str, str, set[str]]]:
@@ -323,6 +334,24 @@ def detect() -> Hierarchy | str:
         return f"cannot make cgroups ({exc.strerror})"
 
 
+def own() -> JobCgroup | None:
+    """The cgroup of the job this process belongs to (as a job process or what it started sees it: its files are
+    readable by all), or None outside a job's."""
+    try:
+        paths, mounts = _own_paths(), list(_mounts())
+    except (OSError, ValueError):
+        return None
+    v1 = {c: Path(point) / paths[c].lstrip("/") for point, kind, options in mounts if kind == "cgroup"
+          for c in V1_CONTROLLERS if c in options and c in paths and f"/{JOBS}/job-" in paths[c]}
+    if "memory" in v1:
+        return JobCgroup(1, v1, v1["memory"].name)
+    unified = next((Path(point) for point, kind, _ in mounts if kind == "cgroup2"), None)
+    if unified is None or f"/{JOBS}/job-" not in paths.get("", ""):
+        return None
+    where = unified / paths[""].lstrip("/")
+    return JobCgroup(2, {"": where}, where.name)
+
+
 def gpu_nodes_denied(granted: set[int], served: set[int], dev: str = "/dev") -> tuple[tuple[int, int], ...]:
     """The GPU device nodes (major, minor) a job granted the GPUs of minors `granted` may not open: those of the
     server's other GPUs (`served`) and of every other GPU node of the host's `dev` (/dev/nvidia<N>)."""
@@ -337,9 +366,31 @@ def gpu_nodes_denied(granted: set[int], served: set[int], dev: str = "/dev") -> 
     return tuple((NVIDIA_MAJOR, minor) for minor in sorted(minors - granted))
 
 
-@functools.cache
+NO_FENCE = "--no-fence"
+"""The server's option that turns fencing off; its forkserver and supervisors are told so by it, on their command
+line."""
+_off = ""
+
+
+def turn_off(why: str) -> None:
+    """Fence no job of this process, nor of those it forks after (the server's --no-fence): `why`."""
+    global _off
+    _off = why
+
+
+def turned_off() -> str:
+    """Why this process fences no job although it might (turn_off), or ""."""
+    return _off
+
+
 def hierarchy() -> Hierarchy | str:
-    """This process's `detect()`, found once (a process forked after keeps the answer)."""
+    """Where this process makes jobs' cgroups (`detect()`, found once: a process forked after keeps the answer), or
+    why it makes none."""
+    return _off or _detected()
+
+
+@functools.cache
+def _detected() -> Hierarchy | str:
     return detect()
 
 
@@ -382,13 +433,13 @@ def fencing(private_tmp: bool) -> str:
     return found.describe() + (", private /tmp" if private_tmp else "")
 
 
+def mark() -> str:
+    """How this server fences its jobs, as a file name for its lock directory's marks: cgroup-v1, cgroup-v2, none."""
+    found = hierarchy()
+    return "none" if isinstance(found, str) else f"cgroup-v{found.version}"
+
+
 def sweep() -> int:
     """Remove the cgroups of this server's hierarchy whose keeper or supervisor is gone; how many."""
     found = hierarchy()
     return 0 if isinstance(found, str) else found.sweep()
-
-
-def oom_killed(usage: Usage | None, status: int) -> bool:
-    """Whether a job process that ended with wait status `status` was killed by the OOM killer for its cgroup."""
-    return usage is not None and usage.oom_kills > 0 and os.WIFSIGNALED(status) \
-        and os.WTERMSIG(status) == signal.SIGKILL

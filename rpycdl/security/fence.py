@@ -26,7 +26,9 @@ class Fence:
 
     def enter(self, cgroup: cgroups.JobCgroup | None, env: dict[str, str]) -> None:
         """In the job process, as root, before it becomes its owner: its cgroup's limits set, its /tmp its own."""
-        if cgroup is not None:
-            cgroup.limit(self.limits)
+        if cgroup is None:  # its keeper could not make it (logged): the job does not run unfenced
+            raise RuntimeError("rpycdl: this job could not be fenced (its cgroup could not be made: the server's log "
+                               "says why); try again, or ask the server's operator")
+        cgroup.limit(self.limits)
         if self.tmp:
             privatetmp.enter(self.tmp, privatetmp.wanted(env))

@@ -154,8 +154,10 @@ def build_server(config: ServerConfig) -> DLServer:
     lockdir.claim_isolation(Path(directory), context.accounts.mode)
     context.locks.claim_scheduling()
     context.preload = preload_of(config)
-    cgroups.hierarchy()  # where jobs' cgroups go, found once before any fork
-    context.launcher = ForkServer(context.server_id, context.preload)  # before any fork: connections ask it for jobs
+    if not config.limits.fence:
+        cgroups.turn_off(cgroups.NO_FENCE)
+    lockdir.claim_fencing(Path(directory), cgroups.mark())  # where jobs' cgroups go, found once before any fork
+    context.launcher = ForkServer(context.server_id, context.preload, config.limits.fence)  # before any fork
     registrar = None
     if config.registry != "none":
         registrar = registry_client(config.registry)

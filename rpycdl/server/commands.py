@@ -8,14 +8,30 @@ import signal
 import subprocess
 import sys
 
+from rpycdl.errors import HostMemoryExceededError
+from rpycdl.security import cgroups
+from rpycdl.units import format_size
+
 
 def run_command(argv: list[str]) -> int:
-    """Run `argv` and return its exit code (-N if signal N killed it; 127 if it cannot be started)."""
+    """Run `argv` and return its exit code (-N if signal N killed it; 127 if it cannot be started).
+
+    Raises:
+        HostMemoryExceededError: the kernel killed it at its job's memory limit (its job's cgroup says so).
+    """
     try:
-        return subprocess.run(argv, check=False).returncode
+        code = subprocess.run(argv, check=False).returncode
     except OSError as exc:  # not found, not executable: say so like a shell would
         print(f"rpycdl: {argv[0]}: {exc.strerror}", file=sys.stderr)
         return 127
+    fenced = cgroups.own() if code == -signal.SIGKILL else None
+    used = fenced.usage() if fenced is not None else None
+    if used is not None and used.oom_kills:
+        raise HostMemoryExceededError(
+            f"the kernel killed the command (SIGKILL) at its job's memory limit: it used "
+            f"{format_size(used.peak_memory or 0)} of host memory, its limit ({format_size(used.memory_limit or 0)});"
+            " ask for more with memory= (--memory on the command line)")
+    return code
 
 
 def describe_exit(code: int) -> str:

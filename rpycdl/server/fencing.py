@@ -25,10 +25,10 @@ def job_fence(context: ServerContext, record: JobRecord, memory: int | None, cpu
     return Fence(cgroups.Limits(memory, limits.job_pids, cpus or limits.job_cpus or None, deny), tmp)
 
 
-def over_memory(context: ServerContext, usage: cgroups.Usage | None, status: int, asked: bool) -> str | None:
-    """Why a job process that ended with wait status `status` was stopped, if the kernel killed it at its cgroup's
-    memory limit (`asked`: by its memory=, else --job-memory): its peak and its limit."""
-    if usage is None or not cgroups.oom_killed(usage, status):
+def over_memory(context: ServerContext, usage: cgroups.Usage | None, asked: bool) -> str | None:
+    """Why a job whose process (or command) SIGKILL ended was stopped, if the kernel's OOM killer did it at its
+    cgroup's memory limit (`asked`: its memory=, else --job-memory): its peak and its limit."""
+    if usage is None or not usage.oom_kills:
         return None
     most = format_size(max_job_memory(context.limits))
     source = "its memory=" if asked else "this server's --job-memory"

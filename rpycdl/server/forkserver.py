@@ -145,7 +145,7 @@ class ForkServer:
     processes, which ask it for processes. Should it die, the server starts another at the same address
     (spawn()), and each process reaches the new one when it next asks."""
 
-    def __init__(self, name: str, preload: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, preload: tuple[str, ...] = (), fence: bool = True) -> None:
         """`name` makes its address unique (the server's id); `preload`: modules it imports before it forks
         anything (rpycdl serve --preload), so that every job starts with them imported. Returns once the
         forkserver is ready.
@@ -155,6 +155,7 @@ class ForkServer:
         """
         self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
         self.preload = preload
+        self.fence = fence  # False: its keepers make no cgroup (--no-fence)
         self.spawn()
         self.ready()
 
@@ -166,7 +167,8 @@ class ForkServer:
         listener.listen()
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fds = [theirs.fileno(), listener.fileno()]
-        self.process = subprocess.Popen([sys.executable, "-m", FORKSERVER_MODULE, *map(str, fds), *self.preload],
+        self.process = subprocess.Popen([sys.executable, "-m", FORKSERVER_MODULE, *map(str, fds),
+                                         *(() if self.fence else (cgroups.NO_FENCE,)), *self.preload],
                                         pass_fds=fds, env=clean_environment(os.environ), stdin=subprocess.DEVNULL,
                                         start_new_session=True)
         theirs.close()
@@ -323,9 +325,13 @@ class _Server:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rpycdl.server.forkserver FD LISTENER [MODULE ...]`: serve the requests on the socket FD and
-    on the connections LISTENER accepts, with MODULEs imported first (rpycdl serve --preload)."""
+    """`python -m rpycdl.server.forkserver FD LISTENER [--no-fence] [MODULE ...]`: serve the requests on the socket
+    FD and on the connections LISTENER accepts, with MODULEs imported first (rpycdl serve --preload), its jobs
+    fenced unless --no-fence (rpycdl serve --no-fence)."""
     first, listener, *preload = argv if argv is not None else sys.argv[1:]
+    if preload[:1] == [cgroups.NO_FENCE]:
+        preload = preload[1:]
+        cgroups.turn_off(cgroups.NO_FENCE)
     child.name_process("rpycdl-forksrv")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's, which stops it
     child.become_subreaper()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import select
+import signal
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -276,11 +278,18 @@ class JobFlow:
         result = job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
                          account=self.request.account, fence=self.fence(), on_start=self._save_running,
                          **self._following(self.request.output, self.request.timeout))
-        if result.ending is runner.Ending.CRASHED:  # the kernel's OOM killer, at its memory limit?
-            why = fencing.over_memory(self.context, job.usage, job.exit_status(), self.request.memory is not None)
+        if self._killed(job, result):  # by the kernel's OOM killer, at its memory limit?
+            why = fencing.over_memory(self.context, job.usage, self.request.memory is not None)
             result = runner.Result(runner.Ending.OVER_HOST_MEMORY, reason=why) if why else result
         over = self._quota.over(now=True) if result.ending is runner.Ending.FINISHED else None  # what it left
         return result if over is None else runner.Result(runner.Ending.OVER_OUTPUT, reason=over)
+
+    @staticmethod
+    def _killed(job: runner.JobProcess, result: runner.Result) -> bool:
+        """Whether SIGKILL ended the job process (then it has ended: its usage is known). A command's job process
+        says itself when the kernel killed the command at the job's limit (commands.run_command)."""
+        return result.ending is runner.Ending.CRASHED and os.WIFSIGNALED(status := job.exit_status()) \
+            and os.WTERMSIG(status) == signal.SIGKILL
 
     def fence(self) -> Fence | None:
         """How the job is fenced (fencing.job_fence), where this server fences jobs."""

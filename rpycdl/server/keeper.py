@@ -108,9 +108,11 @@ class _Keeper:
                 os.read(self.wake_r, 4096)
             self._reap()
             if self.status is not None and self._gone():
-                usage = b"" if self.cgroup is None else json.dumps(self.cgroup.finish().to_dict()).encode()
+                usage = b"" if self.cgroup is None else json.dumps(self.cgroup.empty().to_dict()).encode()
                 with contextlib.suppress(OSError):
                     self.requester.send(STATUS.pack(self.status) + usage)
+                if self.cgroup is not None:  # once its end is told: the GPUs do not wait for the kernel's rmdir
+                    self.cgroup.remove()
                 return
 
     def _told(self) -> None:

@@ -40,7 +40,7 @@ from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.policies import FCFS, Scheduling
 from rpycdl.scheduler.queuedir import Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
-from rpycdl.security import results
+from rpycdl.security import cgroups, results
 from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
 from rpycdl.server import child, jobdirs, orphans, request, runner
@@ -191,8 +191,9 @@ def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
             os.close(go_w)
             for fd in (go_r, place.fifo_fd, secrets_r):
                 os.set_inheritable(fd, True)
-            os.execve(sys.executable, [sys.executable, "-m", MODULE, str(place.fifo_fd), str(go_r), str(secrets_r)],
-                      env)
+            unfenced = [cgroups.NO_FENCE] if cgroups.turned_off() else []
+            os.execve(sys.executable, [sys.executable, "-m", MODULE, str(place.fifo_fd), str(go_r), str(secrets_r),
+                                       *unfenced], env)
         finally:
             os._exit(127)
     orphans.let_go(pid)
@@ -336,8 +337,10 @@ def _record_end(context: ServerContext, record: JobRecord) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD`."""
-    fifo_fd, go_fd, secrets_fd = argv if argv is not None else sys.argv[1:]
+    """`python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD [--no-fence]`."""
+    fifo_fd, go_fd, secrets_fd, *unfenced = argv if argv is not None else sys.argv[1:]
+    if unfenced == [cgroups.NO_FENCE]:
+        cgroups.turn_off(cgroups.NO_FENCE)
     child.name_process("rpycdl-superv")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is not for detached jobs
     return supervise(int(fifo_fd), int(go_fd), int(secrets_fd))

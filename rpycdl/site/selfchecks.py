@@ -52,6 +52,27 @@ def _reach_other(indices: list[int]) -> str:
     return f"still running with {held.numel()} floats on GPU {other}"
 
 
+def _widened(_: Any) -> dict[str, Any]:
+    """Runs on the server with one GPU: resets CUDA_VISIBLE_DEVICES before CUDA starts, then says what CUDA sees
+    and which of the host's GPU device nodes it may open."""
+    import errno
+    import os
+    import re
+
+    granted = os.environ["CUDA_VISIBLE_DEVICES"]
+    del os.environ["CUDA_VISIBLE_DEVICES"]
+    import torch
+
+    nodes = {}
+    for name in sorted(entry for entry in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", entry)):
+        try:
+            os.close(os.open(f"/dev/{name}", os.O_RDWR))
+            nodes[name] = "opened"
+        except OSError as exc:
+            nodes[name] = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return {"granted": granted, "count": torch.cuda.device_count(), "nodes": nodes}
+
+
 def _session_load(_: Any) -> dict[str, Any]:
     """Runs in a session: puts a tensor on the session's GPU, where the next calls find it."""
     import os
@@ -149,3 +170,36 @@ def reaching_another_gpu(port: int, gpus: list[GPU]) -> str:
         except rpycdl.GPUNotGrantedError as exc:
             return f"stopped: {exc}"
     raise AssertionError(f"the job was not stopped: {value}")
+
+
+def fenced_devices(port: int, fencing: str) -> str:
+    """A job granted one GPU that resets CUDA_VISIBLE_DEVICES sees that GPU alone, where the server fences jobs (its
+    cgroup refuses the other GPUs' device nodes: on a one-GPU host, there is none to refuse)."""
+    if fencing.startswith("none"):
+        return f"the server does not fence its jobs ({fencing}): nothing to check"
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        seen = conn.root.run_code(_widened, None, ngpus=1, timeout=120)
+    opened = [name for name, what in seen["nodes"].items() if what == "opened"]
+    refused = [name for name, what in seen["nodes"].items() if what == "EPERM"]
+    assert seen["count"] == 1 and len(opened) == 1 and len(refused) == len(seen["nodes"]) - 1, seen
+    return (f"{fencing}: with CUDA_VISIBLE_DEVICES reset, CUDA saw {seen['count']} GPU; device nodes opened "
+            f"{opened}, refused {refused or 'none (no other GPU here)'}")
+
+
+def fenced_memory(port: int, fencing: str) -> str:
+    """A job over its memory= (host memory) is stopped, its error naming the limit, where the server fences jobs."""
+    if fencing.startswith("none"):
+        return f"the server does not fence its jobs ({fencing}): nothing to check"
+
+    def hog(size: int) -> int:
+        memory = bytearray(size)
+        for offset in range(0, size, 4096):
+            memory[offset] = 1
+        return size
+
+    with rpycdl.connect(host="127.0.0.1", port=port) as conn:
+        try:
+            conn.root.run_code(hog, 2 << 30, ngpus=1, memory="512MiB", timeout=120)
+        except rpycdl.HostMemoryExceededError as exc:
+            return f"stopped: {exc}"
+    raise AssertionError("a job touching 2 GiB under memory='512MiB' was not stopped")

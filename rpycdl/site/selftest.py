@@ -217,6 +217,11 @@ def run_selftest(report_path: str | None = None) -> int:
         report.check("a job of a second account sees exactly its GPU", lambda: selfchecks.second_account(gpus))
         report.check("a job reaching a GPU it was not granted is stopped by the watchdog",
                      lambda: selfchecks.reaching_another_gpu(port, gpus))
+        fencing = next(line for line in server.lines if "fencing: " in line).split("fencing: ")[1].split(";")[0]
+        report.check("a job that resets CUDA_VISIBLE_DEVICES sees only its GPU (its cgroup's device rules)",
+                     lambda: selfchecks.fenced_devices(port, fencing))
+        report.check("a job over its memory= is stopped, naming its limit",
+                     lambda: selfchecks.fenced_memory(port, fencing))
         monitor = cluster.add_monitor("nvml")[1]
         report.check("the monitor's /metrics shows NVML's memory and utilisation of every GPU",
                      lambda: _monitor_sees_nvml(monitor, gpus))
