@@ -18,6 +18,7 @@ from rpycdl.errors import (
     ConnectionFailedError,
     ConnectionLostError,
     ContainerError,
+    DependencyError,
     DiscoveryError,
     GPUMemoryExceededError,
     GPUNotGrantedError,
@@ -64,7 +65,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ConnectionFailedError",
-    "ConnectionLostError", "ContainerError", "DiscoveryError", "GPUMemoryExceededError", "GPUNotGrantedError",
+    "ConnectionLostError", "ContainerError", "DependencyError", "DiscoveryError", "GPUMemoryExceededError",
+    "GPUNotGrantedError",
     "HostMemoryExceededError", "InvalidRequestError", "Job",
     "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
     "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",

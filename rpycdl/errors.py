@@ -102,6 +102,11 @@ class JobLostError(RpycdlError):
     """A detached job's supervising process died before the job ended: its outcome is unknown."""
 
 
+class DependencyError(RpycdlError):
+    """A detached job's dependency (submit's `after=`) cannot be met: the job it waits for ended the wrong way, so
+    it never runs; the message names the dependency and how it ended. Also a submit refused for that reason."""
+
+
 class JobNotFinishedError(RpycdlError):
     """A detached job's result was asked for without waiting, and the job has not ended yet."""
 

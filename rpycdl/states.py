@@ -77,3 +77,15 @@ def waiting_behind(ahead: int, holders: Iterable[Mapping[str, Any]] | None) -> s
     queued = max(0, ahead - jobs)
     return (f"behind {jobs} running job{'' if jobs == 1 else 's'} and {queued} queued "
             f"request{'' if queued == 1 else 's'}")
+
+
+def waiting_for(row: Mapping[str, Any]) -> str:
+    """What a PENDING job's row (as a server shows it) waits for, in words: what it waits behind in line
+    (waiting_behind), or, held by its dependencies before it has a place in line, 'after ok:ID' (to its owner;
+    rpycdl.server.held); "" for any other row."""
+    if row.get("state") != JobState.PENDING.value:
+        return ""
+    if row.get("ahead") is not None:
+        return waiting_behind(row["ahead"], row.get("holders"))
+    after = (row.get("request") or {}).get("after")
+    return f"after {after}" if after else ""

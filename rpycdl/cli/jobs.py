@@ -32,7 +32,7 @@ from rpycdl.client.displays import seconds, usage_cells
 from rpycdl.defaults import UPLOAD_WAIT
 from rpycdl.errors import ContainerError, InvalidRequestError, JobNotFinishedError, RpycdlError
 from rpycdl.security.auth import Identity
-from rpycdl.states import JobState, need_text, waiting_behind
+from rpycdl.states import JobState, need_text, waiting_for
 from rpycdl.units import format_duration, format_size, parse_duration
 
 WAIT_EXIT_CODES = f"""exit codes (of wait, and of result once it has the job's outcome):
@@ -158,6 +158,10 @@ def _add_submit(command: Command) -> None:
     submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the job after this long")
     submit.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                         help="fail the job if its GPUs are not granted within this long")
+    submit.add_argument("--after", default=None, metavar="KIND:JOB[,JOB]",
+                        help="wait for other jobs first (ids, or names of yours): ok: until each SUCCEEDED, notok: "
+                             "until each ended otherwise, any: until each ended; if they end so that it never can, "
+                             "the job fails with DependencyError, never having run")
     submit.add_argument("--image", default=None, help="run COMMAND in a container of this image (deeplearning only)")
     submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="with --image: a variable of the container (repeat for more)")
@@ -174,6 +178,8 @@ def _submit(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--env and --workdir go with --image")
     if args.working_dir and args.image:
         raise InvalidRequestError("--working-dir goes without --image: a container job's files come with its image")
+    if args.image and args.after:
+        raise InvalidRequestError("--after goes without --image: a container job cannot wait for others yet")
     if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
         raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
     if args.image and (args.memory is not None or args.cpus is not None):
@@ -190,7 +196,8 @@ def _submit(args: argparse.Namespace) -> int:
             submitted = conn.root.submit_command(args.argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                                  name=args.name, timeout=args.timeout,
                                                  queue_timeout=args.queue_timeout, working_dir=args.working_dir,
-                                                 exists=args.exists, memory=args.memory, cpus=args.cpus)
+                                                 exists=args.exists, memory=args.memory, cpus=args.cpus,
+                                                 after=args.after)
         if args.quiet:
             print(submitted.id)
         else:
@@ -225,9 +232,8 @@ def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
         started, ended = row["started"], row["ended"]
         waited = format_duration(seconds(row["submitted"], started or ended) or 0.0)
         ran = format_duration(seconds(started, ended) or 0.0) if started else "-"
-        info = row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
-        if row["state"] == JobState.PENDING.value and row.get("ahead") is not None:
-            info = waiting_behind(row["ahead"], row.get("holders"))
+        info = waiting_for(row) or row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None
+                                                        else "")
         if not row["detached"]:
             info = "attached" + (f" from {row['client']}" if "client" in row else "") + (f"; {info}" if info else "")
         user = Identity(row["user"], row["user_verified"]).label

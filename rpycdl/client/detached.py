@@ -36,7 +36,7 @@ class DetachedCalls:
                gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                timeout: float | None = None, queue_timeout: float | None = None,
                working_dir: str | os.PathLike[str] | None = None, exists: str = "error",
-               memory: str | int | None = None, cpus: float | None = None) -> Job:
+               memory: str | int | None = None, cpus: float | None = None, after: str | None = None) -> Job:
         """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
         queue as run_code, and runs to its end whatever happens to this client or to the server
         process that accepted it. Returns its handle once the server has recorded it.
@@ -49,9 +49,15 @@ class DetachedCalls:
                 unfinished one is refused), "return" (return that job, unfinished, else the latest that
                 ended, and submit nothing: a notebook cell you can run again), "replace" (cancel the
                 unfinished one, wait for its end, then submit).
+            after: its dependencies, "KIND:JOB[,JOB...]" (each JOB an id, or the name of one of your jobs): it
+                takes its place in line only once every one of them has ended, "ok": SUCCEEDED (Slurm's afterok),
+                "notok": other than SUCCEEDED, "any": however; if they end so that it never can, it ends FAILED
+                with DependencyError, never having run.
 
         Raises:
-            InvalidRequestError: a request it could never run, or a name you use already (exists="error").
+            InvalidRequestError: a request it could never run, or a name you use already (exists="error"), or
+                an `after` that names no job.
+            DependencyError: a job of `after` has ended already so that it can never run: nothing is submitted.
             LimitError: over one of the server's limits (--max-payload, --max-queued), or the job to replace
                 did not stop within CANCEL_WAIT.
         """
@@ -62,20 +68,21 @@ class DetachedCalls:
             self._check_size(len(payload))
             digest = self._working_dir(working_dir)
             return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest,
-                                   fence=(memory, cpus))
+                                   fence=(memory, cpus, after))
 
         return self._named(name, exists, submit)
 
     def submit_command(self, command: list[str], ngpus: int | None = None, *, gpus: float | None = None,
                        gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
                        queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None,
-                       exists: str = "error", memory: str | int | None = None, cpus: float | None = None) -> Job:
+                       exists: str = "error", memory: str | int | None = None, cpus: float | None = None,
+                       after: str | None = None) -> Job:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return self._named(name, exists, lambda: self._submitted(
             "submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
-            self._working_dir(working_dir), fence=(memory, cpus)))
+            self._working_dir(working_dir), fence=(memory, cpus, after)))
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -120,14 +127,15 @@ class DetachedCalls:
             return None
         return found if found.name == name else None  # not a job whose id it happens to be
 
-    def _submitted(self, name: str, *args: Any, fence: tuple[Any, Any] = (None, None)) -> Job:
+    def _submitted(self, name: str, *args: Any, fence: tuple[Any, ...] = ()) -> Job:
         """Call the submit `name` with `args` and a fresh seal of the job's result (security.results: made
-        with this client's result key), then its `fence` (memory, cpus) if given; the job's handle. A server
-        that predates seals refuses the option: the job is submitted again without, and its result is then read
-        unverified only (result(verify=False))."""
+        with this client's result key), then its `fence` (memory, cpus, after) up to the last given; the job's
+        handle. A server that predates seals refuses the option: the job is submitted again without, and its
+        result is then read unverified only (result(verify=False))."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         secret, _ = credentials.result_secret()
-        fenced = fence if any(value is not None for value in fence) else ()  # servers before fencing
+        given = [index for index, value in enumerate(fence) if value is not None]
+        fenced = fence[:given[-1] + 1] if given else ()  # servers before fencing, or before dependencies
         try:
             return Job(codec.decode_outcome(self._connection.call(name, *args, results.new_seal(secret).sent(),
                                                                   *fenced)), self._connection)

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from rpycdl.security.auth import Identity
-from rpycdl.states import JobState, clock, held_by, need_text, waiting_behind
+from rpycdl.states import JobState, clock, held_by, need_text, waiting_for
 from rpycdl.units import format_duration, format_size
 
 TIMES = frozenset({"submitted", "started", "ended", "since", "time", "planned_start"})
@@ -69,10 +69,8 @@ def job_cells(row: Mapping[str, Any]) -> list[str]:
     started, ended = row.get("started"), row.get("ended")
     waited = seconds(row.get("submitted"), started or ended)
     ran = seconds(started, ended)
-    if row["state"] == JobState.PENDING.value and row.get("ahead") is not None:
-        info = waiting_behind(row["ahead"], row.get("holders"))
-    else:
-        info = row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
+    info = waiting_for(row) or row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None
+                                                    else "")
     user = Identity(row.get("user", "unknown"), bool(row.get("user_verified"))).label
     return [row["job_id"], row.get("name") or "-", row["state"], user, gpus_text(row),
             "-" if waited is None else format_duration(waited), "-" if ran is None else format_duration(ran),

@@ -44,7 +44,8 @@ class JobStatus:
     (`holders`: one dict per GPU held, {"gpu": its index, "uuid", "job_id", "user", "share_bytes": 0 for the
     whole GPU, "since": a datetime}; None from a server that does not say, whose `ahead` counts the waiting
     requests alone), and of those the waiting requests alone (`queued`); once it has ended, why (`error`) and
-    a command's or container's exit code; and when this was read from the server (`read_at`)."""
+    a command's or container's exit code; and when this was read from the server (`read_at`). A job held by its
+    dependencies (submit's `after=`), with no place in line yet, says what it waits for (`after`: "ok:ID")."""
 
     state: JobState
     ahead: int | None = None
@@ -53,6 +54,7 @@ class JobStatus:
     holders: tuple[dict[str, Any], ...] | None = field(default=None, compare=False)
     read_at: datetime | None = field(default=None, compare=False)
     queued: int | None = field(default=None, compare=False)
+    after: str | None = field(default=None, compare=False)
 
     @property
     def finished(self) -> bool:
@@ -61,6 +63,8 @@ class JobStatus:
     def __str__(self) -> str:
         if self.state is JobState.PENDING and self.ahead is not None:
             return f"PENDING ({waiting_behind(self.ahead, self.holders)})"
+        if self.state is JobState.PENDING and self.after:
+            return f"PENDING (after {self.after})"
         return f"{self.state.value}: {self.error}" if self.error else self.state.value
 
     def __repr__(self) -> str:
@@ -69,6 +73,8 @@ class JobStatus:
             fields.append(f"ahead={self.ahead}")
         if self.holders:
             fields.append(f"holders=({held_by(self.holders)})")
+        if self.after and self.ahead is None:
+            fields.append(f"after={self.after!r}")
         if self.error:
             fields.append(f"error={self.error!r}")
         if self.exit_code is not None:
@@ -343,4 +349,5 @@ class Job:
 def _status(info: dict[str, Any], read_at: datetime | None = None) -> JobStatus:
     return JobStatus(JobState(info["state"]), info.get("ahead"), info.get("error") or "", info.get("exit_code"),
                      None if info.get("holders") is None else tuple(info["holders"]), read_at,
-                     info.get("queued", info.get("ahead")))
+                     info.get("queued", info.get("ahead")),
+                     (info.get("request") or {}).get("after") if info["state"] == JobState.PENDING.value else None)

@@ -3,17 +3,16 @@ mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container
 
 Its schema and migrations are rpycdl.scheduler.schema's, a row's JobRecord rpycdl.scheduler.jobrecord's.
 `refusals` counts the requests the host's servers refused (count_refusal), `drops` the connections they
-dropped before authenticating them (count_drops), `artifacts` says where a job's
-outputs stand (set_artifacts).
+dropped before authenticating them (count_drops), `artifacts` says where a job's outputs stand (set_artifacts).
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
 transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
 readers never block writers (WAL). A finished row never changes: every write to a row requires it
 unfinished, so of the owner's save() and a sweep's end() the first to finish a job wins, and their
 return values say who. A connection never crosses a fork: os.fork() closes every ledger's connection
-first (under its lock, so no thread is inside a transaction), and each process opens its own on first
-use. (A child that inherited an open connection would share SQLite's memory of the parent's locks, and
-its own connection would take none of them.)
+first (under its lock, so no thread is inside a transaction), and each process opens its own on first use. (A
+child that inherited an open connection would share SQLite's memory of the parent's locks, and its own connection
+would take none of them.)
 """
 
 from __future__ import annotations
@@ -236,10 +235,12 @@ class Ledger:
             return db.execute("UPDATE jobs SET owner_pid = ?, owner_start = ? WHERE job_id = ? AND state = 'PENDING' "
                               "AND owner_pid = ? AND owner_start = ?", (*owner, job_id, *was)).rowcount > 0
 
-    def unfinished(self, owned: bool | None = None) -> list[JobRecord]:
+    def unfinished(self, owned: bool | None = None, after: bool = False) -> list[JobRecord]:
         """The PENDING and RUNNING jobs, oldest first; with `owned`, only those a process owns, or (False) only
-        those none does (the rows waiting in line for no process)."""
-        which = {None: "", True: " AND owner_pid != 0", False: " AND owner_pid = 0"}[owned]
+        those none does (the rows waiting in line for no process); with `after`, only those with dependencies
+        (rpycdl.server.held: a few, however many rows wait, read without parsing the others)."""
+        which = {None: "", True: " AND owner_pid != 0", False: " AND owner_pid = 0"}[owned] + (
+            """ AND request LIKE '%"after"%'""" if after else "")
         with self._db() as db:
             return [from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE}{which} ORDER BY submitted")]
 
@@ -320,9 +321,8 @@ class Ledger:
         return {state: counted.get(state.value, 0) for state in JobState}
 
     def count_refusal(self, service: str, reason: str, count: int = 1) -> None:
-        """Count `count` requests a server of `service` refused, for `reason` (one of REFUSALS). It never
-        raises, and waits REFUSAL_BUSY_TIMEOUT at most for another write: a refusal goes to its client
-        as it is, counted or not (a failure to count is logged)."""
+        """Count `count` requests a server of `service` refused, for `reason` (one of REFUSALS). It never raises,
+        and waits REFUSAL_BUSY_TIMEOUT at most for another write: a refusal goes to its client as it is."""
         self._count("refusals", REFUSALS, service, {reason: count})
 
     def count_drops(self, service: str, counts: dict[str, int]) -> None:

@@ -189,6 +189,19 @@ class GPULockManager:
             self._queue.write(ticket, {**info, **need.entry(), "row": True})
         return ticket
 
+    def enqueue_released(self, need: Need, info: dict[str, Any], still_held: Callable[[], bool]) -> int | None:
+        """enqueue_row for a job held by its dependencies (rpycdl.server.held), once: unless its row is in the queue
+        already, or `still_held()`, asked under the queue lock, says it no longer waits (an entry leaves the queue
+        only once its job has an owner or has ended, so two servers releasing it at once queue it once). Returns
+        its ticket, or None."""
+        need.check()
+        with self._locked():
+            if info["job_id"] in self._queue.rows() or not still_held():
+                return None
+            ticket = self._next(TICKET)
+            self._queue.write(ticket, {**info, **need.entry(), "row": True})
+        return ticket
+
     def dispatch(self, mine: Callable[[dict[str, Any]], bool] = lambda entry: True, ahead: int = DISPATCH_AHEAD,
                  lookahead: int = DISPATCH_LOOKAHEAD) -> list[tuple[dict[str, Any], Place]]:
         """Claim the rows the caller may start (`mine`) that are among the first `ahead` rows in line for their

@@ -49,9 +49,10 @@ def end_orphaned(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]
 def end_unqueued(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]) -> list[str]:
     """End as LOST the rows that wait for no process and are not `queued` any more (a cancel that died between
     taking the row from the queue and ending it). The queue is read after the ledger (a row's entry is made
-    before its row), and a row a dispatcher started meanwhile has an owner: it is left alone. Returns their ids."""
+    before its row), and a row a dispatcher started meanwhile has an owner: it is left alone, as is a row with
+    dependencies (`after`), which waits with no entry until they are met (rpycdl.server.held). Returns their ids."""
     ended = []
-    unowned = [record.job_id for record in ledger.unfinished(owned=False)]
+    unowned = [record.job_id for record in ledger.unfinished(owned=False) if not record.request.get("after")]
     rows = queued() if unowned else set()
     for job_id in unowned:
         if job_id not in rows and ledger.end(job_id, JobState.LOST, "its place in line was lost before it ran",

@@ -37,7 +37,7 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth, cgroups
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
-from rpycdl.server import child, container_watcher, draining, drops, gate, keeper, orphans, runner, supervisor
+from rpycdl.server import child, container_watcher, draining, drops, gate, held, keeper, orphans, runner, supervisor
 from rpycdl.server.context import ServerContext
 from rpycdl.server.dispatcher import Dispatcher
 from rpycdl.server.forkserver import ForkServer
@@ -376,7 +376,8 @@ class DLServer(ForkingServer):
         """Kill what is left in the cgroups of jobs whose keeper died, and what this server adopted;
         then, unless some of it will not die, clear the orphaned
         grants of its dead connection processes; clear those of dead servers; end dead jobs' records; remove
-        the files of jobs whose maker died before recording them."""
+        the files of jobs whose maker died before recording them; queue or end the jobs held by their
+        dependencies (rpycdl.server.held)."""
         ctx = self.context
         if cgroups.sweep():  # what a job whose keeper and requester died left, however it daemonized
             log.warning("removed the cgroups of jobs whose keeper died")
@@ -398,6 +399,7 @@ class DLServer(ForkingServer):
             ctx.locks.wake_all()
         for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files, ctx.locks.drop_row):
             log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)
+        held.release(ctx)  # the jobs held by their dependencies: queued once met, ended if they never can be
 
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that

@@ -24,7 +24,7 @@ from rpycdl.errors import (
 )
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.security import auth, results, visibility
-from rpycdl.server import jobdirs, request, status, supervisor
+from rpycdl.server import held, jobdirs, request, status, supervisor
 from rpycdl.server.commands import run_command
 from rpycdl.server.context import ServerContext
 from rpycdl.states import JobState
@@ -95,9 +95,13 @@ class JobCalls:
     def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], **job: Any) -> dict[str, Any]:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
         name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
-        checked = self._request(options, detached=True, name=name, **job)
-        return _shown(self.context, supervisor.hand_over(self.context, checked, seal=seal), self._identity,
-                      {})  # a new row, last in line: its status says where it stands
+        after = held.check_after(options.pop("after", None), self._find, (self._identity.user, self._identity.verified))
+        checked = self._request(options, detached=True, name=name, after=None if after is None else after[0],
+                                **job)
+        held_back = after is not None and after[1]
+        record = supervisor.hand_over(self.context, checked, seal=seal, held=held_back)
+        return _shown(self.context, record, self._identity,  # a new row, last in line or held: its status says
+                      None if after is not None and not held_back else {})  # where (one with after=, met: its place)
 
     # -- any job of the ledger ---------------------------------------------------------
 
@@ -200,8 +204,8 @@ class JobCalls:
         def cancel() -> str:
             record = self._find(ref, mine=True)
             asked = self.context.ledger.request_cancel(record.job_id) or record
-            if not (asked.detached and asked.state is JobState.PENDING and supervisor.cancel_queued(self.context,
-                                                                                                     record.job_id)):
+            if not (asked.detached and asked.state is JobState.PENDING and (
+                    supervisor.cancel_queued(self.context, record.job_id) or held.cancel(self.context, asked))):
                 self.context.locks.wake_all()  # its process sees the cancel
             return asked.state.value
 

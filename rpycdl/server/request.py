@@ -34,9 +34,10 @@ CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "t
 """The options of `run_container` after the image and the command, likewise."""
 
 SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal", "memory",
-                  "cpus")
+                  "cpus", "after")
 """The options of `submit` and `submit_command` after the payload or the command; `seal` is the client's seal
-of the job's result (rpycdl.security.results.Seal.sent), or None."""
+of the job's result (rpycdl.security.results.Seal.sent), or None; `after` its dependencies
+(rpycdl.scheduler.dependencies: "ok:JOB[,JOB]")."""
 
 SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name", "seal")
 """The options of `submit_container` after the image and the command."""
@@ -98,6 +99,7 @@ class JobRequest:
             `timeout` bounds its life, `idle_timeout` the time between its calls.
         memory, cpus: the host memory (bytes) and CPU cores it asked for; None: the server's defaults
             (--job-memory, --job-cpus), where it fences jobs.
+        after: a detached job's dependencies, resolved to ids ("ok:ID[,ID]": rpycdl.server.held), or None.
     """
 
     gpu_request: GPURequest
@@ -118,6 +120,7 @@ class JobRequest:
     idle_timeout: float | None = None
     memory: int | None = None
     cpus: float | None = None
+    after: str | None = None
 
     @property
     def kind(self) -> str:
@@ -141,6 +144,8 @@ class JobRequest:
             asked["memory"] = self.memory
         if self.cpus is not None:
             asked["cpus"] = self.cpus
+        if self.after is not None:
+            asked["after"] = self.after
         return asked
 
 

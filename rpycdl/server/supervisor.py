@@ -38,7 +38,7 @@ from rpycdl.scheduler import procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.policies import FCFS, Scheduling
-from rpycdl.scheduler.queuedir import Place
+from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security import cgroups, results
 from rpycdl.security.accounts import Account, Accounts
@@ -61,8 +61,8 @@ END_RETRY = 1.0
 # -- the connection process's side ------------------------------------------------------------
 
 
-def hand_over(context: ServerContext, checked: request.JobRequest,
-              container: dict[str, Any] | None = None, seal: results.Seal | None = None) -> JobRecord:
+def hand_over(context: ServerContext, checked: request.JobRequest, container: dict[str, Any] | None = None,
+              seal: results.Seal | None = None, held: bool = False) -> JobRecord:
     """Accept a detached job: write its files, take its place in line as a row (no process waits for it: when
     its turn comes, a server of the lock directory starts its supervisor, start()), record it. Returns its
     ledger row.
@@ -72,6 +72,8 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
         checked: the request (`detached`), with its payload `body`, or its container.
         container: the container request as the client gave it (image, command, env, workdir,
             mounts), which the supervisor checks again.
+        held: it waits for its dependencies (checked.after: rpycdl.server.held) first: it takes no place in line
+            now; the queue entry it will have is kept in its spec ("queue"), for the sweep that releases it.
         seal: the client's seal of the job's result: its nonce and key id go to the row, its key to a file
             of the job's that this account alone reads (security.results.write_job_key).
 
@@ -90,16 +92,19 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
     waiting = check_queue_limits(context, checked)
     context.files.begin(record.job_id)
     ticket = None
+    deadline = None if checked.queue_timeout is None else record.submitted + checked.queue_timeout
+    entry = {"need": need_of(context, record).entry(), "info": {
+        **queue_info(context, record, checked), "state_dir": context.state_dir, "deadline": deadline}}
     try:
-        context.files.create(record.job_id, _spec(context, checked, container), checked.body)
+        context.files.create(record.job_id, {**_spec(context, checked, container), "queue": entry}, checked.body)
         if seal is not None:
             results.write_job_key(context.files.path(record.job_id), seal.key)
         jobdirs.prepare(context, record.job_id, checked)  # now: the cache may let its working directory go later
-        deadline = None if checked.queue_timeout is None else record.submitted + checked.queue_timeout
         # The row's entry first: a row in the ledger without one would never run (a dispatcher skips an entry
-        # until its row is there, and a sweep drops it if its maker died first: sweep.remove_unrecorded).
-        ticket = context.locks.enqueue_row(need_of(context, record), {
-            **queue_info(context, record, checked), "state_dir": context.state_dir, "deadline": deadline})
+        # until its row is there, and a sweep drops it if its maker died first: sweep.remove_unrecorded). A held
+        # job's row waits without one: a sweep gives it one once its dependencies are met (rpycdl.server.held).
+        if not held:
+            ticket = context.locks.enqueue_row(Need.from_entry(entry["need"]), entry["info"])
         context.ledger.save(record)  # InvalidRequestError if a submission of the same name won the race
         context.files.recorded(record.job_id)
     except BaseException:
@@ -107,8 +112,8 @@ def hand_over(context: ServerContext, checked: request.JobRequest,
             context.locks.leave(ticket)
         context.files.remove(record.job_id)
         raise
-    if waiting < DISPATCH_AHEAD or context.scheduling.policy != FCFS:  # else it waits behind them: the
-        context.locks.wake_listeners()  # dispatchers' next pass is soon enough (they pass twice a second)
+    if not held and (waiting < DISPATCH_AHEAD or context.scheduling.policy != FCFS):  # else it waits behind
+        context.locks.wake_listeners()  # them: the dispatchers' next pass is soon enough (they pass twice a second)
     return record
 
 
