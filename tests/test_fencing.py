@@ -335,3 +335,12 @@ def _swallow(call: Callable[[], object]) -> None:
         call()
     except BaseException:  # noqa: BLE001, S110 - its connection dies in this test, as planned
         pass
+
+
+def test_a_sessions_call_over_its_memory_ends_the_session_naming_its_limit(server, connect):
+    conn = connect(server("pytorch", "fake:1"))
+    with pytest.raises(rpycdl.HostMemoryExceededError, match=r"256 MiB.*its memory="):  # it ends the session
+        with conn.root.session(memory="256MiB") as session:
+            assert session.run(touch, 16 << 20) == 16 << 20
+            session.run(touch, 1 << 30)
+    assert conn.root.run_code(touch, 16 << 20) == 16 << 20  # the next job runs

@@ -278,18 +278,19 @@ class JobFlow:
         result = job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
                          account=self.request.account, fence=self.fence(), on_start=self._save_running,
                          **self._following(self.request.output, self.request.timeout))
-        if self._killed(job, result):  # by the kernel's OOM killer, at its memory limit?
-            why = fencing.over_memory(self.context, job.usage, self.request.memory is not None)
-            result = runner.Result(runner.Ending.OVER_HOST_MEMORY, reason=why) if why else result
+        result = self._memory_stopped(job, result)
         over = self._quota.over(now=True) if result.ending is runner.Ending.FINISHED else None  # what it left
         return result if over is None else runner.Result(runner.Ending.OVER_OUTPUT, reason=over)
 
-    @staticmethod
-    def _killed(job: runner.JobProcess, result: runner.Result) -> bool:
-        """Whether SIGKILL ended the job process (then it has ended: its usage is known). A command's job process
-        says itself when the kernel killed the command at the job's limit (commands.run_command)."""
-        return result.ending is runner.Ending.CRASHED and os.WIFSIGNALED(status := job.exit_status()) \
-            and os.WTERMSIG(status) == signal.SIGKILL
+    def _memory_stopped(self, job: runner.JobProcess, result: runner.Result) -> runner.Result:
+        """`result` of a call of `job`; or, if the kernel's OOM killer ended its process at its cgroup's memory
+        limit, that end, naming the limit and the peak. A command's job process says itself when the kernel killed
+        the command so (commands.run_command)."""
+        if result.ending is not runner.Ending.CRASHED or not os.WIFSIGNALED(status := job.exit_status()) \
+                or os.WTERMSIG(status) != signal.SIGKILL:
+            return result
+        why = fencing.over_memory(self.context, job.usage, self.request.memory is not None)
+        return runner.Result(runner.Ending.OVER_HOST_MEMORY, reason=why) if why else result
 
     def fence(self) -> Fence | None:
         """How the job is fenced (fencing.job_fence), where this server fences jobs."""

@@ -94,7 +94,7 @@ class SessionFlow(JobFlow):
         following = self._following(output, timeout)
         watch = following["stop"]
         following["stop"] = lambda pid: watch(pid) or self._unheeded()
-        result = job.call(body, buffers, output.stdout, output.stderr, **following)
+        result = self._memory_stopped(job, job.call(body, buffers, output.stdout, output.stderr, **following))
         self._active = time.monotonic()
         if result.ending is runner.Ending.FINISHED:
             return result.outcome
