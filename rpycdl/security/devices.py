@@ -10,7 +10,7 @@ import functools
 import os
 import platform
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _SYSCALL = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
 """bpf(2)'s number on each architecture."""
@@ -46,7 +46,8 @@ def program(deny: Sequence[tuple[int, int]]) -> bytes:
 
 
 @functools.cache
-def _bpf() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _bpf() -> Callable[..., int]:
+    """bpf(2), through the C library's syscall()."""
     number = _SYSCALL.get(platform.machine())
     if number is None:
         raise OSError(f"bpf(2) is not known on {platform.machine()}")
