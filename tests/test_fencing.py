@@ -19,7 +19,7 @@ import pytest
 from helpers import forkserver, rpycdl_cli, running, scrape, server_pid, unavailable, wait_until
 
 import rpycdl
-from rpycdl.security import cgroups
+from rpycdl.security import cgroups, devices
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +125,7 @@ def test_a_job_cannot_open_the_device_node_of_a_gpu_it_was_not_granted(server, c
     nodes = tmp_path / "dev"
     nodes.mkdir()
     for minor in (0, 1):
-        os.mknod(nodes / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(cgroups.NVIDIA_MAJOR, minor))
+        os.mknod(nodes / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(devices.NVIDIA_MAJOR, minor))
 
     def open_nodes(where: str) -> dict[str, str]:
         import errno
@@ -213,7 +213,7 @@ def test_on_cgroup_v2_a_device_program_refuses_the_nodes_it_names(tmp_path):
     nodes = tmp_path / "dev"
     nodes.mkdir()
     for minor in (0, 1):
-        os.mknod(nodes / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(cgroups.NVIDIA_MAJOR, minor))
+        os.mknod(nodes / f"nvidia{minor}", 0o666 | stat.S_IFCHR, os.makedev(devices.NVIDIA_MAJOR, minor))
     try:
         job = cgroups.Hierarchy(2, {"": base}).create("job-1-1-0")
         read, write = os.pipe()
@@ -222,7 +222,7 @@ def test_on_cgroup_v2_a_device_program_refuses_the_nodes_it_names(tmp_path):
             seen = []
             try:
                 job.join()
-                job.limit(cgroups.Limits(deny=((cgroups.NVIDIA_MAJOR, 1),)))
+                job.limit(cgroups.Limits(deny=((devices.NVIDIA_MAJOR, 1),)))
                 for minor in (0, 1):
                     try:
                         os.close(os.open(nodes / f"nvidia{minor}", os.O_RDWR))

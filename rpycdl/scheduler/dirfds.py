@@ -42,10 +42,15 @@ def opened_dir(name: str | os.PathLike[str], dir_fd: int | None = None) -> Itera
 
 
 def walk(fd: int, visit: Visit, skip: Callable[[tuple[str, ...]], bool] = lambda _: False,
-         where: tuple[str, ...] = ()) -> None:
+         where: tuple[str, ...] = (), deepest: int | None = None) -> None:
     """Visit every entry below the open directory `fd`, a directory's entries before the directory itself
     (`where` is the path of `fd` from the walk's top, as names). An entry for which `skip(path)` is true is
-    neither visited nor entered. Entries that go away meanwhile are passed over; no link is followed."""
+    neither visited nor entered. Entries that go away meanwhile, or cannot be opened, are passed over; no link is
+    followed; each directory on the way down is held open until its entries are done.
+
+    Raises:
+        LimitError: directories nest deeper than `deepest` levels below the top.
+    """
     with os.scandir(fd) as entries:
         found = [(entry.name, entry.stat(follow_symlinks=False)) for entry in _present(entries)
                  if not skip((*where, entry.name))]
@@ -53,63 +58,36 @@ def walk(fd: int, visit: Visit, skip: Callable[[tuple[str, ...]], bool] = lambda
         if stat.S_ISDIR(status.st_mode):
             try:
                 inner = open_dir(name, fd)
-            except (FileNotFoundError, NotADirectoryError, OSError):
-                continue  # gone, or replaced by something else since it was listed
+            except OSError:
+                continue  # gone, replaced by something else since it was listed, or not this account's to read
             try:
-                walk(inner, visit, skip, (*where, name))
+                if deepest is not None and len(where) >= deepest:
+                    raise LimitError(f"its directories nest deeper than {deepest} levels")
+                walk(inner, visit, skip, (*where, name), deepest)
             finally:
                 os.close(inner)
         visit(fd, name, status)
 
 
 def usage(fd: int, deepest: int) -> int:
-    """Bytes the entries below the open directory `fd` take, no link followed: each file once however many hard
-    links it has, at the larger of its length and its blocks (a sparse file counts as much as reading it gives).
-    Directories are entered one at a time, without recursion, each held open until its entries are done;
-    entries that go away meanwhile, or cannot be opened, are passed over.
+    """Bytes the entries below the open directory `fd` take, no link followed (walk): each file once however many
+    hard links it has, at the larger of its length and its blocks (a sparse file counts as much as reading it
+    gives).
 
     Raises:
         LimitError: directories nest deeper than `deepest` levels below `fd`.
     """
     total, linked = 0, set[tuple[int, int]]()
 
-    def listed(at: int) -> list[str]:
-        """Count the entries of the open directory `at`; return its directories' names."""
+    def count(_: int, __: str, status: os.stat_result) -> None:
         nonlocal total
-        inner: list[str] = []
-        with os.scandir(at) as entries:
-            for entry in _present(entries):
-                status = entry.stat(follow_symlinks=False)
-                if status.st_nlink > 1 and not stat.S_ISDIR(status.st_mode):
-                    if (status.st_dev, status.st_ino) in linked:
-                        continue
-                    linked.add((status.st_dev, status.st_ino))
-                total += max(status.st_size, status.st_blocks * 512)
-                if stat.S_ISDIR(status.st_mode):
-                    inner.append(entry.name)
-        return inner
+        if status.st_nlink > 1 and not stat.S_ISDIR(status.st_mode):
+            if (status.st_dev, status.st_ino) in linked:
+                return
+            linked.add((status.st_dev, status.st_ino))
+        total += max(status.st_size, status.st_blocks * 512)
 
-    levels = [(fd, listed(fd))]  # the directories open on the way down, each with the names left to enter
-    try:
-        while levels:
-            at, names = levels[-1]
-            if not names:
-                levels.pop()
-                if at != fd:
-                    os.close(at)
-                continue
-            try:
-                inner = open_dir(names.pop(), at)
-            except OSError:
-                continue  # gone, replaced by something else since it was listed, or not this account's to read
-            levels.append((inner, []))
-            if len(levels) > deepest + 1:
-                raise LimitError(f"its directories nest deeper than {deepest} levels")
-            levels[-1] = (inner, listed(inner))
-    finally:
-        for at, _ in levels:
-            if at != fd:
-                os.close(at)
+    walk(fd, count, deepest=deepest)
     return total
 
 

@@ -185,9 +185,7 @@ class GPULockManager:
         """
         need.check()
         with self._locked():
-            ticket = self._next(TICKET)
-            self._queue.write(ticket, {**info, **need.entry(), "row": True})
-        return ticket
+            return self._add_row(need, info)
 
     def enqueue_released(self, need: Need, info: dict[str, Any], still_held: Callable[[], bool]) -> int | None:
         """enqueue_row for a job held by its dependencies (rpycdl.server.held), once: unless its row is in the queue
@@ -198,8 +196,12 @@ class GPULockManager:
         with self._locked():
             if info["job_id"] in self._queue.rows() or not still_held():
                 return None
-            ticket = self._next(TICKET)
-            self._queue.write(ticket, {**info, **need.entry(), "row": True})
+            return self._add_row(need, info)
+
+    def _add_row(self, need: Need, info: dict[str, Any]) -> int:
+        """Under the queue lock: the next ticket, its entry a row's; the ticket."""
+        ticket = self._next(TICKET)
+        self._queue.write(ticket, {**info, **need.entry(), "row": True})
         return ticket
 
     def dispatch(self, mine: Callable[[dict[str, Any]], bool] = lambda entry: True, ahead: int = DISPATCH_AHEAD,

@@ -31,9 +31,6 @@ from pathlib import Path
 from rpycdl.scheduler import procs
 from rpycdl.security import devices
 
-NVIDIA_MAJOR = 195
-"""The major number of NVIDIA's GPU device nodes (/dev/nvidia0 is 195:0; 255 and 254 are the control nodes)."""
-
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "devices")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 JOBS = "rpycdl"
@@ -106,6 +103,12 @@ class JobCgroup:
         except OSError:
             return None
 
+    def _number(self, controller: str, name: str, key: str = "") -> int | None:
+        """A count the kernel keeps: the file's, or the value of `key`'s line in it; None if not there ("max")."""
+        text = self._read(controller, name) or ""
+        value = _field(text, key) if key else text.strip()
+        return int(value) if value and value.isdigit() else None
+
     def join(self) -> None:
         """Move this process (all its threads) into the cgroup."""
         for where in {*self.dirs.values()}:
@@ -158,22 +161,12 @@ class JobCgroup:
     def usage(self) -> Usage:
         """What it measured so far."""
         v2 = self.version == 2
-        found = Usage()
-        peak = self._read("memory", "memory.peak" if v2 else "memory.max_usage_in_bytes")
-        limit = self._read("memory", "memory.max" if v2 else "memory.limit_in_bytes")
-        found.peak_memory = int(peak) if peak and peak.strip().isdigit() else None
-        found.memory_limit = int(limit) if limit and limit.strip().isdigit() else None
-        events = self._read("memory", "memory.events" if v2 else "memory.oom_control") or ""
-        found.oom_kills = int(_field(events, "oom_kill") or 0)
-        pids_peak = self._read("pids", "pids.peak")
-        found.max_procs = int(pids_peak) if pids_peak and pids_peak.strip().isdigit() else None
-        if v2:
-            usec = _field(self._read("cpu", "cpu.stat") or "", "usage_usec")
-            found.cpu_seconds = None if usec is None else int(usec) / 1e6
-        else:
-            nanoseconds = self._read("cpuacct", "cpuacct.usage")
-            found.cpu_seconds = int(nanoseconds) / 1e9 if nanoseconds and nanoseconds.strip().isdigit() else None
-        return found
+        cpu = self._number("cpu", "cpu.stat", "usage_usec") if v2 else self._number("cpuacct", "cpuacct.usage")
+        return Usage(peak_memory=self._number("memory", "memory.peak" if v2 else "memory.max_usage_in_bytes"),
+                     cpu_seconds=None if cpu is None else cpu / (1e6 if v2 else 1e9),
+                     max_procs=self._number("pids", "pids.peak"),
+                     memory_limit=self._number("memory", "memory.max" if v2 else "memory.limit_in_bytes"),
+                     oom_kills=self._number("memory", "memory.events" if v2 else "memory.oom_control", "oom_kill") or 0)
 
     def empty(self) -> Usage:
         """Once its job process has ended: kill what is left in it; what it measured."""
@@ -301,27 +294,37 @@ def _v2_controllers(where: Path) -> list[str]:
     return [c for c in V2_CONTROLLERS if c in enabled]
 
 
+def _layout() -> tuple[dict[str, Path], Path | None]:
+    """This process's own cgroup in each v1 hierarchy of V1_CONTROLLERS (by controller), and in the v2 one (or None).
+
+    Raises:
+        OSError, ValueError: /proc unreadable.
+    """
+    own, mounts = _own_paths(), list(_mounts())
+    v1 = {c: Path(point) / own.get(c, "/").lstrip("/") for point, kind, options in mounts if kind == "cgroup"
+          for c in V1_CONTROLLERS if c in options}
+    unified = next((Path(point) / own.get("", "/").lstrip("/") for point, kind, _ in mounts if kind == "cgroup2"),
+                   None)
+    return v1, unified
+
+
 def detect() -> Hierarchy | str:
     """Where this process may make jobs' cgroups (their `rpycdl/` directories made here), or why it may not."""
     if os.geteuid() != 0:
         return "not root"
     try:
-        own = _own_paths()
-        mounts = list(_mounts())
+        v1, unified = _layout()
     except (OSError, ValueError) as exc:
         return f"cgroups unreadable ({exc})"
-    v1 = {c: Path(point) for point, kind, options in mounts if kind == "cgroup"
-          for c in V1_CONTROLLERS if c in options}
     try:
         if "memory" in v1 and "pids" in v1:
-            bases = {c: point / own.get(c, "/").lstrip("/") / JOBS for c, point in v1.items()}
+            bases = {c: mine / JOBS for c, mine in v1.items()}
             for base in bases.values():
                 base.mkdir(mode=0o755, exist_ok=True)
             return Hierarchy(1, bases)
-        unified = next((Path(point) for point, kind, _ in mounts if kind == "cgroup2"), None)
         if unified is None:
             return "no cgroup hierarchy mounted"
-        base = unified / own.get("", "/").lstrip("/") / JOBS
+        base = unified / JOBS
         base.mkdir(mode=0o755, exist_ok=True)
         available = (base.parent / "cgroup.controllers").read_text().split()
         wanted = " ".join(f"+{c}" for c in V2_CONTROLLERS if c in available)
@@ -338,32 +341,15 @@ def own() -> JobCgroup | None:
     """The cgroup of the job this process belongs to (as a job process or what it started sees it: its files are
     readable by all), or None outside a job's."""
     try:
-        paths, mounts = _own_paths(), list(_mounts())
+        v1, unified = _layout()
     except (OSError, ValueError):
         return None
-    v1 = {c: Path(point) / paths[c].lstrip("/") for point, kind, options in mounts if kind == "cgroup"
-          for c in V1_CONTROLLERS if c in options and c in paths and f"/{JOBS}/job-" in paths[c]}
-    if "memory" in v1:
-        return JobCgroup(1, v1, v1["memory"].name)
-    unified = next((Path(point) for point, kind, _ in mounts if kind == "cgroup2"), None)
-    if unified is None or f"/{JOBS}/job-" not in paths.get("", ""):
+    jobs = {c: where for c, where in v1.items() if where.parent.name == JOBS and _NAME.match(where.name)}
+    if "memory" in jobs:
+        return JobCgroup(1, jobs, jobs["memory"].name)
+    if unified is None or unified.parent.name != JOBS or not _NAME.match(unified.name):
         return None
-    where = unified / paths[""].lstrip("/")
-    return JobCgroup(2, {"": where}, where.name)
-
-
-def gpu_nodes_denied(granted: set[int], served: set[int], dev: str = "/dev") -> tuple[tuple[int, int], ...]:
-    """The GPU device nodes (major, minor) a job granted the GPUs of minors `granted` may not open: those of the
-    server's other GPUs (`served`) and of every other GPU node of the host's `dev` (/dev/nvidia<N>)."""
-    minors = {minor for minor in served if minor >= 0}
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(dev):
-            if re.fullmatch(r"nvidia\d+", entry.name):
-                with contextlib.suppress(OSError):
-                    node = entry.stat(follow_symlinks=False)
-                    if os.major(node.st_rdev) == NVIDIA_MAJOR:
-                        minors.add(os.minor(node.st_rdev))
-    return tuple((NVIDIA_MAJOR, minor) for minor in sorted(minors - granted))
+    return JobCgroup(2, {"": unified}, unified.name)
 
 
 NO_FENCE = "--no-fence"

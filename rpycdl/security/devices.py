@@ -1,17 +1,24 @@
-"""GPU device nodes fenced on cgroup v2: a BPF device program attached to a job's cgroup refuses the character
-devices it names (major, minor), as runc and Slurm do where there is no devices controller. The program is a few
-instructions built here (no compiler, no library): it reads the device's type, major and minor from its context
-(struct bpf_cgroup_dev_ctx) and returns 0 (refused) for a listed character device, 1 for any other."""
+"""GPU device nodes fenced: those a job may not open (gpu_nodes_denied: every GPU's node but its own), refused on
+cgroup v2 by a BPF device program attached to the job's cgroup, as runc and Slurm do where there is no devices
+controller (on v1 the devices controller refuses them: rpycdl.security.cgroups). The program is a few instructions
+built here (no compiler, no library): it reads the device's type, major and minor from its context (struct
+bpf_cgroup_dev_ctx) and returns 0 (refused) for a listed character device, 1 for any other."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import platform
+import re
 import struct
 from collections.abc import Callable, Sequence
 
+from rpycdl.scheduler import procs
+
+NVIDIA_MAJOR = 195
+"""The major number of NVIDIA's GPU device nodes (/dev/nvidia0 is 195:0; 255 and 254 are the control nodes)."""
 _SYSCALL = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
 """bpf(2)'s number on each architecture."""
 BPF_PROG_LOAD, BPF_PROG_ATTACH = 5, 8
@@ -51,8 +58,7 @@ def _bpf() -> Callable[..., int]:
     number = _SYSCALL.get(platform.machine())
     if number is None:
         raise OSError(f"bpf(2) is not known on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    call = libc.syscall
+    call = procs.libc().syscall
     call.restype = ctypes.c_long
     return functools.partial(call, ctypes.c_long(number))
 
@@ -89,3 +95,24 @@ def deny(cgroup_dir: str, devices: Sequence[tuple[int, int]]) -> None:
             os.close(target)
     finally:
         os.close(prog)  # the cgroup holds the program now
+
+
+def gpu_nodes_denied(granted: set[int], served: set[int], dev: str = "/dev") -> tuple[tuple[int, int], ...]:
+    """The GPU device nodes (major, minor) a job granted the GPUs of minors `granted` may not open: those of the
+    server's other GPUs (`served`) and of every other GPU node of the host's `dev` (/dev/nvidia<N>)."""
+    minors = {minor for minor in served if minor >= 0} | _host_gpu_minors(dev)
+    return tuple((NVIDIA_MAJOR, minor) for minor in sorted(minors - granted))
+
+
+@functools.cache
+def _host_gpu_minors(dev: str) -> frozenset[int]:
+    """The minors of the host's GPU device nodes (/dev/nvidia<N>), read once per process: not at every job start."""
+    minors = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(dev):
+            if re.fullmatch(r"nvidia\d+", entry.name):
+                with contextlib.suppress(OSError):
+                    node = entry.stat(follow_symlinks=False)
+                    if os.major(node.st_rdev) == NVIDIA_MAJOR:
+                        minors.add(os.minor(node.st_rdev))
+    return frozenset(minors)

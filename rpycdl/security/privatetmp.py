@@ -13,14 +13,15 @@ import os
 import sys
 from collections.abc import Iterable
 
+from rpycdl.scheduler import procs
+
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 PRIVATE = ("/tmp", "/dev/shm")
 
 
 def _libc_call(name: str, *args: object) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(libc, name)(*args) != 0:
+    if getattr(procs.libc(), name)(*args) != 0:
         number = ctypes.get_errno()
         raise OSError(number, f"{name}: {os.strerror(number)}")
 

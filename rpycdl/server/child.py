@@ -12,7 +12,6 @@ import _thread
 import builtins
 import contextlib
 import ctypes
-import functools
 import json
 import mmap
 import os
@@ -32,6 +31,7 @@ from typing import Any
 from rpycdl.defaults import OUTPUT_FLUSH_DELAY, WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
+from rpycdl.scheduler import procs
 from rpycdl.security import accounts, cgroups
 from rpycdl.security.accounts import Account
 from rpycdl.security.fence import Fence
@@ -85,16 +85,9 @@ def name_process(name: str) -> None:
 def prctl(option: int, value: Any) -> None:
     """prctl(2), where there is one."""
     try:
-        _libc().prctl(option, value, 0, 0, 0)
+        procs.libc().prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux
         pass
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """This process's C library, loaded once: each ctypes.CDLL builds its classes anew (about 0.1 ms, four times in
-    each connection process)."""
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def cannot_load(exc: BaseException) -> InvalidRequestError:

@@ -5,7 +5,7 @@ its cgroup measured, in its row."""
 from __future__ import annotations
 
 from rpycdl.scheduler.jobrecord import JobRecord
-from rpycdl.security import cgroups
+from rpycdl.security import cgroups, devices
 from rpycdl.security.fence import Fence
 from rpycdl.server.context import ServerContext, job_memory, max_job_memory
 from rpycdl.units import format_size
@@ -20,7 +20,7 @@ def job_fence(context: ServerContext, record: JobRecord, memory: int | None, cpu
         return None
     limits = context.limits
     memory = memory or job_memory(limits, record.ngpus, len(context.gpus))
-    deny = cgroups.gpu_nodes_denied(granted, {gpu.minor for gpu in context.gpus})
+    deny = devices.gpu_nodes_denied(granted, {gpu.minor for gpu in context.gpus})
     tmp = {0: memory, -1: 0}.get(limits.job_tmp, limits.job_tmp)
     return Fence(cgroups.Limits(memory, limits.job_pids, cpus or limits.job_cpus or None, deny), tmp)
 
