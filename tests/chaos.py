@@ -1395,7 +1395,7 @@ def stale_cgroups() -> list[str]:
     stale = []
     with open("/proc/self/mountinfo") as mounts, open("/proc/self/cgroup") as mine:
         points = [line.split()[4] for line in mounts if line.split(" - ")[1].split()[0] in ("cgroup", "cgroup2")]
-        own = {line.split(":", 2)[2].strip() for line in mine}
+        own = {line.split(":", 2)[2].strip().removesuffix("/rpycdl-leaf") for line in mine}  # v2: where servers move
     for base in {Path(point) / path.lstrip("/") / "rpycdl" for point in points for path in own}:
         for entry in (base.iterdir() if base.is_dir() else ()):
             named = re.fullmatch(r"job-(\d+)-(\d+)-\d+", entry.name)

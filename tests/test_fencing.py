@@ -4,11 +4,13 @@ Each job attacks its fence from inside, as a job of another user would."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import uuid
@@ -19,7 +21,7 @@ import pytest
 from helpers import forkserver, rpycdl_cli, running, scrape, server_pid, unavailable, wait_until
 
 import rpycdl
-from rpycdl.security import cgroups, devices
+from rpycdl.security import cgroupfs, cgroups, devices
 
 
 @pytest.fixture(autouse=True)
@@ -204,10 +206,10 @@ def test_cgroups_of_jobs_are_removed_at_their_end(server, connect):
 def test_on_cgroup_v2_a_device_program_refuses_the_nodes_it_names(tmp_path):
     """The v2 path on the host's cgroup v2 mount (this machine's controllers may be on v1: the device program needs
     none), with the code a v2 host runs: a job's cgroup made, joined, limited to no node of minor 1, removed."""
-    unified = next((point for point, kind, _ in cgroups._mounts() if kind == "cgroup2"), None)
+    unified = next((point for point, kind, _ in cgroupfs.mounts() if kind == "cgroup2"), None)
     if unified is None:
         unavailable("no cgroup v2 hierarchy is mounted here", "mount cgroup2 (as most hosts do)")
-    own = cgroups._own_paths().get("", "/").lstrip("/")
+    own = cgroupfs.own_paths().get("", "/").lstrip("/")
     base = Path(unified) / own / f"rpycdl-test-{uuid.uuid4().hex[:8]}"
     base.mkdir()
     nodes = tmp_path / "dev"
@@ -243,6 +245,51 @@ def test_on_cgroup_v2_a_device_program_refuses_the_nodes_it_names(tmp_path):
         assert not (base / "job-1-1-0").exists()
     finally:
         base.rmdir()
+
+
+def test_on_cgroup_v2_a_cgroup_with_processes_hands_its_controllers_down_once_they_move_to_a_leaf():
+    """cgroup v2 lets a cgroup other than the root enable controllers for its children only once it holds no
+    processes (the lent GPU machine's server sat in such a cgroup, and its jobs got no memory limit). Here a cgroup
+    holding a process and its children, on the host's v2 mount, with a controller v1 does not hold."""
+    unified = next((point for point, kind, _ in cgroupfs.mounts() if kind == "cgroup2"), None)
+    root = Path(unified or "/nonexistent")
+    available = (root / "cgroup.controllers").read_text().split() if unified else []
+    free = [c for c in ("hugetlb", "rdma", "misc", "io", "cpuset") if c in available]
+    if not free:
+        unavailable("no controller is free on a cgroup v2 mount here", "a host with a cgroup v2 controller not on v1")
+    controller = free[0]
+    was = (root / "cgroup.subtree_control").read_text().split()
+    (root / "cgroup.subtree_control").write_text(f"+{controller}")  # the root may, processes or not
+    own = root / f"rpycdl-test-{uuid.uuid4().hex[:8]}"
+    own.mkdir()
+    holder = subprocess.Popen(["sh", "-c", f"echo $$ > {own}/cgroup.procs; sleep 60 & exec sleep 60"])
+    try:
+        wait_until(lambda: len((own / "cgroup.procs").read_text().split()) == 2, 10, "the holder and its child")
+        with pytest.raises(OSError) as refused:
+            (own / "cgroup.subtree_control").write_text(f"+{controller}")
+        assert refused.value.errno == errno.EBUSY  # the kernel's rule the move answers
+        cgroupfs.delegate(own, [controller])
+        assert (own / "cgroup.procs").read_text().split() == []
+        assert len((own / cgroupfs.LEAF / "cgroup.procs").read_text().split()) == 2
+        assert controller in (own / "cgroup.subtree_control").read_text().split()
+        job = own / "job"
+        job.mkdir()
+        assert controller in (job / "cgroup.controllers").read_text().split()  # what a job's cgroup now gets
+        job.rmdir()
+    finally:
+        holder.kill()
+        holder.wait()
+        procs_left = lambda: [p for d in (own, own / cgroupfs.LEAF) if d.is_dir()  # noqa: E731
+                              for p in (d / "cgroup.procs").read_text().split()]
+        for pid in procs_left():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        wait_until(lambda: not procs_left(), 10, "the holder's processes to end")
+        for where in (own / cgroupfs.LEAF, own):
+            if where.is_dir():
+                where.rmdir()
+        if controller not in was:
+            (root / "cgroup.subtree_control").write_text(f"-{controller}")
 
 
 def test_a_server_with_no_fence_fences_nothing(server, connect):

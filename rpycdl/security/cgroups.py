@@ -2,7 +2,9 @@
 every process it started found and killed however it daemonized.
 
 A root server finds where it may make cgroups once (`detect`): cgroup v1 where the host mounts the controllers
-that way (memory, pids, cpu, cpuacct, devices: a directory in each hierarchy), else cgroup v2 (one directory).
+that way (memory, pids, cpu, cpuacct, devices: a directory in each hierarchy), else cgroup v2 (one directory; the
+processes of the server's own cgroup move into a leaf of it should it have to hand controllers down:
+rpycdl.security.cgroupfs.delegate).
 Jobs' cgroups go in `rpycdl/` under the server's own cgroup of each hierarchy, one per job, named after the
 job's keeper or supervisor (`job-<pid>-<start time>-<n>`), which makes it before it forks the job process, into
 which the job process moves itself at once (`JobCgroup.join`). The job process sets its limits as it is told what
@@ -24,15 +26,12 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rpycdl.scheduler import procs
-from rpycdl.security import devices
+from rpycdl.security import cgroupfs, devices
 
-V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "devices")
-V2_CONTROLLERS = ("memory", "pids", "cpu")
 JOBS = "rpycdl"
 """The directory of jobs' cgroups under the server's own cgroup."""
 CFS_PERIOD = 100_000
@@ -220,7 +219,7 @@ class Hierarchy:
         """What it fences, in words: `cgroup v1 (memory, pids, cpu, devices)`."""
         if self.version == 1:
             return f"cgroup v1 ({', '.join(c for c in self.bases if c != 'cpuacct')})"
-        controllers = _v2_controllers(self.bases[""])
+        controllers = cgroupfs.v2_controllers(self.bases[""])
         return f"cgroup v2 ({', '.join([*controllers, 'devices'])})"
 
     def create(self, name: str) -> JobCgroup:
@@ -264,56 +263,12 @@ def _keeper(name: str) -> procs.Pid:
     return int(match.group(1)), int(match.group(2))
 
 
-def _mounts() -> Iterable[tuple[str, str, set[str]]]:
-    """The cgroup mounts of this process's mount namespace: (mount point, type, super options)."""
-    with open("/proc/self/mountinfo") as info:
-        for line in info:
-            fields = line.split()
-            dash = fields.index("-")
-            kind = fields[dash + 1]
-            if kind in ("cgroup", "cgroup2"):
-                yield fields[4], kind, set(fields[dash + 3].split(","))
-
-
-def _own_paths() -> dict[str, str]:
-    """This process's cgroup in each hierarchy: v1 by controller, v2 by ""."""
-    own: dict[str, str] = {}
-    with open("/proc/self/cgroup") as lines:
-        for line in lines:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            for controller in controllers.split(",") if controllers else [""]:
-                own[controller] = path
-    return own
-
-
-def _v2_controllers(where: Path) -> list[str]:
-    try:
-        enabled = (where.parent / "cgroup.subtree_control").read_text().split()
-    except OSError:
-        return []
-    return [c for c in V2_CONTROLLERS if c in enabled]
-
-
-def _layout() -> tuple[dict[str, Path], Path | None]:
-    """This process's own cgroup in each v1 hierarchy of V1_CONTROLLERS (by controller), and in the v2 one (or None).
-
-    Raises:
-        OSError, ValueError: /proc unreadable.
-    """
-    own, mounts = _own_paths(), list(_mounts())
-    v1 = {c: Path(point) / own.get(c, "/").lstrip("/") for point, kind, options in mounts if kind == "cgroup"
-          for c in V1_CONTROLLERS if c in options}
-    unified = next((Path(point) / own.get("", "/").lstrip("/") for point, kind, _ in mounts if kind == "cgroup2"),
-                   None)
-    return v1, unified
-
-
 def detect() -> Hierarchy | str:
     """Where this process may make jobs' cgroups (their `rpycdl/` directories made here), or why it may not."""
     if os.geteuid() != 0:
         return "not root"
     try:
-        v1, unified = _layout()
+        v1, unified = cgroupfs.layout()
     except (OSError, ValueError) as exc:
         return f"cgroups unreadable ({exc})"
     try:
@@ -326,12 +281,14 @@ def detect() -> Hierarchy | str:
             return "no cgroup hierarchy mounted"
         base = unified / JOBS
         base.mkdir(mode=0o755, exist_ok=True)
-        available = (base.parent / "cgroup.controllers").read_text().split()
-        wanted = " ".join(f"+{c}" for c in V2_CONTROLLERS if c in available)
+        available = (unified / "cgroup.controllers").read_text().split()
+        wanted = [c for c in cgroupfs.V2_CONTROLLERS if c in available]
         if wanted:
-            with contextlib.suppress(OSError):  # a parent with processes of its own cannot delegate them
-                (base.parent / "cgroup.subtree_control").write_text(wanted)
-                (base / "cgroup.subtree_control").write_text(wanted)
+            try:
+                cgroupfs.delegate(unified, wanted)
+                cgroupfs.delegate(base, wanted)
+            except OSError as exc:  # fenced by what is left (describe() says what)
+                log.warning("cgroup v2 controllers %s could not be handed down to jobs: %s", wanted, exc)
         return Hierarchy(2, {"": base})
     except OSError as exc:
         return f"cannot make cgroups ({exc.strerror})"
@@ -341,7 +298,7 @@ def own() -> JobCgroup | None:
     """The cgroup of the job this process belongs to (as a job process or what it started sees it: its files are
     readable by all), or None outside a job's."""
     try:
-        v1, unified = _layout()
+        v1, unified = cgroupfs.layout()
     except (OSError, ValueError):
         return None
     jobs = {c: where for c, where in v1.items() if where.parent.name == JOBS and _NAME.match(where.name)}
