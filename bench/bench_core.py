@@ -410,8 +410,8 @@ def main() -> None:
     n = 30 if args.quick else 200
     rows = []
     with tempfile.TemporaryDirectory() as lock_dir, LocalCluster(lock_dir) as cluster:
-        server, port = cluster.add_server("pytorch", "fake:4", *(() if args.preload is None else
-                                                                 ("--preload", args.preload)))
+        preload = () if args.preload is None else ("--preload", args.preload)  # every server alike
+        server, port = cluster.add_server("pytorch", "fake:4", *preload)
         print(next(line for line in server.lines if "preloaded:" in line).split("preloaded: ")[1].split(";")[0],
               "preloaded by the server's forkserver")
         rpycdl_round_trip(port, 5)  # warm up
@@ -423,8 +423,8 @@ def main() -> None:
         in_session, open_call, session_cpu = session_call(port, 10 * n)  # 0.5 ms each: 10 times as many
         rows.append(("call on an open session (ngpus=1)", in_session, open_call, "bare RPyC call, open connection"))
         if not isinstance(cgroups.detect(), str):  # a root server fences its jobs: what it costs, against none
-            bare = cluster.add_server("pytorch", "fake:4", "--no-fence")[1]
-            private = cluster.add_server("pytorch", "fake:4", "--job-tmp", "64MiB")[1]
+            bare = cluster.add_server("pytorch", "fake:4", "--no-fence", *preload)[1]
+            private = cluster.add_server("pytorch", "fake:4", "--job-tmp", "64MiB", *preload)[1]
             cost = fence_cost({"fenced": port, "bare": bare, "tmp": private}, n)
             rows.append(("run ngpus=1 on an open connection, in a cgroup of its own", cost["fenced"], cost["bare"],
                          "the same, --no-fence"))
