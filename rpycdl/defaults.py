@@ -50,6 +50,10 @@ SWEEP_INTERVAL = 0.5
 (its own, whose deaths also trigger a sweep at once through SIGCHLD, and other servers' after
 those died: see DLServer). A sweep reads only the live records: a fraction of a millisecond."""
 
+CGROUP_SWEEP_INTERVAL = 0.2
+"""Seconds between a fencing server's looks for jobs' cgroups whose keeper died (and their requester: else it
+removes them), apart from its routine sweep, which a loaded ledger can slow past a second."""
+
 SPARE_CONNECTIONS = 2
 """Connection processes a server keeps forked and waiting in accept(), each with a spare job
 process, so that neither fork is part of a client's round trip."""

@@ -1354,14 +1354,17 @@ def lock_holders(lock_dir: Path) -> dict[int, list[str]]:
 def dead_jobs_leftovers(lock_dir: Path, reports_dir: Path, token: bytes, since: float) -> Leftovers:
     """What jobs that ended or lost their owner still hold: a held/ record or a GPU lock whose job has no
     live process, a queue entry whose waiter is gone, a row PENDING or RUNNING whose owner (connection
-    process or supervisor) is dead, a process of a job whose row has ended, files (job_files_leftovers).
+    process or supervisor) is dead (a detached job waiting in line, its row queued, has no owner yet: not one), a
+    process of a job whose row has ended, files (job_files_leftovers).
     Each is read after what it is judged by (a row before the processes it ended, processes before the
     records they free, an owner's death before its row, held/ both before and after the locks, rows
     before files), so a job that ends during the look is not taken for one that had."""
     found = Leftovers(time.time() - since)
     rows = {row["job_id"]: row for row in ledger_rows(lock_dir)}
     unfinished = {job for job, row in rows.items() if row["state"] in ("PENDING", "RUNNING")}
-    orphaned = {job for job in unfinished if not alive(read_stat(rows[job]["owner_pid"]), rows[job]["owner_start"])}
+    queued = {entry.get("job_id") for entry in lock_dir_records(lock_dir / "rows").values()}  # read after the rows
+    orphaned = {job for job in unfinished if not alive(read_stat(rows[job]["owner_pid"]), rows[job]["owner_start"])
+                and not (not rows[job]["owner_pid"] and job in queued)}  # a detached job waiting in line has none
     processes = job_processes(read_reports(reports_dir), token)
     found.processes = [p for job, ps in processes.items() if job in rows and job not in unfinished for p in ps]
     held = lock_dir_records(lock_dir / "held")
