@@ -1,7 +1,7 @@
 """rpycdl: run Python functions on shared GPU servers over RPyC, first come, first served.
 
 The public API: `connect` (and the Connection it returns), `job` (a detached job's handle, found by
-id or name), job states, every exception a user can see, `output_dir` and `save_artifact` inside a job,
+id or name), job states, every exception a user can see, `output_dir`, `save_artifact` and `attempt` inside a job,
 and `simulate_memory` for jobs on simulated GPUs. Everything else is reached through its sub-package."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from rpycdl.artifacts import saving
-from rpycdl.defaults import OUTPUT_DIR_VARIABLE
+from rpycdl.defaults import ATTEMPT_VARIABLE, OUTPUT_DIR_VARIABLE
 from rpycdl.errors import (
     ArtifactStoreError,
     AuthFailedError,
@@ -73,7 +73,7 @@ __all__ = [
     "OutputLimitError", "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError",
     "ServerStoppingError", "Session", "UnverifiableResultError",
     "UploadTimeoutError", "VersionMismatchError",
-    "__version__", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
+    "__version__", "attempt", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]
 
 
@@ -89,6 +89,18 @@ def output_dir() -> str:
         raise RuntimeError(f"rpycdl.output_dir() is for code running as an rpycdl job (${OUTPUT_DIR_VARIABLE} "
                            "is not set)")
     return path
+
+
+def attempt() -> int:
+    """Inside a job: which attempt of it this is, 1 for the first. A detached job submitted with `retries=` is
+    requeued when its server or supervisor dies while it runs, or a signal kills it (`retry_on_failure=True`: also
+    when it raised); its next attempt sees 2, then 3, with the same output directory (rpycdl.output_dir()), so that
+    it can resume from what an earlier attempt saved there. Outside a job (nothing set it): 1, so that code run
+    both locally and as a job starts afresh."""
+    try:
+        return max(1, int(os.environ.get(ATTEMPT_VARIABLE, "1")))
+    except ValueError:
+        return 1
 
 
 def save_artifact(path: str | os.PathLike[str], name: str | None = None) -> str:

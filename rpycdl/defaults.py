@@ -128,6 +128,12 @@ OUTPUT_DIR_VARIABLE = "RPYCDL_OUTPUT_DIR"
 WORKING_DIR_VARIABLE = "RPYCDL_WORKING_DIR"
 """A job's working directory, unpacked for it alone: its current directory, first on its sys.path."""
 
+ATTEMPT_VARIABLE = "RPYCDL_ATTEMPT"
+"""Set in a job: which attempt of it this is, 1 for the first (rpycdl.attempt(); a detached job's `retries=`)."""
+
+MAX_RETRIES = 100
+"""Most times a detached job may be requeued after an end that is not its own (submit's `retries=`)."""
+
 SAVE_SOCKET_VARIABLE = "RPYCDL_SAVE_SOCKET"
 """Set in a job (but a container's): the socket on which the process that owns it takes rpycdl.save_artifact's
 requests."""

@@ -162,6 +162,14 @@ def _add_submit(command: Command) -> None:
                         help="wait for other jobs first (ids, or names of yours): ok: until each SUCCEEDED, notok: "
                              "until each ended otherwise, any: until each ended; if they end so that it never can, "
                              "the job fails with DependencyError, never having run")
+    submit.add_argument("--retries", type=int, default=0, metavar="N",
+                        help="requeue the job up to N times (0 to 100; default 0) if it is LOST (its server or node "
+                             "died while it ran) or a signal rpycdl did not send killed it (the OOM killer, a kill); "
+                             "each attempt keeps its id and output directory and reads its number in "
+                             "$RPYCDL_ATTEMPT; never after a cancel, its --timeout or rpycdl's limits")
+    submit.add_argument("--retry-on-failure", action="store_true",
+                        help="with --retries: also requeue it when it fails by itself (exits with another code "
+                             "than 0)")
     submit.add_argument("--image", default=None, help="run COMMAND in a container of this image (deeplearning only)")
     submit.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="with --image: a variable of the container (repeat for more)")
@@ -178,8 +186,9 @@ def _submit(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--env and --workdir go with --image")
     if args.working_dir and args.image:
         raise InvalidRequestError("--working-dir goes without --image: a container job's files come with its image")
-    if args.image and args.after:
-        raise InvalidRequestError("--after goes without --image: a container job cannot wait for others yet")
+    if args.image and (args.after or args.retries or args.retry_on_failure):
+        raise InvalidRequestError("--after, --retries and --retry-on-failure go without --image: a container job "
+                                  "cannot wait for others or be requeued yet")
     if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
         raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
     if args.image and (args.memory is not None or args.cpus is not None):
@@ -197,7 +206,8 @@ def _submit(args: argparse.Namespace) -> int:
                                                  name=args.name, timeout=args.timeout,
                                                  queue_timeout=args.queue_timeout, working_dir=args.working_dir,
                                                  exists=args.exists, memory=args.memory, cpus=args.cpus,
-                                                 after=args.after)
+                                                 after=args.after, retries=args.retries,
+                                                 retry_on_failure=args.retry_on_failure)
         if args.quiet:
             print(submitted.id)
         else:
@@ -240,11 +250,18 @@ def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
         cells.append([row["job_id"], row.get("name") or "-", row["state"], user, row["service"],
                       need_text(row["ngpus"], row["share_bytes"]),
                       row["submitted"].strftime("%Y-%m-%d %H:%M"), waited, ran,
-                      *(usage_cells(row) if long else []), info])
+                      *([*usage_cells(row), _attempt(row)] if long else []), info])
     header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN",
-              *(["MEM", "CPU", "PROCS"] if long else []), "INFO"]
+              *(["MEM", "CPU", "PROCS", "TRY"] if long else []), "INFO"]
     widest = [None, 24, None, 24, 16] + [None] * (len(header) - 6) + [100]
     return "\n".join(table(header, cells, widest=widest) + ([] if rows else ["(no jobs)"]))
+
+
+def _attempt(row: dict[str, Any]) -> str:
+    """Which attempt a job's row is, of how many its retries= allow ("2/4"; the attempt alone where its request is
+    not shown: another user's job)."""
+    attempt, request = row.get("attempt", 1), row.get("request")
+    return f"{attempt}/{(request.get('retries') or 0) + 1}" if isinstance(request, dict) else str(attempt)
 
 
 def _find(args: argparse.Namespace) -> Job:

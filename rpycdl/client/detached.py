@@ -36,7 +36,8 @@ class DetachedCalls:
                gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                timeout: float | None = None, queue_timeout: float | None = None,
                working_dir: str | os.PathLike[str] | None = None, exists: str = "error",
-               memory: str | int | None = None, cpus: float | None = None, after: str | None = None) -> Job:
+               memory: str | int | None = None, cpus: float | None = None, after: str | None = None,
+               retries: int = 0, retry_on_failure: bool = False) -> Job:
         """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
         queue as run_code, and runs to its end whatever happens to this client or to the server
         process that accepted it. Returns its handle once the server has recorded it.
@@ -53,6 +54,11 @@ class DetachedCalls:
                 takes its place in line only once every one of them has ended, "ok": SUCCEEDED (Slurm's afterok),
                 "notok": other than SUCCEEDED, "any": however; if they end so that it never can, it ends FAILED
                 with DependencyError, never having run.
+            retries: how many times it is requeued (0 to 100) if its supervisor dies while it runs (LOST: a server
+                or node restart) or its process is killed by a signal rpycdl did not send (the OOM killer, a kill);
+                each attempt keeps its id and output directory, and sees its number in rpycdl.attempt(). Never after
+                a cancel, its timeout or rpycdl's limits.
+            retry_on_failure: also requeue it when it raised (a command: exited with another code than 0).
 
         Raises:
             InvalidRequestError: a request it could never run, or a name you use already (exists="error"), or
@@ -68,7 +74,7 @@ class DetachedCalls:
             self._check_size(len(payload))
             digest = self._working_dir(working_dir)
             return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest,
-                                   fence=(memory, cpus, after))
+                                   fence=(memory, cpus, after, *_retries(retries, retry_on_failure)))
 
         return self._named(name, exists, submit)
 
@@ -76,13 +82,13 @@ class DetachedCalls:
                        gpu_memory: str | int | None = None, name: str | None = None, timeout: float | None = None,
                        queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None,
                        exists: str = "error", memory: str | int | None = None, cpus: float | None = None,
-                       after: str | None = None) -> Job:
+                       after: str | None = None, retries: int = 0, retry_on_failure: bool = False) -> Job:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return self._named(name, exists, lambda: self._submitted(
             "submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
-            self._working_dir(working_dir), fence=(memory, cpus, after)))
+            self._working_dir(working_dir), fence=(memory, cpus, after, *_retries(retries, retry_on_failure))))
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -129,9 +135,9 @@ class DetachedCalls:
 
     def _submitted(self, name: str, *args: Any, fence: tuple[Any, ...] = ()) -> Job:
         """Call the submit `name` with `args` and a fresh seal of the job's result (security.results: made
-        with this client's result key), then its `fence` (memory, cpus, after) up to the last given; the job's
-        handle. A server that predates seals refuses the option: the job is submitted again without, and its
-        result is then read unverified only (result(verify=False))."""
+        with this client's result key), then its `fence` (memory, cpus, after, retries, retry_on_failure) up to the
+        last given; the job's handle. A server that predates seals refuses the option: the job is submitted again
+        without, and its result is then read unverified only (result(verify=False))."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         secret, _ = credentials.result_secret()
         given = [index for index, value in enumerate(fence) if value is not None]
@@ -188,3 +194,9 @@ class DetachedCalls:
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return codec.decode_outcome(self._connection.call("cancel", ref))
 
+
+def _retries(retries: Any, on_failure: Any) -> tuple[Any, Any]:
+    """`retries=` and `retry_on_failure=` as sent: None for their defaults (a server before retries takes none);
+    anything else as it is, for the server to check."""
+    return (None if retries == 0 and not isinstance(retries, bool) else retries,
+            None if on_failure is False else on_failure)

@@ -136,6 +136,13 @@ class Job:
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return self._seen(self._call("job", self.id))
 
+    def attempts(self) -> list[dict[str, Any]]:
+        """The job's attempts, first first: those its `retries=` requeued, then the one it is at (a job never
+        requeued has one). Each a dict: attempt (1, 2, ...), state (how it ended, or PENDING or RUNNING for the
+        last), started, ended (datetimes, or None), error, error_type, exit_code, gpu_uuids."""
+        __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        return client_row(self._call("job_attempts", self.id))
+
     def status(self) -> JobStatus:
         """The job's state now (while it waits: how many jobs are ahead of it, which hold its GPUs)."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show

@@ -27,7 +27,8 @@ class JobRecord:
     its start time (rpycdl.scheduler.procs.Pid). `user` sent it, proven by a client certificate when
     `user_verified`. `cancel_requested` is read from the row: only Ledger.request_cancel writes it.
     `peak_memory`, `cpu_seconds` and `max_procs` are what the server measured of the job's cgroup at its end
-    (None: not measured, by a server that cannot fence its jobs, or before the end)."""
+    (None: not measured, by a server that cannot fence its jobs, or before the end). `attempt` counts the times
+    it was started, a detached job's earlier attempts being rows of their own (rpycdl.scheduler.attempts)."""
 
     job_id: str
     server_id: str
@@ -63,6 +64,7 @@ class JobRecord:
     peak_memory: int | None = None  # bytes of host memory at most
     cpu_seconds: float | None = None  # CPU time, user and system, of all its processes
     max_procs: int | None = None  # the most processes (tasks) it had at once
+    attempt: int = 1  # which attempt of it this row is: 1, then one more each time retries= requeued it
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""

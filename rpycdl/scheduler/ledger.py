@@ -1,9 +1,9 @@
 """The job ledger: every job of a host, attached or detached, as one row of an SQLite database in WAL
 mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container of the host.
 
-Its schema and migrations are rpycdl.scheduler.schema's, a row's JobRecord rpycdl.scheduler.jobrecord's.
-`refusals` counts the requests the host's servers refused (count_refusal), `drops` the connections they
-dropped before authenticating them (count_drops), `artifacts` says where a job's outputs stand (set_artifacts).
+Its schema is rpycdl.scheduler.schema's, a row's JobRecord rpycdl.scheduler.jobrecord's, a requeued job's attempts
+rpycdl.scheduler.attempts's (AttemptsLedger). `refusals` counts the requests the host's servers refused (count_refusal),
+`drops` the connections they dropped before authenticating them, `artifacts` where a job's outputs stand.
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
 transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
@@ -34,6 +34,7 @@ from typing import Any
 
 from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
+from rpycdl.scheduler.attempts import AttemptsLedger
 from rpycdl.scheduler.jobrecord import COLUMNS, JobRecord, from_row, new_job_id, to_row
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
 from rpycdl.scheduler.schema import ARTIFACT_STATES, DROPS, LIVE, MIGRATIONS, REFUSALS, migrate
@@ -51,7 +52,7 @@ _UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c
            f"WHERE jobs.{LIVE}")
 
 
-class Ledger:
+class Ledger(AttemptsLedger):
     """The job ledger of one state directory: <state_dir>/ledger.sqlite3. The threads of a process may
     share one, and a child of os.fork() goes on using it (with a connection of its own)."""
 
@@ -205,8 +206,7 @@ class Ledger:
     def cancel_requested(self, job_id: str) -> bool:
         """Whether someone asked to cancel the job (cheap enough to poll)."""
         with self._db() as db:
-            row = db.execute("SELECT cancel_requested FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
-        return bool(row and row[0])
+            return bool(db.execute("SELECT 1 FROM jobs WHERE job_id = ? AND cancel_requested", (job_id,)).fetchone())
 
     def request_cancel(self, job_id: str) -> JobRecord | None:
         """Ask the owner of an unfinished job to cancel it (a finished one is left alone). Returns the

@@ -13,7 +13,10 @@ adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair sh
 `jobs.result_nonce` and `jobs.result_key_id`, a detached job's seal (rpycdl.security.results; NULL for jobs
 without one); version 7 the index `jobs_waiting` (server_id, user, user_verified) of the PENDING rows, which a
 submit counts against the queue's limits; version 8 `jobs.peak_memory`, `jobs.cpu_seconds` and `jobs.max_procs`,
-what the server measured of a job's cgroup at its end (NULL: not measured).
+what the server measured of a job's cgroup at its end (NULL: not measured); version 9 `jobs.attempt`, which attempt
+of a detached job the row is (1, then one more each time `retries=` requeues it: rpycdl.scheduler.attempts), and
+`attempts(job_id, attempt, ...)`, the earlier attempts of a requeued job, each as its row told it when it ended
+(gone with its job's row, by a trigger).
 """
 
 from __future__ import annotations
@@ -88,6 +91,15 @@ MIGRATIONS = [
     ALTER TABLE jobs ADD COLUMN peak_memory INTEGER;
     ALTER TABLE jobs ADD COLUMN cpu_seconds REAL;
     ALTER TABLE jobs ADD COLUMN max_procs INTEGER;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN attempt INTEGER NOT NULL DEFAULT 1;
+    CREATE TABLE attempts (job_id TEXT NOT NULL, attempt INTEGER NOT NULL, state TEXT NOT NULL, started REAL,
+                           ended REAL NOT NULL, error TEXT NOT NULL, error_type TEXT NOT NULL, exit_code INTEGER,
+                           gpu_uuids TEXT NOT NULL, PRIMARY KEY (job_id, attempt)) WITHOUT ROWID;
+    CREATE TRIGGER jobs_attempts_deleted AFTER DELETE ON jobs BEGIN
+        DELETE FROM attempts WHERE job_id = old.job_id;
+    END;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

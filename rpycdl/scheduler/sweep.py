@@ -3,12 +3,13 @@ left of them killed first), and finished jobs past their retention are removed w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
 
 from rpycdl.defaults import KILL_WAIT
-from rpycdl.scheduler import procs
+from rpycdl.scheduler import attempts, procs
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.states import JobState
@@ -16,10 +17,11 @@ from rpycdl.states import JobState
 
 def end_orphaned(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]) -> list[JobRecord]:
     """End the unfinished jobs, of any server, whose owner died: an attached job's connection process
-    (FAILED, or CANCELLED if a cancel was asked), a detached job's supervisor (LOST). What is left of
-    each job is killed first (rpycdl.scheduler.procs), and its working directory removed (its outputs
-    stay on the server). A detached job still `queued` as a row (the ids of those) is no orphan: its supervisor
-    died before its grant, and a dispatcher starts another. Returns the jobs ended here."""
+    (FAILED, or CANCELLED if a cancel was asked), a detached job's supervisor (LOST; or, with retries left, requeued:
+    rpycdl.scheduler.attempts, its files kept). What is left of each job is killed first (rpycdl.scheduler.procs),
+    and its working directory removed (its outputs stay on the server). A detached job still `queued` as a row (the
+    ids of those) is no orphan: its supervisor died before its grant, and a dispatcher starts another. Returns the
+    jobs ended or requeued here, as their rows now say (a requeued one PENDING)."""
     ended = []
     rows = None
     for record in ledger.unfinished(owned=True):
@@ -34,25 +36,37 @@ def end_orphaned(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]
         if record.detached:
             state, error_type = JobState.LOST, "JobLostError"
             why = f"its supervisor (pid {record.owner_pid}) died before the job ended: its outcome is unknown"
+            lost = dataclasses.replace(record, state=state, error=record.error or why, error_type=error_type,
+                                       ended=time.time())
+            if attempts.retryable(record, attempts.LOST) and ledger.requeue(lost):
+                ended.append(dataclasses.replace(record, state=JobState.PENDING, error=lost.error))
+                continue
         else:
             state = JobState.CANCELLED if record.cancel_requested else JobState.FAILED
             error_type, why = "JobCrashedError", "the connection process serving this job died"
         files.remove_working_dir(record.job_id)  # before its end: a sweep killed after it leaves the next one nothing
         if ledger.end(record.job_id, state, record.error or why, error_type):
             ended.append(record)
-            if any(files.output_dir(record.job_id).glob("*")):  # its outputs stay, for a retry
-                ledger.set_artifacts(record.job_id, "failed", [], "the job's owner died before uploading its outputs: "
-                                     f"they stay on the server: rpycdl artifacts {record.job_id} --retry")
+            keep_outputs(ledger, files, record.job_id, "the job's owner died before uploading its outputs")
     return ended
+
+
+def keep_outputs(ledger: Ledger, files: JobFiles, job_id: str, why: str) -> None:
+    """Say in the ledger that what an ended job left in its output directory stays on the server (`why` it was not
+    uploaded), for `rpycdl artifacts JOB --retry`; nothing if it left nothing."""
+    if any(files.output_dir(job_id).glob("*")):
+        ledger.set_artifacts(job_id, "failed", [], f"{why}: they stay on the server: rpycdl artifacts {job_id} --retry")
 
 
 def end_unqueued(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]) -> list[str]:
     """End as LOST the rows that wait for no process and are not `queued` any more (a cancel that died between
     taking the row from the queue and ending it). The queue is read after the ledger (a row's entry is made
     before its row), and a row a dispatcher started meanwhile has an owner: it is left alone, as is a row with
-    dependencies (`after`), which waits with no entry until they are met (rpycdl.server.held). Returns their ids."""
+    dependencies (`after`), which waits with no entry until they are met (rpycdl.server.held), or a requeued one
+    (rpycdl.server.retries gives it its entry). Returns their ids."""
     ended = []
-    unowned = [record.job_id for record in ledger.unfinished(owned=False) if not record.request.get("after")]
+    unowned = [record.job_id for record in ledger.unfinished(owned=False)
+               if not record.request.get("after") and record.attempt == 1]
     rows = queued() if unowned else set()
     for job_id in unowned:
         if job_id not in rows and ledger.end(job_id, JobState.LOST, "its place in line was lost before it ran",

@@ -38,11 +38,24 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth, cgroups
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
-from rpycdl.server import child, container_watcher, draining, drops, gate, held, keeper, orphans, runner, supervisor
+from rpycdl.server import (
+    child,
+    container_watcher,
+    draining,
+    drops,
+    gate,
+    held,
+    keeper,
+    orphans,
+    retries,
+    runner,
+    supervisor,
+)
 from rpycdl.server.context import ServerContext
 from rpycdl.server.dispatcher import Dispatcher
 from rpycdl.server.forkserver import ForkServer
 from rpycdl.server.service import GPUService
+from rpycdl.states import JobState
 from rpycdl.wire import stream
 
 _PID = struct.Struct("i")  # what a spare connection process writes to the parent when it takes a client
@@ -390,7 +403,7 @@ class DLServer(ForkingServer):
         then, unless some of it will not die, clear the orphaned
         grants of its dead connection processes; clear those of dead servers; end dead jobs' records; remove
         the files of jobs whose maker died before recording them; queue or end the jobs held by their
-        dependencies (rpycdl.server.held)."""
+        dependencies (rpycdl.server.held) and those requeued (rpycdl.server.retries)."""
         ctx = self.context
         if cgroups.sweep():  # what a job whose keeper and requester died left, however it daemonized
             log.warning("removed the cgroups of jobs whose keeper died")
@@ -408,11 +421,13 @@ class DLServer(ForkingServer):
         for record in ctx.locks.clear_orphans(claim):
             log.warning("GPUs of job %s granted again: its connection process died", record.get("job_id"))
         for record in sweep.end_orphaned(ctx.ledger, ctx.files, ctx.locks.queued_rows):
-            log.warning("job %s ended: %s", record.job_id, record.error)
+            log.warning("job %s %s: %s", record.job_id, "requeued (retries=)" if record.state is JobState.PENDING
+                        else "ended", record.error)
             ctx.locks.wake_all()
         for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files, ctx.locks.drop_row):
             log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)
         held.release(ctx)  # the jobs held by their dependencies: queued once met, ended if they never can be
+        retries.release(ctx)  # the jobs requeued by their retries=: queued once their last attempt holds no GPU
 
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that

@@ -53,9 +53,10 @@ def check_after(text: object, find: Callable[[str], JobRecord], user: tuple[str,
 
 
 def is_held(record: JobRecord) -> bool:
-    """Whether a row may be a held job's: PENDING, no owner, with dependencies (whether it is in line yet is the
-    queue's to say)."""
-    return record.state is JobState.PENDING and record.owner_pid == 0 and bool(record.request.get("after"))
+    """Whether a row may be a held job's: PENDING, no owner, with dependencies, never run (a requeued one's
+    dependencies were met: rpycdl.server.retries; whether it is in line yet is the queue's to say)."""
+    return record.state is JobState.PENDING and record.owner_pid == 0 and bool(record.request.get("after")) \
+        and record.attempt == 1
 
 
 def release(context: ServerContext) -> list[tuple[str, str]]:

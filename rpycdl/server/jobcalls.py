@@ -22,9 +22,10 @@ from rpycdl.errors import (
     NotAllowedError,
     RpycdlError,
 )
+from rpycdl.scheduler import attempts
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.security import auth, results, visibility
-from rpycdl.server import held, jobdirs, request, status, supervisor
+from rpycdl.server import held, jobdirs, request, retries, status, supervisor
 from rpycdl.server.commands import run_command
 from rpycdl.server.context import ServerContext
 from rpycdl.states import JobState
@@ -54,8 +55,8 @@ class JobCalls:
     def exposed_submit(self, payload: bytes, *args: Any, **kwargs: Any) -> bytes:
         """Submit a detached job: a payload made by codec.encode_payload (everything in band); options
         (request.SUBMIT_OPTIONS, positionally or by name): ngpus, gpus, gpu_memory, timeout, queue_timeout,
-        name, working_dir, seal (its result's: security.results). Answers the job's row once its supervisor
-        owns it."""
+        name, working_dir, seal (its result's: security.results), memory, cpus, after, retries, retry_on_failure.
+        Answers the job's row once its supervisor owns it."""
         def submit() -> dict[str, Any]:
             request.check_size(payload, "payload", self.context.limits.max_payload)
             return self._submit(args, kwargs, body=codec.check_payload(payload))
@@ -95,9 +96,10 @@ class JobCalls:
     def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], **job: Any) -> dict[str, Any]:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
         name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
+        retries, on_failure = attempts.check(options.pop("retries", None), options.pop("retry_on_failure", None))
         after = held.check_after(options.pop("after", None), self._find, (self._identity.user, self._identity.verified))
         checked = self._request(options, detached=True, name=name, after=None if after is None else after[0],
-                                **job)
+                                retries=retries, retry_on_failure=on_failure, **job)
         held_back = after is not None and after[1]
         record = supervisor.hand_over(self.context, checked, seal=seal, held=held_back)
         return _shown(self.context, record, self._identity,  # a new row, last in line or held: its status says
@@ -109,6 +111,17 @@ class JobCalls:
         """A job's row by id (or by name among the caller's jobs), with `ahead` and `holders` while it waits;
         another user's job as security.visibility shows it."""
         return _answer(lambda: _shown(self.context, self._find(ref), self._identity))
+
+    def exposed_job_attempts(self, ref: Any) -> bytes:
+        """A job's attempts, first first (its owner or an admin may ask): the earlier ones of a job its `retries=`
+        requeued (rpycdl.scheduler.attempts), then the one its row tells now; each {"attempt", "state", "started",
+        "ended", "error", "error_type", "exit_code", "gpu_uuids"}."""
+        def history() -> list[dict[str, Any]]:
+            record = self._find(ref, mine=True)
+            now = {key: value for key, value in record.to_dict().items() if key in attempts.HISTORY}
+            return [*self.context.ledger.attempts(record.job_id), now]
+
+        return _answer(history)
 
     def exposed_job_wait(self, ref: Any, timeout: Any = None) -> bytes:
         """A job's row once it has ended, or after `timeout` seconds (JOB_WAIT_MAX at most: call again)."""
@@ -205,7 +218,8 @@ class JobCalls:
             record = self._find(ref, mine=True)
             asked = self.context.ledger.request_cancel(record.job_id) or record
             if not (asked.detached and asked.state is JobState.PENDING and (
-                    supervisor.cancel_queued(self.context, record.job_id) or held.cancel(self.context, asked))):
+                    supervisor.cancel_queued(self.context, record.job_id) or held.cancel(self.context, asked)
+                    or retries.cancel(self.context, asked))):
                 self.context.locks.wake_all()  # its process sees the cancel
             return asked.state.value
 

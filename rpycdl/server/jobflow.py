@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rpycdl.defaults import (
+    ATTEMPT_VARIABLE,
     ENV_SIMULATED_GPUS,
     RELEASE_BEFORE_REPLY,
     SAVE_SOCKET_VARIABLE,
@@ -39,7 +40,7 @@ from rpycdl.errors import (
 from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
 from rpycdl.gpu.watchdog import GPUWatch
-from rpycdl.scheduler import procs
+from rpycdl.scheduler import attempts, procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.queuedir import Need, Place
@@ -97,11 +98,13 @@ class JobFlow:
     """One job of one connection, from its checked request to its outcome."""
 
     def __init__(self, context: ServerContext, request: JobRequest, link: Link, on_end: Callable[[], None], *,
-                 record: JobRecord | None = None, place: Place | None = None) -> None:
+                 record: JobRecord | None = None, place: Place | None = None,
+                 retry: attempts.Retry | None = None) -> None:
         """A new job's flow; or, given its `record` and its `place` in line (taken when it was
-        submitted), the flow of a detached job that its supervisor takes over."""
+        submitted), the flow of a detached job that its supervisor takes over, which `retry` may requeue."""
         self.context, self.request, self.link, self._on_end = context, request, link, on_end
         self.record = record or self.new_record(context, request)
+        self.queued_at, self._retry, self._signaled = self.record.submitted, retry, False  # queue_timeout from then
         self._unrecorded = record is None  # its files are made before its row (JobFiles.begin)
         self._place = place
         self.job: runner.JobProcess | None = None
@@ -176,7 +179,7 @@ class JobFlow:
         try:
             grant = ctx.locks.acquire(need_of(ctx, record), info, place=self._place,
                                       queue_timeout=self.request.queue_timeout,
-                                      waited=max(0.0, time.time() - record.submitted), wake_fds=self._wake_fds,
+                                      waited=max(0.0, time.time() - self.queued_at), wake_fds=self._wake_fds,
                                       on_wake=self._on_wake, on_position=self._on_position)
         except QueueTimeoutError as exc:  # who held them (what anyone sees), in the client's waiting line's words
             held = held_by(status.holders(ctx))
@@ -238,7 +241,8 @@ class JobFlow:
         grant, inventory = self.grant, self.context.inventory
         assert grant is not None
         env = {**child.gpu_environment([self._gpu(uuid).index for uuid in grant.uuids], grant.uuids),
-               procs.JOB_ID_VARIABLE: self.record.job_id, "RPYCDL_TICKET": str(grant.ticket),
+               procs.JOB_ID_VARIABLE: self.record.job_id, ATTEMPT_VARIABLE: str(self.record.attempt),
+               "RPYCDL_TICKET": str(grant.ticket),
                "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
         if grant.share_bytes:
             env.update(caps.cap_environment(grant.share_bytes, self._gpu(grant.uuids[0]).memory_total))
@@ -286,8 +290,11 @@ class JobFlow:
         """`result` of a call of `job`; or, if the kernel's OOM killer ended its process at its cgroup's memory
         limit, that end, naming the limit and the peak. A command's job process says itself when the kernel killed
         the command so (commands.run_command)."""
-        if result.ending is not runner.Ending.CRASHED or not os.WIFSIGNALED(status := job.exit_status()) \
-                or os.WTERMSIG(status) != signal.SIGKILL:
+        if result.ending is not runner.Ending.CRASHED:
+            return result
+        status = job.exit_status()
+        self._signaled = os.WIFSIGNALED(status)  # by a signal rpycdl did not send: a retry's cause
+        if not self._signaled or os.WTERMSIG(status) != signal.SIGKILL:
             return result
         why = fencing.over_memory(self.context, job.usage, self.request.memory is not None)
         return runner.Result(runner.Ending.OVER_HOST_MEMORY, reason=why) if why else result
@@ -361,7 +368,8 @@ class JobFlow:
             fencing.record_usage(record, self.job.usage)
         if self.grant is not None:
             self.context.locks.release(self.grant)
-        if record.state.finished:  # it failed before its job could end (record.error says why)
+        ran = not record.state.finished and result is not None  # else it failed before its job could end
+        if record.state.finished:  # (record.error says why)
             pass
         elif result is None:
             record.state = JobState.FAILED
@@ -370,6 +378,12 @@ class JobFlow:
             record.error_type = ERRORS[result.ending].__name__
         else:
             self._judge(result.outcome)
+        if ran and self._retry is not None and self._retry(record, attempts.cause(
+                record, result.ending is runner.Ending.CRASHED, self._signaled)):  # type: ignore[union-attr]
+            if self._saver is not None:  # its row waits again; its directories stay for the next attempt
+                self._saver.close()
+            self._on_end()
+            return
         self.context.files.remove_working_dir(record.job_id)  # before its end: a kill after it leaves no copy
         self.context.ledger.save(record)
         if self._unrecorded:

@@ -34,10 +34,11 @@ CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "t
 """The options of `run_container` after the image and the command, likewise."""
 
 SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal", "memory",
-                  "cpus", "after")
+                  "cpus", "after", "retries", "retry_on_failure")
 """The options of `submit` and `submit_command` after the payload or the command; `seal` is the client's seal
 of the job's result (rpycdl.security.results.Seal.sent), or None; `after` its dependencies
-(rpycdl.scheduler.dependencies: "ok:JOB[,JOB]")."""
+(rpycdl.scheduler.dependencies: "ok:JOB[,JOB]"); `retries` and `retry_on_failure` when it is requeued
+(rpycdl.scheduler.attempts)."""
 
 SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "queue_timeout", "name", "seal")
 """The options of `submit_container` after the image and the command."""
@@ -100,6 +101,8 @@ class JobRequest:
         memory, cpus: the host memory (bytes) and CPU cores it asked for; None: the server's defaults
             (--job-memory, --job-cpus), where it fences jobs.
         after: a detached job's dependencies, resolved to ids ("ok:ID[,ID]": rpycdl.server.held), or None.
+        retries, retry_on_failure: how many times a detached job may be requeued, and whether also after an end of
+            its own (rpycdl.scheduler.attempts).
     """
 
     gpu_request: GPURequest
@@ -121,6 +124,8 @@ class JobRequest:
     memory: int | None = None
     cpus: float | None = None
     after: str | None = None
+    retries: int = 0
+    retry_on_failure: bool = False
 
     @property
     def kind(self) -> str:
@@ -146,6 +151,8 @@ class JobRequest:
             asked["cpus"] = self.cpus
         if self.after is not None:
             asked["after"] = self.after
+        if self.retries:
+            asked.update(retries=self.retries, retry_on_failure=self.retry_on_failure)
         return asked
 
 

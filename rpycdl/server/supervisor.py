@@ -34,7 +34,7 @@ from typing import Any
 from rpycdl.defaults import DISPATCH_AHEAD, SUPERVISOR_MODULE
 from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
 from rpycdl.gpu.inventory import load_inventory
-from rpycdl.scheduler import procs
+from rpycdl.scheduler import attempts, procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.policies import FCFS, Scheduling
@@ -301,6 +301,16 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         context.locks.leave(place.ticket)
         _end_unstarted(context, job_id)
         return 0
+    if not _run(context, record, spec, place, spare):
+        _record_end(context, record)
+    return 0
+
+
+def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place: Place,
+         spare: runner.JobProcess | None) -> bool:
+    """Run the job's flow, its output to its log; then its payload and result key go, unless the flow requeued it
+    (its `retries=`: rpycdl.scheduler.attempts), which it returns."""
+    job_id, requeued = record.job_id, []
     log = LogWriter(context.files.path(job_id, "log"), context.limits.max_log)
 
     def write(text: str) -> None:
@@ -309,9 +319,21 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         finally:
             record.log_bytes = log.size
 
+    def retry(ended: JobRecord, cause: str | None) -> bool:
+        if attempts.retryable(ended, cause) and context.ledger.requeue(ended):
+            requeued.append(cause)
+        return bool(requeued)
+
     try:
         checked = _request(spec, context.files.payload(job_id), write)
-        JobFlow(context, checked, Supervised(context, record, spare), lambda: None, record=record, place=place).run()
+        flow = JobFlow(context, checked, Supervised(context, record, spare), lambda: None, record=record, place=place,
+                       retry=retry)
+        if record.attempt > 1:  # its queue_timeout counts from its requeue; its log says where it begins
+            for last in context.ledger.attempts(job_id)[-1:]:
+                flow.queued_at = last["ended"]
+                write(f"[rpycdl] {attempts.said(record)} (attempt {last['attempt']} ended {last['state']}: "
+                      f"{last['error']})\n")
+        flow.run()
         spare = None
     except (RpycdlError, EOFError):
         pass  # the ledger says how it ended
@@ -321,10 +343,10 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         if spare is not None:  # a container job's, or the flow never took it
             spare.close()
         log.close()
-        context.files.drop_payload(job_id)
-        results.drop_job_key(context.files.path(job_id))  # its result is sealed, or it will have none
-    _record_end(context, record)
-    return 0
+        if not requeued:
+            context.files.drop_payload(job_id)
+            results.drop_job_key(context.files.path(job_id))  # its result is sealed, or it will have none
+    return bool(requeued)
 
 
 def _record_end(context: ServerContext, record: JobRecord) -> None:
