@@ -1,14 +1,20 @@
 """How the server fences a job (rpycdl.security.fence): the limits of its cgroup and the size of its private /tmp,
 chosen from its request and the server's options; what a job the kernel stopped at its memory limit is told; what
-its cgroup measured, in its row."""
+its cgroup measured, in its row; the thread that removes the cgroups of jobs whose keeper and requester died."""
 
 from __future__ import annotations
 
+import logging
+import threading
+
+from rpycdl.defaults import CGROUP_SWEEP_INTERVAL
 from rpycdl.scheduler.jobrecord import JobRecord
 from rpycdl.security import cgroups, devices
 from rpycdl.security.fence import Fence
 from rpycdl.server.context import ServerContext, job_memory, max_job_memory
 from rpycdl.units import format_size
+
+log = logging.getLogger("rpycdl.server")
 
 
 def job_fence(context: ServerContext, record: JobRecord, memory: int | None, cpus: float | None,
@@ -41,3 +47,16 @@ def record_usage(record: JobRecord, usage: cgroups.Usage | None) -> None:
     """Put what the job's cgroup measured in its row."""
     if usage is not None:
         record.peak_memory, record.cpu_seconds, record.max_procs = usage.peak_memory, usage.cpu_seconds, usage.max_procs
+
+
+def sweep_cgroups(stop: threading.Event) -> None:
+    """Until `stop`: remove the cgroups of jobs whose keeper and requester died, killing what is in them, every
+    CGROUP_SWEEP_INTERVAL (a fencing server's thread; its routine sweep does too, first, before it frees a dead
+    job's GPUs, but a loaded ledger can make that pass take longer than a second). Returns at once where this
+    server fences no job."""
+    while not isinstance(cgroups.hierarchy(), str) and not stop.wait(CGROUP_SWEEP_INTERVAL):
+        try:
+            if cgroups.sweep():
+                log.warning("removed the cgroups of jobs whose keeper died")
+        except Exception:  # a sweep must never take the server down
+            log.exception("cgroup sweep failed")

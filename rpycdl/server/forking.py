@@ -23,7 +23,6 @@ import rpyc
 from rpyc.utils.server import ForkingServer
 
 from rpycdl.defaults import (
-    CGROUP_SWEEP_INTERVAL,
     FAIR_SHARE_REFRESH,
     KILL_WAIT,
     PRUNE_INTERVAL,
@@ -43,6 +42,7 @@ from rpycdl.server import (
     container_watcher,
     draining,
     drops,
+    fencing,
     gate,
     held,
     keeper,
@@ -127,8 +127,7 @@ class DLServer(ForkingServer):
     def start(self) -> None:
         child.become_subreaper()
         threading.Thread(target=self._sweep, name="rpycdl-sweeper", daemon=True).start()
-        if not isinstance(cgroups.hierarchy(), str):
-            threading.Thread(target=self._sweep_cgroups, name="rpycdl-cgroups", daemon=True).start()
+        threading.Thread(target=fencing.sweep_cgroups, args=(self._stop,), name="rpycdl-cgroups", daemon=True).start()
         threading.Thread(target=self._dispatcher.run, args=(self._stop,), name="rpycdl-dispatcher",
                          daemon=True).start()
         super().start()
@@ -387,16 +386,6 @@ class DLServer(ForkingServer):
                 log.exception("sweep failed")
             select.select([self._wake_r], [], [], SWEEP_INTERVAL)
             lockdir.drain(self._wake_r)
-
-    def _sweep_cgroups(self) -> None:
-        """Remove the cgroups of jobs whose keeper and requester died, killing what is in them, within
-        CGROUP_SWEEP_INTERVAL (the routine sweep does too, first, before it frees a dead job's GPUs)."""
-        while not self._stop.wait(CGROUP_SWEEP_INTERVAL):
-            try:
-                if cgroups.sweep():
-                    log.warning("removed the cgroups of jobs whose keeper died")
-            except Exception:  # a sweep must never take the server down
-                log.exception("cgroup sweep failed")
 
     def _sweep_once(self) -> None:
         """Kill what is left in the cgroups of jobs whose keeper died, and what this server adopted;
