@@ -13,7 +13,10 @@ adds `jobs.gpus`, the GPUs a job was granted (a share's fraction), which fair sh
 `jobs.result_nonce` and `jobs.result_key_id`, a detached job's seal (rpycdl.security.results; NULL for jobs
 without one); version 7 the index `jobs_waiting` (server_id, user, user_verified) of the PENDING rows, which a
 submit counts against the queue's limits; version 8 `jobs.peak_memory`, `jobs.cpu_seconds` and `jobs.max_procs`,
-what the server measured of a job's cgroup at its end (NULL: not measured).
+what the server measured of a job's cgroup at its end (NULL: not measured); version 9 job arrays
+(rpycdl.scheduler.arrays): `jobs.array_id` and `jobs.array_index` (NULL for a job of no array) with their index,
+and `arrays(array_id, user, user_verified, name, size, max_running, submitted, server_id, kind)`, one row per
+array, which goes with its last element's row (a trigger).
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ MIGRATIONS = [
     ALTER TABLE jobs ADD COLUMN peak_memory INTEGER;
     ALTER TABLE jobs ADD COLUMN cpu_seconds REAL;
     ALTER TABLE jobs ADD COLUMN max_procs INTEGER;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN array_id TEXT;
+    ALTER TABLE jobs ADD COLUMN array_index INTEGER;
+    CREATE INDEX jobs_array ON jobs (array_id, array_index) WHERE array_id IS NOT NULL;
+    CREATE TABLE arrays (array_id TEXT PRIMARY KEY, user TEXT NOT NULL, user_verified INTEGER NOT NULL, name TEXT,
+                         size INTEGER NOT NULL, max_running INTEGER, submitted REAL NOT NULL,
+                         server_id TEXT NOT NULL, kind TEXT NOT NULL);
+    CREATE INDEX arrays_name ON arrays (user, name) WHERE name IS NOT NULL;
+    CREATE TRIGGER jobs_array_deleted AFTER DELETE ON jobs WHEN old.array_id IS NOT NULL BEGIN
+        DELETE FROM arrays WHERE array_id = old.array_id
+            AND NOT EXISTS (SELECT 1 FROM jobs WHERE array_id = old.array_id);
+    END;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

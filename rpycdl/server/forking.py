@@ -37,7 +37,19 @@ from rpycdl.scheduler.policies import FAIR
 from rpycdl.security import auth, cgroups
 from rpycdl.security.auth import Identity
 from rpycdl.security.handshake import ServerCredentials, ServerHandshake
-from rpycdl.server import child, container_watcher, draining, drops, gate, held, keeper, orphans, runner, supervisor
+from rpycdl.server import (
+    child,
+    container_watcher,
+    draining,
+    drops,
+    elements,
+    gate,
+    held,
+    keeper,
+    orphans,
+    runner,
+    supervisor,
+)
 from rpycdl.server.context import ServerContext
 from rpycdl.server.dispatcher import Dispatcher
 from rpycdl.server.forkserver import ForkServer
@@ -400,6 +412,7 @@ class DLServer(ForkingServer):
         for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files, ctx.locks.drop_row):
             log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)
         held.release(ctx)  # the jobs held by their dependencies: queued once met, ended if they never can be
+        elements.release_all(ctx)  # arrays' waiting elements: in line as their max_running allows
 
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rpycdl.defaults import (
+    ARRAY_INDEX_VARIABLE,
     ENV_SIMULATED_GPUS,
     RELEASE_BEFORE_REPLY,
     SAVE_SOCKET_VARIABLE,
@@ -240,6 +241,8 @@ class JobFlow:
         env = {**child.gpu_environment([self._gpu(uuid).index for uuid in grant.uuids], grant.uuids),
                procs.JOB_ID_VARIABLE: self.record.job_id, "RPYCDL_TICKET": str(grant.ticket),
                "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
+        if self.record.array_index is not None:  # an array's element: its index
+            env[ARRAY_INDEX_VARIABLE] = str(self.record.array_index)
         if grant.share_bytes:
             env.update(caps.cap_environment(grant.share_bytes, self._gpu(grant.uuids[0]).memory_total))
         if isinstance(inventory, FakeInventory) and inventory.state_dir is not None:
