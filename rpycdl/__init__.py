@@ -47,11 +47,11 @@ from rpycdl.gpu.inventory import simulate_memory
 from rpycdl.states import JobState
 
 if TYPE_CHECKING:
-    from rpycdl.client import Connection, Job, JobStatus, Session, connect, job
+    from rpycdl.client import ArrayJob, Connection, Job, JobStatus, Session, connect, job
 
 __version__ = "0.1.0"
 
-_CLIENT = ("Connection", "Job", "JobStatus", "Session", "connect", "job")
+_CLIENT = ("ArrayJob", "Connection", "Job", "JobStatus", "Session", "connect", "job")
 """Names of rpycdl.client, imported when first asked for: the server's own processes (supervisors, keepers,
 job processes) start without the client's modules."""
 
@@ -64,7 +64,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'rpycdl' has no attribute {name!r}")
 
 __all__ = [
-    "ArtifactStoreError", "AuthFailedError", "Connection", "ConnectionDroppedError", "ConnectionFailedError",
+    "ArrayJob", "ArtifactStoreError", "AuthFailedError",
+    "Connection", "ConnectionDroppedError", "ConnectionFailedError",
     "ConnectionLostError", "ContainerError", "DependencyError", "DiscoveryError", "GPUMemoryExceededError",
     "GPUNotGrantedError",
     "HostMemoryExceededError", "InvalidRequestError", "Job",
@@ -73,8 +74,16 @@ __all__ = [
     "OutputLimitError", "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError",
     "ServerStoppingError", "Session", "UnverifiableResultError",
     "UploadTimeoutError", "VersionMismatchError",
-    "__version__", "attempt", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
+    "__version__", "array_index", "attempt", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
 ]
+
+
+def array_index() -> int | None:
+    """Inside an array's element (submit_array, rpycdl submit --array): its index in its array; None elsewhere."""
+    from rpycdl.defaults import ARRAY_INDEX_VARIABLE
+
+    value = os.environ.get(ARRAY_INDEX_VARIABLE)
+    return None if value is None else int(value)
 
 
 def output_dir() -> str:

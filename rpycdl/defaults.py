@@ -125,6 +125,12 @@ ARTIFACT_CHUNK = 4 * 1024**2
 OUTPUT_DIR_VARIABLE = "RPYCDL_OUTPUT_DIR"
 """A job's output directory: what it leaves there goes to the artifact store when it ends."""
 
+ARRAY_INDEX_VARIABLE = "RPYCDL_ARRAY_INDEX"
+"""An array element's index in its array (rpycdl.array_index()); absent for a job of no array."""
+
+MAX_ARRAY = 100_000
+"""Most elements of one array (submit_array, rpycdl submit --array)."""
+
 WORKING_DIR_VARIABLE = "RPYCDL_WORKING_DIR"
 """A job's working directory, unpacked for it alone: its current directory, first on its sys.path."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import dill
 
+from rpycdl.cli import arrays
 from rpycdl.cli.common import (
     EXIT_FAILED,
     EXIT_JOB_TIMEOUT,
@@ -26,7 +27,7 @@ from rpycdl.cli.common import (
     table,
     working_dir_flag,
 )
-from rpycdl.client import Job, connect, job
+from rpycdl.client import ArrayJob, Job, connect, job
 from rpycdl.client.detached import EXISTS
 from rpycdl.client.displays import seconds, usage_cells
 from rpycdl.defaults import UPLOAD_WAIT
@@ -135,6 +136,8 @@ def _add_jobs(command: Command) -> None:
                          help="also what each ended job used: its peak memory (MEM), CPU time (CPU) and most "
                               "processes at once (PROCS), as its server measured them ('-': not measured)")
     listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.add_argument("--expand", action="store_true", help="an array's elements each on its row (else one row "
+                         "per array, its counts by state)")
     server_flags(listing)
 
 
@@ -175,6 +178,7 @@ def _add_submit(command: Command) -> None:
                         help="with --image: a variable of the container (repeat for more)")
     submit.add_argument("--workdir", default=None, help="with --image: the container's working directory")
     submit.add_argument("-q", "--quiet", action="store_true", help="print only the job's id")
+    arrays.add_flags(submit)
     server_flags(submit)
 
 
@@ -196,6 +200,8 @@ def _submit(args: argparse.Namespace) -> int:
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
     with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
                  tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
+        if args.array is not None:
+            return arrays.submit(args, conn)
         if args.image:
             submitted = conn.root.submit_container(args.image, args.argv, 1 if args.ngpus is None else args.ngpus,
                                                    env=env or None, workdir=args.workdir, name=args.name,
@@ -225,7 +231,8 @@ def _jobs(args: argparse.Namespace) -> int:
     for _, answer in results:
         if not isinstance(answer, Exception):
             rows.update((row["job_id"], row) for row in answer)  # servers of one host share their jobs
-    shown = sorted(rows.values(), key=lambda row: row["submitted"], reverse=True)[:args.limit or None]
+    shown = arrays.grouped(sorted(rows.values(), key=lambda row: row["submitted"], reverse=True),
+                           args.expand)[:args.limit or None]
     if args.json:
         print(json.dumps(shown, indent=2, default=iso))
     else:
@@ -264,7 +271,7 @@ def _attempt(row: dict[str, Any]) -> str:
     return f"{attempt}/{(request.get('retries') or 0) + 1}" if isinstance(request, dict) else str(attempt)
 
 
-def _find(args: argparse.Namespace) -> Job:
+def _find(args: argparse.Namespace) -> Job | ArrayJob:
     return job(args.job, args.service, host=args.host, port=args.port if args.host else None,
                registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
                tls_key=args.tls_key, tls_ca=args.tls_ca)
@@ -274,6 +281,8 @@ def _logs(args: argparse.Namespace) -> int:
     if args.tail is not None and args.tail < 0:
         raise InvalidRequestError("--tail takes a number of lines, 0 or more")
     found = _find(args)
+    if isinstance(found, ArrayJob):
+        return arrays.logs(found, args.tail)
     for line in found.logs(follow=args.follow, tail=args.tail):
         sys.stdout.write(line)
         sys.stdout.flush()
@@ -285,6 +294,8 @@ def _logs(args: argparse.Namespace) -> int:
 
 def _wait(args: argparse.Namespace) -> int:
     found = _find(args)
+    if isinstance(found, ArrayJob):
+        return arrays.wait(found, args.timeout)
     status = found.wait(args.timeout)
     print(f"job {found.id}: {status}", file=sys.stderr)
     if not status.finished:
@@ -339,6 +350,8 @@ def _ended(found: Job) -> dict[str, Any]:
 
 def _cancel(args: argparse.Namespace) -> int:
     found = _find(args)
+    if isinstance(found, ArrayJob):
+        return arrays.cancel(found)
     before = found.info["state"]
     status = found.cancel()
     print(f"job {found.id} ({before}) on {found.info['server']}: "
@@ -368,6 +381,8 @@ def _artifacts(args: argparse.Namespace) -> int:
 
 def _download(args: argparse.Namespace) -> int:
     found = _find(args)
+    if isinstance(found, ArrayJob):
+        return arrays.download(found, args.dest, args.pattern, args.timeout)
     entry = found.artifacts()
     if entry["state"] == "uploading":  # the job has just ended
         print(f"rpycdl download: job {found.id}'s outputs are still uploading to the artifact store: waiting for "

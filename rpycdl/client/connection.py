@@ -19,6 +19,7 @@ from rpyc.core import consts
 from rpycdl.artifacts import workdir
 from rpycdl.artifacts.manifest import Manifests
 from rpycdl.client import channel, failures
+from rpycdl.client.arrays import ArrayCalls
 from rpycdl.client.detached import DetachedCalls
 from rpycdl.client.displays import GPUStatus, client_row
 from rpycdl.client.notices import Notices
@@ -37,7 +38,7 @@ CLIENT_CONFIG = {
 StateCallback = Callable[[str, dict[str, Any]], None]
 
 
-class RemoteRoot(DetachedCalls):
+class RemoteRoot(DetachedCalls, ArrayCalls):
     """`conn.root` of an rpycdl connection: run_code with plain callables, sessions, status; detached jobs,
     the host's jobs and cancel (DetachedCalls).
 

@@ -18,6 +18,7 @@ import rpyc
 
 from rpycdl import registry
 from rpycdl.client import channel, credentials
+from rpycdl.client.arrays import ArrayJob
 from rpycdl.client.connection import CLIENT_CONFIG, Connection, call
 from rpycdl.client.jobs import Job
 from rpycdl.defaults import CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, SERVER_PORT
@@ -302,7 +303,7 @@ def _none_of(service: str, refused: list[tuple[Address, AuthFailedError | LimitE
 
 def job(ref: str, service: str | None = None, *, host: str | None = None, port: int | None = None,
         registry_address: str | None = None, secret_file: str | None = None, tls_cert: str | None = None,
-        tls_key: str | None = None, tls_ca: str | None = None, quiet: bool | None = None) -> Job:
+        tls_key: str | None = None, tls_ca: str | None = None, quiet: bool | None = None) -> Job | ArrayJob:
     """Find a job by id, or by name among your jobs, from any process: on the server at host:port, else
     on the servers the registry knows (of `service`, if given), all asked at once (ask_servers, with
     ASK_PATIENCE). An id is unique everywhere: the first server that knows it answers. A name needs every
@@ -339,7 +340,7 @@ def job(ref: str, service: str | None = None, *, host: str | None = None, port: 
             unasked = f"; could not ask {', '.join(unreached)}" if unreached else ""
             raise InvalidRequestError(f"no server knows job {ref!r}{unasked}")
         row, connection = found.pop(_choose(ref, {job_id: row for job_id, (row, _) in found.items()}))
-        return Job(row, connection)
+        return ArrayJob(row, connection) if row.get("is_array") else Job(row, connection)
     finally:
         for _, other in found.values():
             other.close()
@@ -351,9 +352,14 @@ def _look_up(address: Address, attempt: channel.Attempt, ref: str, secret: bytes
     connection = connect_to(address, secret, tls_context, quiet, attempt)
     try:
         return codec.decode_outcome(connection.call("job", ref)), connection
-    except InvalidRequestError:  # this host does not know it
-        connection.close()
-        return None
+    except InvalidRequestError:  # this host knows no job of that id or name: an array, maybe
+        try:
+            array = codec.decode_outcome(connection.call("array", ref))
+            state = JobState.PENDING if array["counts"]["unfinished"] else JobState.SUCCEEDED  # for _choose alone
+            return {**array, "job_id": array["array_id"], "state": state.value, "is_array": True}, connection
+        except (InvalidRequestError, AttributeError):  # nor an array (or it predates arrays)
+            connection.close()
+            return None
     except BaseException:
         connection.close()
         raise

@@ -128,6 +128,18 @@ class JobFiles:
         """The job's payload, or None for a container job."""
         return self.read(job_id, "payload")
 
+    def write(self, job_id: str, name: str, data: bytes) -> None:
+        """Write the job's file `name` whole (aside, then renamed): an array's arguments (rpycdl.server.arrays)."""
+        _write(self.path(job_id, name), data)
+
+    def read_at(self, job_id: str, name: str, offset: int, size: int) -> bytes:
+        """`size` bytes of the job's file `name` from `offset` (see open): an array element's argument."""
+        fd = self.open(job_id, name)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+
     def drop_payload(self, job_id: str) -> None:
         """Remove the payload of a job that has ended (its result and log stay)."""
         self.path(job_id, "payload").unlink(missing_ok=True)

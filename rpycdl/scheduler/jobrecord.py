@@ -65,6 +65,8 @@ class JobRecord:
     cpu_seconds: float | None = None  # CPU time, user and system, of all its processes
     max_procs: int | None = None  # the most processes (tasks) it had at once
     attempt: int = 1  # which attempt of it this row is: 1, then one more each time retries= requeued it
+    array_id: str | None = None  # the array it is an element of (rpycdl.scheduler.arrays), or None
+    array_index: int | None = None  # its index in that array
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""

@@ -44,7 +44,7 @@ import functools
 import os
 import select
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,8 +248,21 @@ class GPULockManager:
     def drop_row(self, job_id: str) -> bool:
         """Remove job `job_id`'s row from the queue unless a supervisor holds it (a cancel): False if it has
         none, or its supervisor was started (which then sees the cancel as any waiting job does)."""
+        return bool(self.drop_rows({job_id}))
+
+    def drop_rows(self, job_ids: Container[str]) -> set[str]:
+        """drop_row for many jobs (an array's elements), in one hold of the queue lock; the ids of those dropped."""
         with self._locked():
-            return self._queue.drop_row(job_id)
+            return self._queue.drop_rows(job_ids)
+
+    def enqueue_rows(self, pick: Callable[[set[str]], list[tuple[Need, dict[str, Any]]]]) -> int:
+        """enqueue_row for the rows `pick` chooses, told the ids of the rows in line now, in one hold of the queue
+        lock (an array's elements: rpycdl.server.arrays counts its limit and queues them there). How many."""
+        with self._locked():
+            chosen = pick(self._queue.rows())
+            for need, info in chosen:
+                self._add_row(need, info)
+        return len(chosen)
 
     def queued_rows(self) -> set[str]:
         """The ids of the jobs waiting as rows (claimed or not); no lock."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,13 +160,14 @@ class QueueDir:
         fifo.unlink(missing_ok=True)
         return False
 
-    def drop_row(self, job_id: str) -> bool:
-        """Under the queue lock: remove job `job_id`'s row unless a process holds it; whether it did."""
+    def drop_rows(self, job_ids: Container[str]) -> set[str]:
+        """Under the queue lock: remove the rows of the jobs `job_ids` that no process holds; their ids."""
+        dropped = set()
         for entry in self.waiters():
-            if entry.get("row") and entry["job_id"] == job_id and not self.claimed(entry["ticket"]):
+            if entry.get("row") and entry["job_id"] in job_ids and not self.claimed(entry["ticket"]):
                 self.remove(entry["ticket"])
-                return True
-        return False
+                dropped.add(entry["job_id"])
+        return dropped
 
     def rows(self) -> set[str]:
         """The ids of the jobs waiting as rows (claimed or not); no lock."""

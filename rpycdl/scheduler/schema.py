@@ -16,7 +16,10 @@ submit counts against the queue's limits; version 8 `jobs.peak_memory`, `jobs.cp
 what the server measured of a job's cgroup at its end (NULL: not measured); version 9 `jobs.attempt`, which attempt
 of a detached job the row is (1, then one more each time `retries=` requeues it: rpycdl.scheduler.attempts), and
 `attempts(job_id, attempt, ...)`, the earlier attempts of a requeued job, each as its row told it when it ended
-(gone with its job's row, by a trigger).
+(gone with its job's row, by a trigger); version 10 job arrays
+(rpycdl.scheduler.arrays): `jobs.array_id` and `jobs.array_index` (NULL for a job of no array) with their index,
+and `arrays(array_id, user, user_verified, name, size, max_running, submitted, server_id, kind)`, one row per
+array, which goes with its last element's row (a trigger).
 """
 
 from __future__ import annotations
@@ -99,6 +102,19 @@ MIGRATIONS = [
                            gpu_uuids TEXT NOT NULL, PRIMARY KEY (job_id, attempt)) WITHOUT ROWID;
     CREATE TRIGGER jobs_attempts_deleted AFTER DELETE ON jobs BEGIN
         DELETE FROM attempts WHERE job_id = old.job_id;
+    END;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN array_id TEXT;
+    ALTER TABLE jobs ADD COLUMN array_index INTEGER;
+    CREATE INDEX jobs_array ON jobs (array_id, array_index) WHERE array_id IS NOT NULL;
+    CREATE TABLE arrays (array_id TEXT PRIMARY KEY, user TEXT NOT NULL, user_verified INTEGER NOT NULL, name TEXT,
+                         size INTEGER NOT NULL, max_running INTEGER, submitted REAL NOT NULL,
+                         server_id TEXT NOT NULL, kind TEXT NOT NULL);
+    CREATE INDEX arrays_name ON arrays (user, name) WHERE name IS NOT NULL;
+    CREATE TRIGGER jobs_array_deleted AFTER DELETE ON jobs WHEN old.array_id IS NOT NULL BEGIN
+        DELETE FROM arrays WHERE array_id = old.array_id
+            AND NOT EXISTS (SELECT 1 FROM jobs WHERE array_id = old.array_id);
     END;
     """,
 ]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from rpycdl.defaults import KILL_WAIT
-from rpycdl.scheduler import attempts, procs
+from rpycdl.scheduler import arrays, attempts, procs
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.states import JobState
@@ -62,11 +62,12 @@ def end_unqueued(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]
     """End as LOST the rows that wait for no process and are not `queued` any more (a cancel that died between
     taking the row from the queue and ending it). The queue is read after the ledger (a row's entry is made
     before its row), and a row a dispatcher started meanwhile has an owner: it is left alone, as is a row with
-    dependencies (`after`), which waits with no entry until they are met (rpycdl.server.held), or a requeued one
-    (rpycdl.server.retries gives it its entry). Returns their ids."""
+    dependencies (`after`), which waits with no entry until they are met (rpycdl.server.held), a requeued one
+    (rpycdl.server.retries gives it its entry), or an array's element (its place in line is rpycdl.server.elements's
+    to give). Returns their ids."""
     ended = []
     unowned = [record.job_id for record in ledger.unfinished(owned=False)
-               if not record.request.get("after") and record.attempt == 1]
+               if not record.request.get("after") and record.attempt == 1 and record.array_id is None]
     rows = queued() if unowned else set()
     for job_id in unowned:
         if job_id not in rows and ledger.end(job_id, JobState.LOST, "its place in line was lost before it ran",
@@ -83,7 +84,7 @@ def remove_unrecorded(ledger: Ledger, files: JobFiles, drop_row: Callable[[str],
     for job_id, (pid, start) in files.unrecorded().items():
         if procs.alive(pid, start):
             continue
-        if ledger.get(job_id) is None:  # read after the maker's death: it can write none now
+        if ledger.get(job_id) is None and arrays.get(ledger, job_id) is None:  # read after the maker's death
             removed.append(job_id)
             drop_row(job_id)
             files.remove(job_id)

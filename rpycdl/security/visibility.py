@@ -20,7 +20,7 @@ UNVERIFIED = " (unverified)"
 
 PUBLIC = frozenset({
     # which job, whose
-    "job_id", "user", "user_verified", "account",
+    "job_id", "user", "user_verified", "account", "array_id", "array_index",
     # its state and times
     "state", "cancel_requested", "submitted", "started", "ended", "since", "seconds",
     # its GPUs, how it runs (a call, command or container; whole or share), where, and its place in line

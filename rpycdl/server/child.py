@@ -28,10 +28,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rpycdl.defaults import OUTPUT_FLUSH_DELAY, WORKING_DIR_VARIABLE
+from rpycdl.defaults import ARRAY_INDEX_VARIABLE, ATTEMPT_VARIABLE, OUTPUT_FLUSH_DELAY, WORKING_DIR_VARIABLE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
 from rpycdl.scheduler import procs
+from rpycdl.scheduler.jobrecord import JobRecord
 from rpycdl.security import accounts, cgroups
 from rpycdl.security.accounts import Account
 from rpycdl.security.fence import Fence
@@ -45,6 +46,15 @@ GO = struct.Struct("<IQ?")  # go pipe header: length of its JSON, length of the 
 COUNT = struct.Struct("<I")  # result pipe header: how many out-of-band buffers,
 ENTRY = struct.Struct("<Q?")  # then the size and read-only flag of each,
 SIZE = struct.Struct("<Q")  # then the outcome's size, and the outcome
+
+
+def job_environment(record: JobRecord) -> dict[str, str]:
+    """The variables that tell a job which it is: its id, its attempt (rpycdl.attempt()) and, an array's element,
+    its index (rpycdl.array_index())."""
+    env = {procs.JOB_ID_VARIABLE: record.job_id, ATTEMPT_VARIABLE: str(record.attempt)}
+    if record.array_index is not None:
+        env[ARRAY_INDEX_VARIABLE] = str(record.array_index)
+    return env
 
 
 def gpu_environment(indices: Sequence[int], uuids: Sequence[str]) -> dict[str, str]:

@@ -42,6 +42,7 @@ from rpycdl.server import (
     container_watcher,
     draining,
     drops,
+    elements,
     fencing,
     gate,
     held,
@@ -388,11 +389,10 @@ class DLServer(ForkingServer):
             lockdir.drain(self._wake_r)
 
     def _sweep_once(self) -> None:
-        """Kill what is left in the cgroups of jobs whose keeper died, and what this server adopted;
-        then, unless some of it will not die, clear the orphaned
-        grants of its dead connection processes; clear those of dead servers; end dead jobs' records; remove
-        the files of jobs whose maker died before recording them; queue or end the jobs held by their
-        dependencies (rpycdl.server.held) and those requeued (rpycdl.server.retries)."""
+        """Kill what is left in the cgroups of jobs whose keeper died, and what this server adopted; then, unless
+        some of it will not die, clear the orphaned grants of its dead connection processes; clear those of dead
+        servers; end dead jobs' records; remove the files of jobs whose maker died before recording them; queue or
+        end the rows that wait with no place in line (rpycdl.server.held, retries, elements)."""
         ctx = self.context
         if cgroups.sweep():  # what a job whose keeper and requester died left, however it daemonized
             log.warning("removed the cgroups of jobs whose keeper died")
@@ -415,8 +415,8 @@ class DLServer(ForkingServer):
             ctx.locks.wake_all()
         for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files, ctx.locks.drop_row):
             log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)
-        held.release(ctx)  # the jobs held by their dependencies: queued once met, ended if they never can be
-        retries.release(ctx)  # the jobs requeued by their retries=: queued once their last attempt holds no GPU
+        for release in (held.release, retries.release, elements.release_all):  # queue (or end) rows that wait
+            release(ctx)  # for their dependencies, for their last attempt to hold no GPU, for their array's room
 
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that

@@ -22,7 +22,7 @@ from rpycdl.errors import (
     NotAllowedError,
     RpycdlError,
 )
-from rpycdl.scheduler import attempts
+from rpycdl.scheduler import arrays, attempts
 from rpycdl.scheduler.ledger import JobRecord
 from rpycdl.security import auth, results, visibility
 from rpycdl.server import held, jobdirs, request, retries, status, supervisor
@@ -253,10 +253,12 @@ class JobCalls:
     def _find(self, ref: Any, mine: bool = False) -> JobRecord:
         """The job `ref` names (an id, or one of the caller's names); with `mine`, only for its owner
         or an admin."""
-        if not isinstance(ref, str) or not ref or not ref.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        if not isinstance(ref, str) or not ref or not ref.replace("-", "").replace("_", "").replace(".", "").replace(
+                "[", "").replace("]", "").isalnum():
             raise InvalidRequestError(f"not a job id or name: {ref!r}")
-        me = self._identity
-        record = self.context.ledger.find(ref, me.user, me.verified)
+        me = self._identity  # an array's element by its array and index, `sweep[3]`, too
+        record = self.context.ledger.find(ref, me.user, me.verified) or arrays.find_element(
+            self.context.ledger, ref, me.user, me.verified)
         if record is None:
             raise InvalidRequestError(f"no job {ref!r} here: see `rpycdl jobs --all` for the jobs this host keeps")
         owner = auth.Identity(record.user, record.user_verified)

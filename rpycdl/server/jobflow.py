@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rpycdl.defaults import (
-    ATTEMPT_VARIABLE,
     ENV_SIMULATED_GPUS,
     RELEASE_BEFORE_REPLY,
     SAVE_SOCKET_VARIABLE,
@@ -241,8 +240,7 @@ class JobFlow:
         grant, inventory = self.grant, self.context.inventory
         assert grant is not None
         env = {**child.gpu_environment([self._gpu(uuid).index for uuid in grant.uuids], grant.uuids),
-               procs.JOB_ID_VARIABLE: self.record.job_id, ATTEMPT_VARIABLE: str(self.record.attempt),
-               "RPYCDL_TICKET": str(grant.ticket),
+               **child.job_environment(self.record), "RPYCDL_TICKET": str(grant.ticket),
                "RPYCDL_GRANT_SEQUENCE": str(grant.sequence)}
         if grant.share_bytes:
             env.update(caps.cap_environment(grant.share_bytes, self._gpu(grant.uuids[0]).memory_total))

@@ -18,6 +18,7 @@ import rpyc
 from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
 from rpycdl.security import auth
 from rpycdl.server import draining, request, resultpipe, runner, status
+from rpycdl.server.arraycalls import ArrayCalls
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import JobCalls, refused
 from rpycdl.server.jobflow import JobFlow
@@ -27,7 +28,7 @@ from rpycdl.server.workdircalls import WorkdirCalls
 from rpycdl.wire import bulk, codec, netrefs
 
 
-class GPUService(ConnectionLink, SessionCalls, JobCalls, WorkdirCalls, rpyc.Service):
+class GPUService(ConnectionLink, SessionCalls, JobCalls, ArrayCalls, WorkdirCalls, rpyc.Service):
     """One client connection of a server. `context` is set on the subclass the server builds.
 
     Its user is the one its client certificate names, else the one the client declares

@@ -37,13 +37,14 @@ from rpycdl.gpu.inventory import load_inventory
 from rpycdl.scheduler import attempts, procs
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
+from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.scheduler.policies import FCFS, Scheduling
 from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security import cgroups, results
 from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
-from rpycdl.server import child, jobdirs, orphans, request, runner
+from rpycdl.server import child, elements, jobdirs, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
 from rpycdl.server.forkserver import clean_environment
 from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
@@ -185,7 +186,7 @@ def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
     go_r, go_w = os.pipe()
     secrets_r, secrets_w = os.pipe()
     env = clean_environment(os.environ)
-    told = {"state_dir": state_dir, "job_id": job_id, "ticket": place.ticket,
+    told = {"state_dir": state_dir, "job_id": job_id, "ticket": place.ticket, "array_id": entry.get("array_id"),
             "environ": {name: value for name, value in os.environ.items() if name not in env}}
     child.write_all(secrets_w, json.dumps(told).encode())  # a few variables: the pipe holds them
     os.close(secrets_w)
@@ -237,8 +238,9 @@ class Supervised:
         """Write the job's result file: its outcome, sealed with the key its client gave it (if it gave one:
         security.results), which its result is refused without."""
         job_id, files = self._record.job_id, self._context.files
-        if self._record.result_nonce is not None:
-            outcome = results.seal(results.read_job_key(files.path(job_id), job_id), job_id, outcome)
+        if self._record.result_nonce is not None:  # an array's elements share its key (rpycdl.server.arrays)
+            key = results.read_job_key(files.path(self._record.array_id or job_id), job_id)
+            outcome = results.seal(key, job_id, outcome)
         return files.store_result(job_id, outcome)
 
 
@@ -284,12 +286,13 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         told = json.loads(secrets.read())
     os.environ.update(told["environ"])
     state_dir, job_id, place = told["state_dir"], told["job_id"], Place(told["ticket"], fifo_fd)
+    array_id = told.get("array_id")  # an array's element: its array's spec and payload (rpycdl.server.arrays)
     with os.fdopen(go_fd, "rb") as go:
         told = go.read(len(GO))
     if told != GO:  # its row was cancelled, or its dispatcher died: the row waits on, for another
         return 1
     try:
-        spec = JobFiles(state_dir).spec(job_id)
+        spec = JobFiles(state_dir).spec(array_id or job_id)
         context = _context(spec, state_dir)
         context.locks.claim_scheduling()  # a server started with another policy is refused while this one waits
         record = context.ledger.get(job_id)
@@ -301,15 +304,18 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         context.locks.leave(place.ticket)
         _end_unstarted(context, job_id)
         return 0
-    if not _run(context, record, spec, place, spare):
+    if array_id is not None:
+        shared_dir(context.files.path(job_id))  # an element has no directory until it starts
+    if not _run(context, record, spec, place, spare, array_id):
         _record_end(context, record)
+        elements.ended(context, record)
     return 0
 
 
 def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place: Place,
-         spare: runner.JobProcess | None) -> bool:
+         spare: runner.JobProcess | None, array_id: str | None) -> bool:
     """Run the job's flow, its output to its log; then its payload and result key go, unless the flow requeued it
-    (its `retries=`: rpycdl.scheduler.attempts), which it returns."""
+    (its `retries=`: rpycdl.scheduler.attempts), which it returns. An array's element runs its array's payload."""
     job_id, requeued = record.job_id, []
     log = LogWriter(context.files.path(job_id, "log"), context.limits.max_log)
 
@@ -325,7 +331,8 @@ def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place:
         return bool(requeued)
 
     try:
-        checked = _request(spec, context.files.payload(job_id), write)
+        body = context.files.payload(job_id) if array_id is None else elements.payload(context, record)
+        checked = _request(spec, body, write)
         flow = JobFlow(context, checked, Supervised(context, record, spare), lambda: None, record=record, place=place,
                        retry=retry)
         if record.attempt > 1:  # its queue_timeout counts from its requeue; its log says where it begins

@@ -1,0 +1,166 @@
+"""Job arrays in the ledger: an array is one row of `arrays` (its owner, name, size and `max_running`) and one row of
+`jobs` per element, an ordinary job with `array_id` and `array_index`, all written in one transaction (save). What
+the server does with them (their place in line, their limit, their payload) is rpycdl.server.arrays's; this module
+only reads and writes their rows, through the ledger's own connection and transactions.
+
+An element's name is its array's with its index, `sweep[3]`, so that a name finds one element as it finds a job.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rpycdl.errors import InvalidRequestError
+from rpycdl.scheduler.jobrecord import JobRecord, from_row, to_row
+from rpycdl.scheduler.ledger import _SELECT, Ledger
+from rpycdl.scheduler.schema import LIVE
+from rpycdl.states import JobState
+
+_COLUMNS = tuple(to_row(JobRecord("x", "x", "x", 1)))
+_INSERT = f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({', '.join(':' + c for c in _COLUMNS)})"
+_ARRAY_COLUMNS = ("array_id", "user", "user_verified", "name", "size", "max_running", "submitted", "server_id", "kind")
+BATCH = 500
+"""Rows a statement names at most by id (SQLite bounds a statement's parameters)."""
+
+ELEMENT = re.compile(r"^(?P<array>[A-Za-z0-9._-]+)\[(?P<index>\d{1,6})\]$")
+"""A reference to one element: its array's id or name, then its index in brackets (`sweep[3]`)."""
+
+
+@dataclass(frozen=True)
+class Array:
+    """An array's row: who submitted it, its name, how many elements, how many may run at once (None: no limit)."""
+
+    array_id: str
+    user: str
+    user_verified: bool
+    name: str | None
+    size: int
+    max_running: int | None
+    submitted: float
+    server_id: str
+    kind: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {column: getattr(self, column) for column in _ARRAY_COLUMNS}
+
+
+def element_name(name: str | None, index: int) -> str | None:
+    """The name of an array's element: the array's with its index (`sweep[3]`), or None for an unnamed array."""
+    return None if name is None else f"{name}[{index}]"
+
+
+def save(ledger: Ledger, array: Array, records: Sequence[JobRecord]) -> None:
+    """Write an array and its elements' rows in one transaction.
+
+    Raises:
+        InvalidRequestError: the user has an unfinished job or array of the array's name (raised by the caller's
+            check; a race with another submit of the name fails here on the unique index, as InvalidRequestError).
+    """
+    with ledger._write() as db:
+        try:
+            db.execute(f"INSERT INTO arrays VALUES ({', '.join('?' * len(_ARRAY_COLUMNS))})",
+                       [int(value) if isinstance(value, bool) else value for value in
+                        (getattr(array, column) for column in _ARRAY_COLUMNS)])
+            db.executemany(_INSERT, (to_row(record) for record in records))
+        except sqlite3.IntegrityError as exc:
+            raise InvalidRequestError(f"array {array.name or array.array_id} could not be recorded: a job of one of "
+                                      f"its names is unfinished already ({exc})") from None
+
+
+def get(ledger: Ledger, array_id: str) -> Array | None:
+    with ledger._db() as db:
+        row = db.execute(f"SELECT {', '.join(_ARRAY_COLUMNS)} FROM arrays WHERE array_id = ?", (array_id,)).fetchone()
+    return None if row is None else _array(row)
+
+
+def find(ledger: Ledger, ref: str, user: str, verified: bool | None = None) -> Array | None:
+    """The array whose id is `ref`, else `user`'s array of that name with an unfinished element, else their latest
+    of that name (as Ledger.find finds a job)."""
+    alike = "" if verified is None else f" AND user_verified = {int(verified)}"
+    live = f"EXISTS (SELECT 1 FROM jobs WHERE jobs.array_id = arrays.array_id AND jobs.{LIVE})"
+    with ledger._db() as db:
+        row = db.execute(f"SELECT {', '.join(_ARRAY_COLUMNS)} FROM arrays WHERE array_id = ?", (ref,)).fetchone() \
+            or db.execute(f"SELECT {', '.join(_ARRAY_COLUMNS)} FROM arrays WHERE user = ? AND name = ?{alike} "
+                          f"ORDER BY {live} DESC, submitted DESC LIMIT 1", (user, ref)).fetchone()
+    return None if row is None else _array(row)
+
+
+def unfinished_named(ledger: Ledger, name: str, user: str) -> Array | None:
+    """`user`'s array named `name` that has an unfinished element, or None."""
+    found = find(ledger, name, user)
+    return found if found is not None and found.name == name and counts(ledger, found.array_id).get(
+        "unfinished") else None
+
+
+def find_element(ledger: Ledger, ref: str, user: str, verified: bool | None = None) -> JobRecord | None:
+    """The element `ref` names, `ARRAY[INDEX]` (ARRAY an array's id, or one of `user`'s array names), or None."""
+    match = ELEMENT.match(ref)
+    array = None if match is None else find(ledger, match["array"], user, verified)
+    return None if array is None or match is None else element(ledger, array.array_id, int(match["index"]))
+
+
+def element(ledger: Ledger, array_id: str, index: int) -> JobRecord | None:
+    with ledger._db() as db:
+        row = db.execute(f"{_SELECT} WHERE array_id = ? AND array_index = ?", (array_id, index)).fetchone()
+    return None if row is None else from_row(row)
+
+
+def elements(ledger: Ledger, array_id: str, start: int = 0, count: int = -1) -> list[JobRecord]:
+    """The array's elements' rows from index `start`, `count` at most (-1: all), in index order."""
+    with ledger._db() as db:
+        return [from_row(row) for row in db.execute(
+            f"{_SELECT} WHERE array_id = ? AND array_index >= ? ORDER BY array_index LIMIT ?",
+            (array_id, start, count))]
+
+
+def counts(ledger: Ledger, array_id: str) -> dict[str, int]:
+    """How many of the array's elements are in each state (every state, 0 for none), and `unfinished`."""
+    with ledger._db() as db:
+        found = dict(db.execute("SELECT state, count(*) FROM jobs WHERE array_id = ? GROUP BY state", (array_id,)))
+    by_state = {state.value: found.get(state.value, 0) for state in JobState}
+    return {**by_state, "unfinished": by_state["PENDING"] + by_state["RUNNING"]}
+
+
+def live(ledger: Ledger, array_id: str) -> list[tuple[str, int, int, str, bool]]:
+    """The array's unfinished elements, in index order: (job id, index, owner pid, state, cancel asked)."""
+    with ledger._db() as db:
+        return [(job_id, index, owner, state, bool(cancel)) for job_id, index, owner, state, cancel in db.execute(
+            f"SELECT job_id, array_index, owner_pid, state, cancel_requested FROM jobs WHERE array_id = ? AND {LIVE} "
+            "ORDER BY array_index", (array_id,))]
+
+
+def waiting_arrays(ledger: Ledger) -> list[str]:
+    """The arrays that have elements waiting with no owner: those whose elements may need a place in line."""
+    with ledger._db() as db:
+        return [row[0] for row in db.execute(
+            "SELECT DISTINCT array_id FROM jobs WHERE array_id IS NOT NULL AND state = 'PENDING' AND owner_pid = 0")]
+
+
+def cancel_all(ledger: Ledger, array_id: str) -> int:
+    """Ask the cancel of every unfinished element of the array; returns how many."""
+    with ledger._write() as db:
+        return db.execute(f"UPDATE jobs SET cancel_requested = 1 WHERE array_id = ? AND {LIVE}",
+                          (array_id,)).rowcount
+
+
+def end_unowned(ledger: Ledger, job_ids: Sequence[str], state: JobState, error: str, error_type: str) -> list[str]:
+    """End the elements of `job_ids` that wait with no owner (never started), in a few transactions; their ids."""
+    ended: list[str] = []
+    for start in range(0, len(job_ids), BATCH):
+        chunk = list(job_ids[start:start + BATCH])
+        with ledger._write() as db:
+            ended += [row[0] for row in db.execute(
+                f"UPDATE jobs SET state = ?, error = ?, error_type = ?, ended = ? WHERE job_id IN "
+                f"({', '.join('?' * len(chunk))}) AND state = 'PENDING' AND owner_pid = 0 RETURNING job_id",
+                (state.value, error, error_type, time.time(), *chunk))]
+    return ended
+
+
+def _array(row: Sequence[Any]) -> Array:
+    data = dict(zip(_ARRAY_COLUMNS, row, strict=True))
+    return Array(**{**data, "user_verified": bool(data["user_verified"])})
