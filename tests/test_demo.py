@@ -22,9 +22,11 @@ pytestmark = pytest.mark.slow
 
 def _demo(*args: str) -> subprocess.Popen[str]:
     """`rpycdl demo ARGS` in a process group of its own (as a shell starts it), so that a test that fails can
-    take its registry, server and monitor down with it (`_kill_group`)."""
+    take its registry, server and monitor down with it (`_kill_group`); SIGHUP at its default, as in a terminal,
+    whatever the tests inherited (under nohup, ignored: the demo rightly stays ignoring it then)."""
     return subprocess.Popen([sys.executable, "-m", "rpycdl", "demo", *args], cwd=REPO, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def _kill_group(demo: subprocess.Popen[str]) -> None:
