@@ -10,10 +10,12 @@ from __future__ import annotations
 import signal
 import time
 
+import dill
 import pytest
 from helpers import open_gate, rpycdl_cli, running, wait_until
 
 import rpycdl
+from rpycdl.cli.common import EXIT_FAILED, EXIT_QUEUE_TIMEOUT
 
 END = 60.0
 """Seconds a test gives an array to end (generous: a busy two-core machine)."""
@@ -141,6 +143,30 @@ def test_the_cli_array_with_index(cluster, tmp_path):
     assert "5 SUCCEEDED" in line, listed.stdout
     expanded = rpycdl_cli("jobs", *where, "--expand")
     assert sum("sweep[" in line for line in expanded.stdout.splitlines()) == 5, expanded.stdout
+
+
+def test_rpycdl_result_of_an_array_and_of_one_element(two, tmp_path):
+    port, conn = two
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    gate = str(tmp_path / "gate")
+    waiting = conn.root.submit_array(gated, [(gate, i) for i in range(2)], name="held")
+    early = rpycdl_cli("result", "held", *where, "--no-wait")
+    assert early.returncode == EXIT_QUEUE_TIMEOUT and "has not ended" in early.stderr, early.stdout + early.stderr
+    open_gate(gate)
+    assert waiting.results(timeout=END) == [0, 1]
+    array = conn.root.submit_array(square, list(range(5)), name="sweep")
+    shown = rpycdl_cli("result", "sweep", *where, timeout=END * 2)
+    assert shown.returncode == EXIT_FAILED, shown.stdout + shown.stderr
+    assert shown.stdout.splitlines() == [repr((i * i, i, str(i))) if i != 3 else "" for i in range(5)], shown.stdout
+    assert f"element 3 (sweep[3], job {array.info['job_ids'][3]}) FAILED: ValueError: bad element 3" in shown.stderr
+    saved = tmp_path / "values"
+    assert rpycdl_cli("result", "sweep", *where, "-o", str(saved)).returncode == EXIT_FAILED
+    values = dill.loads(saved.read_bytes())
+    assert values[:3] == [(0, 0, "0"), (1, 1, "1"), (4, 2, "2")] and isinstance(values[3], ValueError), values
+    one = rpycdl_cli("result", "sweep[4]", *where)
+    assert one.returncode == 0 and one.stdout == repr((16, 4, "4")) + "\n", one.stdout + one.stderr
+    bad = rpycdl_cli("result", "sweep[3]", *where)
+    assert bad.returncode == EXIT_FAILED and "ValueError: bad element 3" in bad.stderr, bad.stdout + bad.stderr
 
 
 def test_an_array_survives_kill_9_of_its_server_and_runs_after_a_restart(cluster, connect, tmp_path):

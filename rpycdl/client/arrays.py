@@ -95,7 +95,8 @@ class ArrayJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = JOB_WAIT_MAX if deadline is None else deadline - time.monotonic()
-            info = self._seen(self._call("array_wait", self.id, max(0.0, min(left, JOB_WAIT_MAX))))
+            info = self._seen(self._call("array_wait", self.id, min(left, JOB_WAIT_MAX)) if left > 0
+                              else self._call("array", self.id))  # timeout=0: the counts now
             status = ArrayStatus(info["counts"], self.size)
             if status.finished or (deadline is not None and time.monotonic() >= deadline):
                 return status
