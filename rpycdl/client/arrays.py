@@ -5,7 +5,6 @@ its counts and a progress bar."""
 
 from __future__ import annotations
 
-import html
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -201,7 +200,7 @@ def array_html(array_id: str, name: str | None, status: ArrayStatus, read_at: da
     caption = f"array {array_id}{' ' + repr(name) if name else ''}, read at {read_at.strftime('%H:%M:%S')}"
     bar = (f'<progress value="{status.done}" max="{status.size}" style="width: 20em"></progress> '
            f"{status.done}/{status.size} ended")
-    return displays.table([state for state, _ in cells], [[count for _, count in cells]], html.escape(caption)) + bar
+    return displays.table([state for state, _ in cells], [[count for _, count in cells]], caption) + bar
 
 
 class ArrayCalls:
