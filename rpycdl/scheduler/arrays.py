@@ -178,6 +178,22 @@ def active(ledger: Ledger, array_id: str, queued: Container[str]) -> int:
     return started + sum(1 for (job_id,) in waiting if job_id in queued)
 
 
+def deciding(ledger: Ledger, array_id: str) -> list[JobRecord]:
+    """The elements whose rows decide a dependency on the array (dependencies.judge): its first unfinished one, its
+    first that ended other than SUCCEEDED, and its last, each once, in index order; none for an array no longer on
+    record."""
+    found: dict[int, JobRecord] = {}
+    with ledger._db() as db:
+        for where, order in ((LIVE, "array_index"), ("state NOT IN ('PENDING', 'RUNNING', 'SUCCEEDED')", "array_index"),
+                             ("1", "array_index DESC")):
+            row = db.execute(f"{_SELECT} WHERE array_id = ? AND {where} ORDER BY {order} LIMIT 1",
+                             (array_id,)).fetchone()
+            if row is not None:
+                record = from_row(row)
+                found[record.array_index or 0] = record
+    return [found[index] for index in sorted(found)]
+
+
 def waiting_arrays(ledger: Ledger) -> list[str]:
     """The arrays that have elements waiting with no owner: those whose elements may need a place in line."""
     with ledger._db() as db:
