@@ -7,13 +7,16 @@ refused with nothing submitted; an array survives kill -9 of its server and runs
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
+import dill
 import pytest
 from helpers import open_gate, rpycdl_cli, running, wait_until
 
 import rpycdl
+from rpycdl.cli.common import EXIT_FAILED, EXIT_QUEUE_TIMEOUT
 
 END = 60.0
 """Seconds a test gives an array to end (generous: a busy two-core machine)."""
@@ -141,6 +144,57 @@ def test_the_cli_array_with_index(cluster, tmp_path):
     assert "5 SUCCEEDED" in line, listed.stdout
     expanded = rpycdl_cli("jobs", *where, "--expand")
     assert sum("sweep[" in line for line in expanded.stdout.splitlines()) == 5, expanded.stdout
+
+
+def test_rpycdl_result_of_an_array_and_of_one_element(two, tmp_path):
+    port, conn = two
+    where = ["--host", "127.0.0.1", "--port", str(port)]
+    gate = str(tmp_path / "gate")
+    waiting = conn.root.submit_array(gated, [(gate, i) for i in range(2)], name="held")
+    early = rpycdl_cli("result", "held", *where, "--no-wait")
+    assert early.returncode == EXIT_QUEUE_TIMEOUT and "has not ended" in early.stderr, early.stdout + early.stderr
+    open_gate(gate)
+    assert waiting.results(timeout=END) == [0, 1]
+    array = conn.root.submit_array(square, list(range(5)), name="sweep")
+    shown = rpycdl_cli("result", "sweep", *where, timeout=END * 2)
+    assert shown.returncode == EXIT_FAILED, shown.stdout + shown.stderr
+    assert shown.stdout.splitlines() == [repr((i * i, i, str(i))) if i != 3 else "" for i in range(5)], shown.stdout
+    assert f"element 3 (sweep[3], job {array.info['job_ids'][3]}) FAILED: ValueError: bad element 3" in shown.stderr
+    saved = tmp_path / "values"
+    assert rpycdl_cli("result", "sweep", *where, "-o", str(saved)).returncode == EXIT_FAILED
+    values = dill.loads(saved.read_bytes())
+    assert values[:3] == [(0, 0, "0"), (1, 1, "1"), (4, 2, "2")] and isinstance(values[3], ValueError), values
+    one = rpycdl_cli("result", "sweep[4]", *where)
+    assert one.returncode == 0 and one.stdout == repr((16, 4, "4")) + "\n", one.stdout + one.stderr
+    bad = rpycdl_cli("result", "sweep[3]", *where)
+    assert bad.returncode == EXIT_FAILED and "ValueError: bad element 3" in bad.stderr, bad.stdout + bad.stderr
+
+
+def _cells(shown: str) -> dict[str, int]:
+    """The counts of an array's HTML table, by state."""
+    header, row = re.findall(r"<th>([^<]*)</th>", shown), re.findall(r"<td>([^<]*)</td>", shown)
+    return dict(zip(header, map(int, row), strict=True))
+
+
+def test_the_notebook_display_shows_the_counts_and_a_bar_read_now(two, tmp_path):
+    _, conn = two
+    gate = str(tmp_path / "gate")
+    array = conn.root.submit_array(gated, [(gate, i) for i in range(3)], name="shown", max_running=1)
+    stale = conn.root.array("shown")  # read now, and not again before it is shown below
+    bundle = array._repr_mimebundle_()
+    assert bundle["text/plain"] == repr(array) and bundle["text/plain"].startswith(
+        f"<rpycdl.ArrayJob {array.id} 'shown' 0/3 ended: "), bundle["text/plain"]
+    shown = bundle["text/html"]
+    assert '<progress value="0" max="3"' in shown and "0/3 ended" in shown, shown
+    assert f"array {array.id} &#x27;shown&#x27;, read at " in shown and "&amp;" not in shown, shown  # escaped once
+    counts = _cells(shown)
+    assert set(counts) == {state.value for state in rpycdl.JobState} and sum(counts.values()) == 3, counts
+    assert counts["PENDING"] + counts["RUNNING"] == 3 and counts["RUNNING"] <= 1, counts
+    open_gate(gate)
+    assert array.wait(END).finished
+    again = stale._repr_mimebundle_()["text/html"]  # its info said unfinished: the display reads it again
+    assert '<progress value="3" max="3"' in again and "3/3 ended" in again, again
+    assert _cells(again)["SUCCEEDED"] == 3 and "3/3 ended: 3 SUCCEEDED" in repr(stale), again
 
 
 def test_an_array_survives_kill_9_of_its_server_and_runs_after_a_restart(cluster, connect, tmp_path):

@@ -95,6 +95,12 @@ def test_notok_runs_after_a_failure_only_and_any_after_either(fails, two, tmp_pa
     wait_state(first, JobState.RUNNING)
     held_a_while(dependents["any"])
     open_gate(gate)
+    ended_as_their_kinds_say(dependents, fails)
+
+
+def ended_as_their_kinds_say(dependents: dict[str, rpycdl.Job], fails: bool) -> dict[str, bool]:
+    """Check that the jobs after ok:, notok: and any: of what `fails` or not ran, or failed never having run, as
+    their kinds say; which ran, by kind."""
     runs = {"ok": not fails, "notok": fails, "any": True}
     for kind, job in dependents.items():
         status = job.wait(END)
@@ -103,6 +109,26 @@ def test_notok_runs_after_a_failure_only_and_any_after_either(fails, two, tmp_pa
         else:
             assert status.state is JobState.FAILED and job.refresh()["error_type"] == "DependencyError", (kind, status)
             assert job.refresh()["started"] is None
+    return runs
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["an-element-fails", "every-element-succeeds"])
+def test_after_an_array_waits_for_every_element(fails, two, tmp_path):
+    _, conn = two
+    gate = str(tmp_path / "gate")
+    array = conn.root.submit_array(TALKER, [{"dir": str(tmp_path), "gate": gate, "value": index, **(
+        {"raise": "no"} if fails and index == 2 else {})} for index in range(3)], name="sweep")
+    dependents = {kind: conn.root.submit(TALKER, {"dir": str(tmp_path), "value": kind}, after=f"{kind}:sweep")
+                  for kind in ("ok", "notok", "any")}
+    assert dependents["ok"].refresh()["request"]["after"] == f"ok:{array.id}"  # the array's id, resolved at submit
+    wait_until(lambda: array.status().counts["RUNNING"] == 2, END, "two elements running")
+    held_a_while(dependents["any"])  # no place in line: its dependency holds it
+    open_gate(gate)
+    runs = ended_as_their_kinds_say(dependents, fails)
+    last = max(element.refresh()["ended"] for element in array)
+    for kind, job in dependents.items():  # those that ran started after every element's end; the others name it
+        row = job.refresh()
+        assert row["started"] >= last if runs[kind] else f"after={kind}:{array.id}" in row["error"], (kind, row)
 
 
 def test_a_chain_of_three_runs_in_order(two, tmp_path):

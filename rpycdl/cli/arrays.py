@@ -1,6 +1,6 @@
 """`rpycdl submit --array 0-99%8 -- COMMAND {index}` (an array of detached commands, as Slurm's sbatch --array),
 and what the job verbs do with an array: `rpycdl jobs` shows one row per array (its counts by state; --expand: its
-elements), `wait`, `cancel`, `logs` and `download` take an array (or one element, `NAME[INDEX]`)."""
+elements), `wait`, `result`, `cancel`, `logs` and `download` take an array (or one element, `NAME[INDEX]`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import dill
+
 from rpycdl.cli.common import EXIT_FAILED, EXIT_QUEUE_TIMEOUT
 from rpycdl.client.arrays import ArrayJob, ArrayStatus
 from rpycdl.client.connection import Connection
 from rpycdl.defaults import MAX_ARRAY
-from rpycdl.errors import InvalidRequestError
+from rpycdl.errors import InvalidRequestError, JobNotFinishedError
 from rpycdl.states import JobState
 
 INDEX = "{index}"
@@ -108,6 +110,34 @@ def exit_code(status: ArrayStatus) -> int:
     if not status.finished:
         return EXIT_QUEUE_TIMEOUT
     return 0 if status.counts.get("SUCCEEDED", 0) == status.size else EXIT_FAILED
+
+
+def result(found: ArrayJob, no_wait: bool, verify: bool, output: str | None) -> int:
+    """`rpycdl result ARRAY`: each element's value in index order, one a line (str as it is, anything else its
+    repr), a failed element's line empty and the element named on stderr (or with `output`, the list of values saved
+    with dill, a failed element's exception in its place); exits as `rpycdl wait ARRAY` does."""
+    try:
+        values = found.results(timeout=0 if no_wait else None, errors="return", verify=verify)
+    except JobNotFinishedError:
+        print(f"rpycdl result: array {found.id} has not ended ({ArrayStatus(found.info['counts'], found.size)}): "
+              f"wait for it with rpycdl wait {found.id}", file=sys.stderr)
+        return EXIT_QUEUE_TIMEOUT
+    status = ArrayStatus(found.info["counts"], found.size)
+    failed = {} if status.counts.get("SUCCEEDED", 0) == found.size else {
+        element.info["array_index"]: element for element in found if element.info["state"] != "SUCCEEDED"}
+    if output:
+        Path(output).write_bytes(dill.dumps(values))
+        print(f"rpycdl result: array {found.id}'s {found.size} values (a list) saved to {output}", file=sys.stderr)
+    else:
+        for index, value in enumerate(values):
+            failure = index in failed and isinstance(value, BaseException)
+            print("" if failure else value if isinstance(value, str) else repr(value))
+    for index, element in sorted(failed.items()):
+        value = values[index]
+        why = f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else f"its value {value!r}"
+        print(f"rpycdl result: element {index} ({element.name or element.id}, job {element.id}) "
+              f"{element.info['state']}: {why}", file=sys.stderr)
+    return exit_code(status)
 
 
 def cancel(found: ArrayJob) -> int:

@@ -65,7 +65,8 @@ def add_commands(command: Command) -> None:
             ("result", "print or save a job's returned value", "Print what a job returned (its exit code, for a "
              "command), or save it with --output, and exit as rpycdl wait does (below): with a command's exit code, "
              f"so non-zero for one that failed; for a job that raised, print its exception and exit with "
-             f"{EXIT_FAILED}. Waits for the job to end unless --no-wait."),
+             f"{EXIT_FAILED}. Waits for the job to end unless --no-wait. An array: each element's value, one a line in "
+             "index order (a failed one's empty, and named on stderr), or with --output their list."),
             ("cancel", "cancel a pending or running job", "Cancel a job that has not ended: your own job, or "
              "anyone's with an admin certificate. A waiting job leaves the queue; a running one is stopped."),
             ("delete", "remove a finished job's record, log and result", "Remove an ended job from the ledger, "
@@ -317,6 +318,8 @@ def wait_exit_code(row: dict[str, Any]) -> int:
 
 def _result(args: argparse.Namespace) -> int:
     found = _find(args)
+    if isinstance(found, ArrayJob):
+        return arrays.result(found, args.no_wait, not args.no_verify, args.output)
     try:
         value = found.result(wait=not args.no_wait, verify=not args.no_verify)
     except JobNotFinishedError as exc:

@@ -5,7 +5,6 @@ its counts and a progress bar."""
 
 from __future__ import annotations
 
-import html
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -95,7 +94,8 @@ class ArrayJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = JOB_WAIT_MAX if deadline is None else deadline - time.monotonic()
-            info = self._seen(self._call("array_wait", self.id, max(0.0, min(left, JOB_WAIT_MAX))))
+            info = self._seen(self._call("array_wait", self.id, min(left, JOB_WAIT_MAX)) if left > 0
+                              else self._call("array", self.id))  # timeout=0: the counts now
             status = ArrayStatus(info["counts"], self.size)
             if status.finished or (deadline is not None and time.monotonic() >= deadline):
                 return status
@@ -200,7 +200,7 @@ def array_html(array_id: str, name: str | None, status: ArrayStatus, read_at: da
     caption = f"array {array_id}{' ' + repr(name) if name else ''}, read at {read_at.strftime('%H:%M:%S')}"
     bar = (f'<progress value="{status.done}" max="{status.size}" style="width: 20em"></progress> '
            f"{status.done}/{status.size} ended")
-    return displays.table([state for state, _ in cells], [[count for _, count in cells]], html.escape(caption)) + bar
+    return displays.table([state for state, _ in cells], [[count for _, count in cells]], caption) + bar
 
 
 class ArrayCalls:

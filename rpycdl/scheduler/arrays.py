@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +54,9 @@ def element_name(name: str | None, index: int) -> str | None:
     return None if name is None else f"{name}[{index}]"
 
 
-def save(ledger: Ledger, array: Array, records: Sequence[JobRecord]) -> None:
-    """Write an array and its elements' rows in one transaction.
+def save(ledger: Ledger, array: Array, template: JobRecord, job_ids: Sequence[str]) -> None:
+    """Write an array and its elements' rows in one transaction: element i is `template` with the id job_ids[i],
+    its index i and its name (element_name).
 
     Raises:
         InvalidRequestError: the user has an unfinished job or array of the array's name (raised by the caller's
@@ -66,7 +67,9 @@ def save(ledger: Ledger, array: Array, records: Sequence[JobRecord]) -> None:
             db.execute(f"INSERT INTO arrays VALUES ({', '.join('?' * len(_ARRAY_COLUMNS))})",
                        [int(value) if isinstance(value, bool) else value for value in
                         (getattr(array, column) for column in _ARRAY_COLUMNS)])
-            db.executemany(_INSERT, (to_row(record) for record in records))
+            row = {**to_row(template), "array_id": array.array_id}
+            db.executemany(_INSERT, ({**row, "job_id": job_id, "array_index": index,
+                                      "name": element_name(array.name, index)} for index, job_id in enumerate(job_ids)))
         except sqlite3.IntegrityError as exc:
             raise InvalidRequestError(f"array {array.name or array.array_id} could not be recorded: a job of one of "
                                       f"its names is unfinished already ({exc})") from None
@@ -132,6 +135,63 @@ def live(ledger: Ledger, array_id: str) -> list[tuple[str, int, int, str, bool]]
         return [(job_id, index, owner, state, bool(cancel)) for job_id, index, owner, state, cancel in db.execute(
             f"SELECT job_id, array_index, owner_pid, state, cancel_requested FROM jobs WHERE array_id = ? AND {LIVE} "
             "ORDER BY array_index", (array_id,))]
+
+
+def job_ids(ledger: Ledger, array_id: str) -> list[str]:
+    """The ids of the array's elements, in index order."""
+    with ledger._db() as db:
+        return [row[0] for row in db.execute("SELECT job_id FROM jobs WHERE array_id = ? ORDER BY array_index",
+                                             (array_id,))]
+
+
+def unqueued(ledger: Ledger, array_id: str, after: int, count: int, queued: Container[str]) -> list[tuple[str, int]]:
+    """The array's first `count` elements after index `after` that wait with no owner, no cancel asked and no place
+    in line (not in `queued`), in index order: (job id, index). It reads as few rows as it needs, BATCH at a time."""
+    found: list[tuple[str, int]] = []
+    while len(found) < count:
+        with ledger._db() as db:
+            rows = db.execute("SELECT job_id, array_index FROM jobs WHERE array_id = ? AND array_index > ? AND "
+                              "state = 'PENDING' AND owner_pid = 0 AND cancel_requested = 0 ORDER BY array_index "
+                              "LIMIT ?", (array_id, after, BATCH)).fetchall()
+        found += [(job_id, index) for job_id, index in rows if job_id not in queued][:count - len(found)]
+        if len(rows) < BATCH:
+            break
+        after = rows[-1][1]
+    return found
+
+
+def cancelled_waiting(ledger: Ledger, array_id: str) -> list[str]:
+    """The array's elements that wait with no owner and whose cancel was asked."""
+    with ledger._db() as db:
+        return [row[0] for row in db.execute("SELECT job_id FROM jobs WHERE array_id = ? AND state = 'PENDING' AND "
+                                             "owner_pid = 0 AND cancel_requested = 1", (array_id,))]
+
+
+def active(ledger: Ledger, array_id: str, queued: Container[str]) -> int:
+    """How many of the array's elements are owned (a supervisor's), running, or unowned with a place in line
+    (in `queued`): those its max_running counts."""
+    with ledger._db() as db:
+        started = db.execute(f"SELECT count(*) FROM jobs WHERE array_id = ? AND {LIVE} AND "
+                             "(owner_pid != 0 OR state = 'RUNNING')", (array_id,)).fetchone()[0]
+        waiting = db.execute("SELECT job_id FROM jobs WHERE array_id = ? AND state = 'PENDING' AND owner_pid = 0",
+                             (array_id,)).fetchall()
+    return started + sum(1 for (job_id,) in waiting if job_id in queued)
+
+
+def deciding(ledger: Ledger, array_id: str) -> list[JobRecord]:
+    """The elements whose rows decide a dependency on the array (dependencies.judge): its first unfinished one, its
+    first that ended other than SUCCEEDED, and its last, each once, in index order; none for an array no longer on
+    record."""
+    found: dict[int, JobRecord] = {}
+    with ledger._db() as db:
+        for where, order in ((LIVE, "array_index"), ("state NOT IN ('PENDING', 'RUNNING', 'SUCCEEDED')", "array_index"),
+                             ("1", "array_index DESC")):
+            row = db.execute(f"{_SELECT} WHERE array_id = ? AND {where} ORDER BY {order} LIMIT 1",
+                             (array_id,)).fetchone()
+            if row is not None:
+                record = from_row(row)
+                found[record.array_index or 0] = record
+    return [found[index] for index in sorted(found)]
 
 
 def waiting_arrays(ledger: Ledger) -> list[str]:

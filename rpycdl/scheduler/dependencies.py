@@ -67,13 +67,21 @@ def _plain(ref: str) -> bool:
     return ref.isascii() and ref.replace("-", "").replace("_", "").replace(".", "").isalnum()
 
 
-def judge(after: After, rows: Mapping[str, JobRecord | None]) -> Verdict:
+def judge(after: After, rows: Mapping[str, JobRecord | Sequence[JobRecord] | None]) -> Verdict:
     """Whether `after` is met by the jobs' rows now (`rows`: by id, None for a job no longer on record: deleted
-    or pruned, so ended, however). ok: broken by the first that ended other than SUCCEEDED; notok: by the first
-    that SUCCEEDED; any: never. A job no longer on record breaks ok and notok (how it ended is unknown)."""
+    or pruned, so ended, however; for an array, its elements' rows, or those that decide: arrays.deciding). ok:
+    broken by the first that ended other than SUCCEEDED; notok: by the first that SUCCEEDED; any: never. A job no
+    longer on record breaks ok and notok (how it ended is unknown). An array waits for every element: ok, all
+    SUCCEEDED (broken by the first that did not); notok, one did not (broken once all did); any, all ended."""
     ended = True
     for job_id in after.refs:
         row = rows.get(job_id)
+        if isinstance(row, Sequence):
+            verdict = _judge_array(after.kind, job_id, row)
+            if not verdict.waits and not verdict.met:
+                return verdict
+            ended = ended and verdict.met
+            continue
         if row is None:
             if after.kind != "any":
                 return Verdict(missing=job_id)
@@ -83,6 +91,20 @@ def judge(after: After, rows: Mapping[str, JobRecord | None]) -> Verdict:
         elif (row.state is JobState.SUCCEEDED) != (after.kind == "ok") and after.kind != "any":
             return Verdict(broken=row)
     return Verdict(met=ended)
+
+
+def _judge_array(kind: str, array_id: str, elements: Sequence[JobRecord]) -> Verdict:
+    """judge for one array, its elements' rows given (none: no longer on record, as a deleted job is judged)."""
+    if not elements:
+        return Verdict(met=True) if kind == "any" else Verdict(missing=array_id)
+    failed = next((row for row in elements if row.state.finished and row.state is not JobState.SUCCEEDED), None)
+    if kind == "ok" and failed is not None:
+        return Verdict(broken=failed)
+    if any(not row.state.finished for row in elements):
+        return Verdict()
+    if kind == "notok" and failed is None:
+        return Verdict(broken=elements[-1])
+    return Verdict(met=True)
 
 
 def reason(who: str, after: After, verdict: Verdict, shown: Sequence[str] = ()) -> str:

@@ -98,13 +98,13 @@ class GPULockManager:
         finally:
             fcntl.lockf(self._queue_fd, fcntl.LOCK_UN)
 
-    def _next(self, counter: int) -> int:
-        """Under the queue lock: the next value of a counter (TICKET or GRANT), written in place."""
+    def _next(self, counter: int, count: int = 1) -> int:
+        """Under the queue lock: the next value of a counter (TICKET or GRANT), or the first of `count`, in place."""
         fd = os.open(self.root / "counters", os.O_RDWR)
         try:
             offset = counter * _COUNTER_WIDTH
             value = int(os.pread(fd, _COUNTER_WIDTH, offset).strip() or 0) + 1
-            os.pwrite(fd, f"{value:0{_COUNTER_WIDTH - 1}d}\n".encode(), offset)
+            os.pwrite(fd, f"{value + count - 1:0{_COUNTER_WIDTH - 1}d}\n".encode(), offset)
             return value
         finally:
             os.close(fd)
@@ -260,8 +260,8 @@ class GPULockManager:
         lock (an array's elements: rpycdl.server.arrays counts its limit and queues them there). How many."""
         with self._locked():
             chosen = pick(self._queue.rows())
-            for need, info in chosen:
-                self._add_row(need, info)
+            for ticket, (need, info) in enumerate(chosen, self._next(TICKET, len(chosen)) if chosen else 0):
+                self._queue.write(ticket, {**info, **need.entry(), "row": True})
         return len(chosen)
 
     def queued_rows(self) -> set[str]:

@@ -13,6 +13,7 @@ queue are called under queue.lock, which the lock manager holds.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Container, Mapping
@@ -134,10 +135,16 @@ class QueueDir:
 
     def write(self, ticket: int, entry: dict[str, Any]) -> None:
         """Under the queue lock: the ticket's entry (a row's in rows/, so that waking the requests' FIFOs never
-        lists the rows), less the HELD_ONLY keys, with its ticket and time."""
+        lists the rows, made in one write: a reader meanwhile sees none), less the HELD_ONLY keys, with its ticket
+        and time."""
         shown = {key: value for key, value in entry.items() if key not in HELD_ONLY}
-        lockdir.write_json((self._rows if entry.get("row") else self._queue) / f"{ticket:016d}.json",
-                           {**shown, "ticket": ticket, "since": time.time()})
+        path = (self._rows if entry.get("row") else self._queue) / f"{ticket:016d}.json"
+        text = json.dumps({**shown, "ticket": ticket, "since": time.time()})
+        if entry.get("row"):  # made once under the queue lock, which waiters' pruning holds: lockdir.new_file
+            lockdir.new_file(path, text.encode())
+        else:
+            lockdir.shared_file(path, text.encode())
+        _ENTRIES[str(path)] = json.loads(text)  # as a reader reads it (an entry is never rewritten)
 
     def open_fifo(self, ticket: int) -> int:
         """Under the queue lock: make the ticket's wake-up FIFO; returns a descriptor of it."""
@@ -170,8 +177,16 @@ class QueueDir:
         return dropped
 
     def rows(self) -> set[str]:
-        """The ids of the jobs waiting as rows (claimed or not); no lock."""
-        return {entry["job_id"] for entry in self.waiters(prune=False) if entry.get("row")}
+        """The ids of the jobs waiting as rows (claimed or not); no lock. Each entry is read once per process: an
+        array's submit asks again at every hold of the lock."""
+        ids = set()
+        for name in lockdir.names(self._rows, "", ".json"):
+            path = f"{self._rows}/{name}"
+            info = _ENTRIES.get(path) or lockdir.read_json(Path(path))
+            if info is not None:
+                _ENTRIES[path] = info
+                ids.add(info["job_id"])
+        return ids
 
     def listen(self, name: str) -> int:
         """A listener's wake-up FIFO, woken with every waiter; returns its descriptor. Those whose process is

@@ -68,7 +68,7 @@ class ArrayCalls:
         name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
         max_running = arrays.check(parts, options.pop("max_running", None))
         checked = self._request(options, detached=True, name=name, **job)
-        array, _ = arrays.hand_over(self.context, checked, parts, max_running, seal)
+        array = arrays.hand_over(self.context, checked, parts, max_running, seal)
         return arrays.view(self.context, array)
 
     def exposed_array(self, ref: Any) -> bytes:

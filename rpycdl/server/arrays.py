@@ -14,7 +14,6 @@ ordinary detached job with its own id, row and place in line, while what they sh
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 import time
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from rpycdl.defaults import MAX_ARRAY
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import arrays
 from rpycdl.scheduler.arrays import Array
-from rpycdl.scheduler.jobrecord import JobRecord, new_job_id
+from rpycdl.scheduler.jobrecord import new_job_id
 from rpycdl.security import results
 from rpycdl.server import elements, request, supervisor
 from rpycdl.server.context import ServerContext
@@ -51,9 +50,8 @@ def check(arguments: Sequence[bytes], max_running: Any) -> int | None:
 
 
 def hand_over(context: ServerContext, checked: request.JobRequest, arguments: Sequence[bytes],
-              max_running: int | None, seal: results.Seal | None) -> tuple[Array, list[JobRecord]]:
-    """Accept an array: its files, its rows, its elements' places in line (release). Returns the array and its
-    elements' rows, in index order.
+              max_running: int | None, seal: results.Seal | None) -> Array:
+    """Accept an array: its files, its rows, its elements' places in line (release). Returns the array.
 
     Raises:
         InvalidRequestError: a name the user has an unfinished job or array of.
@@ -75,8 +73,7 @@ def hand_over(context: ServerContext, checked: request.JobRequest, arguments: Se
     template.owner_pid, template.owner_start = 0, 0
     if seal is not None:
         template.result_nonce, template.result_key_id = seal.nonce, seal.key_id
-    records = [dataclasses.replace(template, job_id=new_job_id(), name=arrays.element_name(checked.name, index),
-                                   array_id=array.array_id, array_index=index) for index in range(count)]
+    job_ids = [new_job_id() for _ in range(count)]
     deadline = None if checked.queue_timeout is None else template.submitted + checked.queue_timeout
     entry = {"need": need_of(context, template).entry(), "info": {
         **queue_info(context, template, checked), "state_dir": context.state_dir, "deadline": deadline,
@@ -92,13 +89,13 @@ def hand_over(context: ServerContext, checked: request.JobRequest, arguments: Se
         files.write(array.array_id, elements.INDEX, struct.pack(f"<{len(offsets)}Q", *offsets))
         if seal is not None:
             results.write_job_key(files.path(array.array_id), seal.key)
-        arrays.save(ledger, array, records)
+        arrays.save(ledger, array, template, job_ids)
         files.recorded(array.array_id)
     except BaseException:
         files.remove(array.array_id)
         raise
     elements.release(context, array.array_id)
-    return array, records
+    return array
 
 
 def _check_room(context: ServerContext, checked: request.JobRequest, count: int) -> None:
@@ -135,7 +132,7 @@ def view(context: ServerContext, array: Array) -> dict[str, Any]:
     """What a client sees of an array: its row, its elements' counts by state, their ids in index order, and its
     seal's nonce and key id (the same for every element), read at `read_at`."""
     first = arrays.elements(context.ledger, array.array_id, 0, 1)
-    ids = [record.job_id for record in arrays.elements(context.ledger, array.array_id)]
+    ids = arrays.job_ids(context.ledger, array.array_id)
     return {**array.to_dict(), "counts": arrays.counts(context.ledger, array.array_id), "job_ids": ids,
             "result_nonce": first[0].result_nonce if first else None,
             "result_key_id": first[0].result_key_id if first else None, "read_at": time.time()}

@@ -32,10 +32,13 @@ there are elements)."""
 
 _OFFSET = struct.Struct("<QQ")
 
+HOLD = 1000
+"""Elements given their places in line in one hold of the queue lock at most (each hold reads on from the last)."""
+
 
 def release(context: ServerContext, array_id: str, queued: set[str] | None = None) -> int:
     """Give the array's waiting elements their places in line as its `max_running` allows (all of them, without
-    one), in index order, arrays.BATCH a hold of the queue lock; end those whose cancel was asked. `queued`, the rows
+    one), in index order, HOLD a hold of the queue lock; end those whose cancel was asked. `queued`, the rows
     in line read without the lock, lets an array with nothing to do cost no lock. Returns how many were queued."""
     array = arrays.get(context.ledger, array_id)
     if array is None:
@@ -49,22 +52,16 @@ def release(context: ServerContext, array_id: str, queued: set[str] | None = Non
         return 0
     need = Need.from_entry(entry["need"])
     cancelled: list[str] = []
+    after, last = [-1], [-1]  # the last index this call gave a place: the next hold reads on from there
 
     def pick(rows_queued: set[str]) -> list[tuple[Need, dict[str, Any]]]:
-        cancelled.clear()
-        live = arrays.live(context.ledger, array_id)
-        active = sum(1 for job_id, _, owner, state, _ in live
-                     if owner or state == JobState.RUNNING.value or job_id in rows_queued)
-        room = arrays.BATCH if array.max_running is None else min(arrays.BATCH, array.max_running - active)
-        chosen: list[tuple[Need, dict[str, Any]]] = []
-        for job_id, index, owner, state, cancel in live:
-            if owner or state != JobState.PENDING.value or job_id in rows_queued:
-                continue
-            if cancel:
-                cancelled.append(job_id)
-            elif len(chosen) < room:
-                chosen.append((need, {**entry["info"], "job_id": job_id, "array_index": index}))
-        return chosen
+        cancelled[:] = [job_id for job_id in arrays.cancelled_waiting(context.ledger, array_id)
+                        if job_id not in rows_queued]
+        room = HOLD if array.max_running is None else min(
+            HOLD, array.max_running - arrays.active(context.ledger, array_id, rows_queued))
+        chosen = arrays.unqueued(context.ledger, array_id, after[0], room, rows_queued) if room > 0 else []
+        last[0] = chosen[-1][1] if chosen else after[0]
+        return [(need, {**entry["info"], "job_id": job_id, "array_index": index}) for job_id, index in chosen]
 
     if queued is not None and not pick(queued) and not cancelled:
         return 0
@@ -75,8 +72,9 @@ def release(context: ServerContext, array_id: str, queued: set[str] | None = Non
         if cancelled:
             arrays.end_unowned(context.ledger, cancelled, JobState.CANCELLED,
                                f"its array {array_id} was cancelled while it waited", "JobCancelledError")
-        if added < arrays.BATCH:
+        if added < HOLD:
             break
+        after[0] = last[0]
     if total:
         context.locks.wake_listeners()
     return total

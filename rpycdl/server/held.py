@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from rpycdl.errors import DependencyError, InvalidRequestError
-from rpycdl.scheduler import dependencies
+from rpycdl.scheduler import arrays, dependencies
 from rpycdl.scheduler.dependencies import After, Verdict
 from rpycdl.scheduler.jobrecord import JobRecord
 from rpycdl.scheduler.queuedir import Need
@@ -24,9 +24,11 @@ from rpycdl.states import JobState
 log = logging.getLogger("rpycdl.server")
 
 
-def check_after(text: object, find: Callable[[str], JobRecord], user: tuple[str, bool]) -> tuple[str, bool] | None:
+def check_after(text: object, find: Callable[[str], JobRecord], user: tuple[str, bool],
+                context: ServerContext) -> tuple[str, bool] | None:
     """Check a submit's `after=` (None: none), resolve each job it names to its id (`find`: by id, or by name among
-    the caller's jobs; `user`, the caller's name and whether it is verified) and judge it now. Returns the
+    the caller's jobs; `user`, the caller's name and whether it is verified; else an array of that id, or of the
+    caller's of that name: its id, waiting for every element) and judge it now. Returns the
     dependency as the job keeps it ("ok:ID,ID") and whether the job must wait (False: met already, it takes its
     place in line at once).
 
@@ -42,12 +44,17 @@ def check_after(text: object, find: Callable[[str], JobRecord], user: tuple[str,
         try:
             row = find(ref)
         except InvalidRequestError as exc:
-            raise InvalidRequestError(f"after={text!r}: {exc}") from None
+            array = arrays.find(context.ledger, ref, *user)
+            if array is None:
+                raise InvalidRequestError(f"after={text!r}: {exc} (nor an array)") from None
+            rows[array.array_id] = arrays.deciding(context.ledger, array.array_id)
+            continue
         rows[row.job_id] = row
     after = After(asked.kind, tuple(rows))
     verdict = dependencies.judge(after, rows)
-    if verdict.broken is not None:
-        mine = [job_id for job_id, row in rows.items() if (row.user, row.user_verified) == user]
+    broken = verdict.broken
+    if broken is not None:
+        mine = [broken.job_id] if (broken.user, broken.user_verified) == user else []
         raise DependencyError(dependencies.reason("not submitted", after, verdict, mine))
     return str(after), not verdict.met
 
@@ -76,7 +83,7 @@ def release(context: ServerContext) -> list[tuple[str, str]]:
                 done.append((record.job_id, "cancelled"))
             continue
         after = dependencies.parse(record.request["after"])
-        verdict = dependencies.judge(after, {job_id: context.ledger.get(job_id) for job_id in after.refs})
+        verdict = dependencies.judge(after, _rows(context, after))
         if verdict.waits:
             continue
         if verdict.met:
@@ -85,6 +92,16 @@ def release(context: ServerContext) -> list[tuple[str, str]]:
         elif end(context, record.job_id, JobState.FAILED, _reason(record, after, verdict), DependencyError.__name__):
             done.append((record.job_id, "failed"))
     return done
+
+
+def _rows(context: ServerContext, after: After) -> dict[str, JobRecord | list[JobRecord] | None]:
+    """The rows `after` names, by id: a job's, or the elements of an array that decide (arrays.deciding)."""
+    rows: dict[str, JobRecord | list[JobRecord] | None] = {}
+    for job_id in after.refs:
+        row = rows[job_id] = context.ledger.get(job_id)
+        if row is None and arrays.get(context.ledger, job_id) is not None:
+            rows[job_id] = arrays.deciding(context.ledger, job_id)
+    return rows
 
 
 def _reason(record: JobRecord, after: After, verdict: Verdict) -> str:

@@ -97,7 +97,8 @@ class JobCalls:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
         name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
         retries, on_failure = attempts.check(options.pop("retries", None), options.pop("retry_on_failure", None))
-        after = held.check_after(options.pop("after", None), self._find, (self._identity.user, self._identity.verified))
+        after = held.check_after(options.pop("after", None), self._find, (self._identity.user, self._identity.verified),
+                                 self.context)
         checked = self._request(options, detached=True, name=name, after=None if after is None else after[0],
                                 retries=retries, retry_on_failure=on_failure, **job)
         held_back = after is not None and after[1]

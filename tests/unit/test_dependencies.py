@@ -77,3 +77,25 @@ def test_reason_names_the_dependency_and_its_end_and_the_error_only_if_shown():
                     "zero), and ok: waits for jobs that ended SUCCEEDED")
     assert "division" not in reason("job b", after, verdict)  # another user's job: its error is its owner's
     assert "no longer on record" in reason("job b", after, Verdict(missing="a"))
+
+
+@pytest.mark.parametrize(("states", "met"), [  # by kind: None waits, True met, a string broken by it
+    (("SUCCEEDED", "RUNNING"), {"ok": None, "notok": None, "any": None}),
+    (("FAILED", "RUNNING"), {"ok": "e0", "notok": None, "any": None}),
+    (("SUCCEEDED", "SUCCEEDED"), {"ok": True, "notok": "e1", "any": True}),
+    (("SUCCEEDED", "CANCELLED"), {"ok": "e1", "notok": True, "any": True}),
+    ((), {"ok": "missing", "notok": "missing", "any": True}),  # no longer on record: as a deleted job
+])
+def test_an_array_is_judged_on_every_element(states, met):
+    elements = [row(f"e{index}", JobState(state)) for index, state in enumerate(states)]
+    for kind, expected in met.items():
+        verdict = judge(After(kind, ("arr", "done")), {"arr": elements, "done": ENDS[JobState.SUCCEEDED]
+                                                        if kind != "notok" else ENDS[JobState.FAILED]})
+        if expected is None:
+            assert verdict.waits, (kind, states, verdict)
+        elif expected == "missing":
+            assert verdict.missing == "arr", (kind, states, verdict)
+        elif isinstance(expected, str):
+            assert verdict.broken is not None and verdict.broken.job_id == expected, (kind, states, verdict)
+        else:
+            assert verdict.met is expected, (kind, states, verdict)

@@ -9,6 +9,8 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from rpycdl.scheduler import lockdir
 
 CTX = multiprocessing.get_context("fork")
@@ -65,3 +67,21 @@ def test_a_fifo_has_a_reader_only_while_someone_holds_it_open(tmp_path):
     assert lockdir.drain(fd) == b"!!"
     os.close(fd)
     assert not lockdir.fifo_has_reader(fifo)
+
+
+def test_a_new_file_is_shared_made_once_and_never_through_a_link(tmp_path):
+    old = os.umask(0o077)
+    try:
+        lockdir.new_file(tmp_path / "r.json", b'{"a": 1}')
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == lockdir.SHARED_FILE_MODE
+    assert lockdir.read_json(tmp_path / "r.json") == {"a": 1}
+    (tmp_path / "target").write_bytes(b"mine")
+    (tmp_path / "link.json").symlink_to(tmp_path / "target")
+    for name in ("r.json", "link.json"):
+        with pytest.raises(FileExistsError):
+            lockdir.new_file(tmp_path / name, b"{}")
+    assert (tmp_path / "target").read_bytes() == b"mine"
+    (tmp_path / "half.json").write_bytes(b'{"a": 1')  # a record whose write did not end reads as none
+    assert lockdir.read_json(tmp_path / "half.json") is None

@@ -108,3 +108,21 @@ def test_the_sweep_leaves_a_queued_row_alone_and_ends_a_lost_one(tmp_path):
     assert ledger.set_owner("waiting", (dead.pid, 1), (0, 0))  # its dispatcher started it: no longer unowned
     assert not ledger.set_owner("waiting", (dead.pid, 2), (0, 0))  # nor can another take it from that owner
     assert sweep.end_unqueued(ledger, files, lambda: set()) == []
+
+
+def test_rows_given_at_once_take_tickets_in_order_and_a_row_left_empty_is_no_row(tmp_path):
+    """enqueue_rows takes its tickets in one go, in the order chosen; a row made but never written (its submitter
+    killed between the two: lockdir.new_file) is no row to anyone, and the next pruning under the lock removes it."""
+    locks = GPULockManager(tmp_path)
+    first = _row(locks, "before")
+    given = [(Need(1, GPUS), {"job_id": f"e{i}", "user": "alice", "server_id": "s", "state_dir": "/mine",
+                              "deadline": None}) for i in range(3)]
+    assert locks.enqueue_rows(lambda queued: given if queued == {"before"} else []) == 3
+    entries = locks.queue()
+    assert [(entry["ticket"], entry["job_id"]) for entry in entries] == [
+        (first + i, job_id) for i, job_id in enumerate(("before", "e0", "e1", "e2"))]
+    assert _row(locks, "after") == first + 4
+    empty = tmp_path / "rows" / f"{first + 9:016d}.json"
+    empty.touch()
+    assert locks.queued_rows() == {"before", "e0", "e1", "e2", "after"}
+    assert [entry["job_id"] for entry in locks.queue()][-1] == "after" and not empty.exists()
