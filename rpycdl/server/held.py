@@ -87,7 +87,7 @@ def release(context: ServerContext) -> list[tuple[str, str]]:
         if verdict.waits:
             continue
         if verdict.met:
-            if _enqueue(context, record):
+            if take_place(context, record, is_held):
                 done.append((record.job_id, "queued"))
         elif end(context, record.job_id, JobState.FAILED, _reason(record, after, verdict), DependencyError.__name__):
             done.append((record.job_id, "failed"))
@@ -111,22 +111,27 @@ def _reason(record: JobRecord, after: After, verdict: Verdict) -> str:
     return dependencies.reason(f"job {record.job_id}", after, verdict, [broken.job_id] if same and broken else [])
 
 
-def _enqueue(context: ServerContext, record: JobRecord) -> bool:
-    """Give a released job its place in line (the entry its submit made ready: supervisor.hand_over), unless it
-    has one, or no longer waits unowned (read again under the queue lock). Returns whether it did."""
+def take_place(context: ServerContext, record: JobRecord, waits: Callable[[JobRecord], bool],
+               deadline_from: float | None = None) -> bool:
+    """Give a job that waits with no place in line (held, requeued) its place: the entry its submit made ready
+    (supervisor.hand_over), unless it has one, or its row, read again under the queue lock, no longer `waits` or
+    was cancelled; with `deadline_from`, its queue deadline counts from then. A job whose entry cannot be read ends
+    FAILED. Returns whether it took its place."""
     job_id = record.job_id
     try:
         entry = context.files.spec(job_id)["queue"]
     except (OSError, ValueError, KeyError) as exc:
         return end(context, job_id, JobState.FAILED, f"job {job_id} could not take its place in line: {exc}",
                    type(exc).__name__)
+    info, timeout = entry["info"], record.request.get("queue_timeout")
+    if deadline_from is not None:
+        info = {**info, "deadline": None if timeout is None else deadline_from + timeout}
 
-    def still_held() -> bool:
+    def still_waits() -> bool:
         now = context.ledger.get(job_id)
-        return now is not None and is_held(now) and not now.cancel_requested
+        return now is not None and waits(now) and not now.cancel_requested
 
-    ticket = context.locks.enqueue_released(Need.from_entry(entry["need"]), entry["info"], still_held)
-    if ticket is None:
+    if context.locks.enqueue_released(Need.from_entry(entry["need"]), info, still_waits) is None:
         return False
     context.locks.wake_listeners()
     return True

@@ -13,7 +13,6 @@ import logging
 
 from rpycdl.scheduler import sweep
 from rpycdl.scheduler.jobrecord import JobRecord
-from rpycdl.scheduler.queuedir import Need
 from rpycdl.server import held
 from rpycdl.server.context import ServerContext
 from rpycdl.states import JobState
@@ -54,27 +53,12 @@ def _holding(context: ServerContext) -> set[str]:
 
 
 def _enqueue(context: ServerContext, record: JobRecord) -> bool:
-    """Give a requeued job its place in line again (the entry its submit made: supervisor.hand_over), its queue
-    deadline counted from its requeue, unless it has one or no longer waits so (read again under the queue lock).
-    Returns whether it did."""
-    job_id = record.job_id
-    try:
-        entry = context.files.spec(job_id)["queue"]
-    except (OSError, ValueError, KeyError) as exc:
-        return held.end(context, job_id, JobState.FAILED, f"job {job_id} could not take its place in line again: "
-                        f"{exc}", type(exc).__name__)
-    timeout = record.request.get("queue_timeout")
-    since = [attempt["ended"] for attempt in context.ledger.attempts(job_id)][-1:] or [record.submitted]
-    info = {**entry["info"], "deadline": None if timeout is None else since[0] + timeout}
-
-    def still_requeued() -> bool:
-        now = context.ledger.get(job_id)
-        return now is not None and is_requeued(now) and now.attempt == record.attempt and not now.cancel_requested
-
-    if context.locks.enqueue_released(Need.from_entry(entry["need"]), info, still_requeued) is None:
+    """Give a requeued job its place in line again (held.take_place), its queue deadline counted from its requeue,
+    unless it has one or no longer waits so. Returns whether it did."""
+    since = [attempt["ended"] for attempt in context.ledger.attempts(record.job_id)][-1:] or [record.submitted]
+    if not held.take_place(context, record, lambda now: is_requeued(now) and now.attempt == record.attempt, since[0]):
         return False
-    context.locks.wake_listeners()
-    log.info("job %s takes its place in line again: attempt %d", job_id, record.attempt)
+    log.info("job %s takes its place in line again: attempt %d", record.job_id, record.attempt)
     return True
 
 
