@@ -109,6 +109,23 @@ def test_cancel_of_a_whole_array(two, tmp_path):
     assert all(isinstance(value, rpycdl.JobCancelledError) for value in values), values
 
 
+def test_another_user_sees_that_an_array_exists_and_can_neither_read_nor_cancel_it(tls_server):
+    """On a server of verified users (mutual TLS), bob, given the id of alice's array, sees its counts; its results,
+    an element's result and the cancel are refused, and its name is alice's alone."""
+    alice, bob = tls_server("alice"), tls_server("bob")
+    array = alice.root.submit_array(square, [1, 2], name="alices-sweep")
+    assert array.wait(END).finished
+    theirs = bob.root.array(array.id)
+    assert isinstance(theirs, rpycdl.ArrayJob) and theirs.status().counts["SUCCEEDED"] == 2  # anyone sees it exists
+    element = bob.root.job(f"{array.id}[0]")
+    for attempt in (theirs.results, theirs.cancel, lambda: element.result(wait=False)):
+        with pytest.raises(rpycdl.NotAllowedError, match="belongs to alice and you are bob"):
+            attempt()
+    with pytest.raises(rpycdl.InvalidRequestError):  # a name is its owner's
+        bob.root.array("alices-sweep")
+    assert array.results() == [(1, 0, "0"), (4, 1, "1")]
+
+
 def test_bad_arrays_are_refused_with_nothing_submitted(two):
     _, conn = two
     for args_list, options, said in (([], {}, "non-empty list"), ([1], {"max_running": 0}, "max_running="),
