@@ -33,6 +33,11 @@ DISPATCH_AHEAD = 2
 """How many queued rows at the head of each line (a set of candidate GPUs) have their supervisor started before
 their turn: it waits as any request does, so that a release hands the GPUs over without a process start."""
 
+DISPATCH_AHEAD_MAX = 8
+"""At most how many queued rows at the head of a line have their supervisor started before their turn: as many as
+its GPUs could run at once (one-GPU jobs on a server of four: four), so that a release of every GPU at once finds a
+supervisor waiting for each (rpycdl.scheduler.queuedir.Need.at_once)."""
+
 DISPATCH_SETTLE = 0.05
 """Seconds a woken dispatcher lets pass before it reads the queue: the supervisors waiting at the head of the
 line, woken by the same release, take their grants first, without its pass over a long queue beside them."""
@@ -168,8 +173,9 @@ uploading to the artifact store after its end."""
 LOG_CHUNK = 1024**2
 """Bytes of a job's log one call reads at most."""
 
-SUPERVISOR_MODULE = "rpycdl.server.supervisor"
-"""What detached jobs' supervisors run (`python -m`): how servers and the site tell them from other processes."""
+SUPERVISOR_NAME = "rpycdl-superv"
+"""The name of detached jobs' supervisors (/proc/PID/comm): how servers and the site tell them from other
+processes (they are forked from a server's forkserver, so their command line is the forkserver's)."""
 
 FORKSERVER_MODULE = "rpycdl.server.forkserver"
 """What a server's job forkserver runs (`python -m`)."""

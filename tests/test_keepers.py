@@ -126,6 +126,7 @@ def test_kill_9_of_a_shared_process_ends_no_running_job(cluster, server, connect
     own = {kind: info["pid"] for kind, info in jobs.info.items()}
     assert comm(jobs.info["attached"]["ppid"]) == comm(jobs.info["session"]["ppid"]) == "rpycdl-keeper"
     assert comm(jobs.info["detached"]["ppid"]) == "rpycdl-superv"
+    assert procs.stat(jobs.info["detached"]["ppid"]).ppid == forkserver(parent)  # forked by it, warm
     doomed = {"forkserver": lambda: [forkserver(parent)], "server": lambda: [parent],
               "server, then forkserver": lambda: [parent, forkserver(parent)],
               "spares": lambda: [pid for pid in _spares(parent) if pid not in own.values()],

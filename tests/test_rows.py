@@ -41,8 +41,9 @@ _recorder = _make_recorder()
 
 
 def _supervisors(parent: int) -> list[int]:
-    """The detached jobs' supervisors a server started."""
-    return [pid for pid in procs.children(parent) if comm(pid) == "rpycdl-superv"]  # of every thread: its dispatcher
+    """The detached jobs' supervisors a server started: children of its forkserver."""
+    forkservers = [pid for pid in procs.children(parent) if comm(pid) == "rpycdl-forksrv"]
+    return [pid for forkserver in forkservers for pid in procs.children(forkserver) if comm(pid) == "rpycdl-superv"]
 
 
 def _queue_files(lock_dir: str) -> list[str]:

@@ -2,8 +2,8 @@
 mode, `<state_dir>/ledger.sqlite3`, shared by every server process and container of the host.
 
 Its schema is rpycdl.scheduler.schema's, a row's JobRecord rpycdl.scheduler.jobrecord's, a requeued job's attempts
-rpycdl.scheduler.attempts's (AttemptsLedger). `refusals` counts the requests the host's servers refused (count_refusal),
-`drops` the connections they dropped before authenticating them, `artifacts` where a job's outputs stand.
+rpycdl.scheduler.attempts's (AttemptsLedger), its tallies of refused requests and dropped connections
+rpycdl.scheduler.tallies's (TalliesLedger); `artifacts` says where a job's outputs stand.
 
 Concurrency: many processes write at once, each with its own connection; every write is one short
 transaction (BEGIN IMMEDIATE ... COMMIT) that waits up to LEDGER_BUSY_TIMEOUT for another one's, and
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import sqlite3
 import threading
@@ -32,17 +31,16 @@ from collections.abc import Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import LEDGER_BUSY_TIMEOUT, REFUSAL_BUSY_TIMEOUT
+from rpycdl.defaults import LEDGER_BUSY_TIMEOUT
 from rpycdl.errors import InvalidRequestError, LedgerError
 from rpycdl.scheduler.attempts import AttemptsLedger
 from rpycdl.scheduler.jobrecord import COLUMNS, JobRecord, from_row, new_job_id, to_row
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
 from rpycdl.scheduler.schema import ARTIFACT_STATES, DROPS, LIVE, MIGRATIONS, REFUSALS, migrate
+from rpycdl.scheduler.tallies import TalliesLedger
 from rpycdl.states import UNFINISHED, JobState
 
 __all__ = ["DROPS", "REFUSALS", "UNFINISHED", "JobRecord", "JobState", "Ledger", "new_job_id"]
-
-log = logging.getLogger("rpycdl.ledger")
 
 _SELECT = f"SELECT state, {', '.join(COLUMNS)} FROM jobs"
 _JOB_ID = 1 + COLUMNS.index("job_id")
@@ -52,15 +50,17 @@ _UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c
            f"WHERE jobs.{LIVE}")
 
 
-class Ledger(AttemptsLedger):
+class Ledger(AttemptsLedger, TalliesLedger):
     """The job ledger of one state directory: <state_dir>/ledger.sqlite3. The threads of a process may
     share one, and a child of os.fork() goes on using it (with a connection of its own)."""
 
     FILE = "ledger.sqlite3"
 
-    def __init__(self, state_dir: str | os.PathLike[str], read_only: bool = False) -> None:
+    def __init__(self, state_dir: str | os.PathLike[str], read_only: bool = False, checked: bool = False) -> None:
         """Open the ledger of `state_dir`, creating both if the directory is new or empty; check it and
         bring its schema up to date. `read_only` (a monitor): open it for reading, creating and changing nothing.
+        `checked` (a supervisor, which a server started): a server checked and migrated it, so only its schema
+        version is read, not every page (PRAGMA quick_check grows with the ledger).
 
         Raises:
             LedgerError: the ledger is missing from a directory of earlier jobs (or from any, `read_only`),
@@ -88,7 +88,7 @@ class Ledger(AttemptsLedger):
                                   "state directory aside to start an empty one")
             shared_file(self.path)  # mode 0o666, which SQLite gives its -wal and -shm files too
         try:
-            self.ledger_id: str = self._migrate()
+            self.ledger_id: str = self._migrate(checked)
         except sqlite3.OperationalError as exc:  # locked past the busy timeout, unreadable, disk I/O error
             raise LedgerError(f"the job ledger {self.path} cannot be used: {exc}") from exc
         except sqlite3.DatabaseError as exc:  # not a database, malformed
@@ -107,9 +107,13 @@ class Ledger(AttemptsLedger):
             raise LedgerError(f"the job ledger {self.path} has schema version {version}, and this rpycdl reads version "
                               f"{len(MIGRATIONS)}: run the servers' version of rpycdl")
 
-    def _migrate(self) -> str:
-        """Check the database, run the migrations it lacks (in one transaction), return its ledger_id."""
+    def _migrate(self, checked: bool) -> str:
+        """Check the database (only its schema version if a server `checked` it), run the migrations it lacks (in
+        one transaction), return its ledger_id."""
         with self._db() as db:
+            if checked:
+                self._check_reader(db)
+                return db.execute("SELECT value FROM meta WHERE key = 'ledger_id'").fetchone()[0]
             problems = [row[0] for row in db.execute("PRAGMA quick_check")]
             if problems != ["ok"]:
                 raise self._corrupted("; ".join(problems[:3]))
@@ -319,39 +323,6 @@ class Ledger(AttemptsLedger):
         with self._db() as db:
             counted = dict(db.execute("SELECT state, count(*) FROM jobs GROUP BY state").fetchall())
         return {state: counted.get(state.value, 0) for state in JobState}
-
-    def count_refusal(self, service: str, reason: str, count: int = 1) -> None:
-        """Count `count` requests a server of `service` refused, for `reason` (one of REFUSALS). It never raises,
-        and waits REFUSAL_BUSY_TIMEOUT at most for another write: a refusal goes to its client as it is."""
-        self._count("refusals", REFUSALS, service, {reason: count})
-
-    def count_drops(self, service: str, counts: dict[str, int]) -> None:
-        """Add the connections a server of `service` dropped before they authenticated, by reason (of DROPS);
-        as count_refusal, it never raises and waits little."""
-        if counts:
-            self._count("drops", DROPS, service, counts)
-
-    def _count(self, table: str, reasons: tuple[str, ...], service: str, counts: dict[str, int]) -> None:
-        try:
-            if set(counts) - set(reasons):
-                raise ValueError(f"not a reason of {table}: {sorted(set(counts) - set(reasons))}")
-            with self._write(REFUSAL_BUSY_TIMEOUT) as db:
-                db.executemany(f"INSERT INTO {table} VALUES (?, ?, ?) ON CONFLICT (service, reason) DO UPDATE SET "
-                               "count = count + excluded.count", [(service, r, n) for r, n in counts.items()])
-        except Exception as exc:
-            log.warning("%s of %s (%s) were not counted in %s: %s", table, service, counts, self.path, exc)
-
-    def refusals(self) -> dict[tuple[str, str], int]:
-        """The requests the host's servers refused since the ledger was made, by (service, reason)."""
-        with self._db() as db:
-            return {(service, reason): count for service, reason, count in
-                    db.execute("SELECT service, reason, count FROM refusals")}
-
-    def drops(self) -> dict[tuple[str, str], int]:
-        """The connections the host's servers dropped before they authenticated, by (service, reason)."""
-        with self._db() as db:
-            return {(service, reason): count for service, reason, count in
-                    db.execute("SELECT service, reason, count FROM drops")}
 
     def set_artifacts(self, job_id: str, state: str, files: Sequence[dict[str, Any]], error: str = "") -> None:
         """Record where the job's outputs stand: ARTIFACT_STATES[...], the store's error, and `files` uploaded

@@ -48,7 +48,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import DISPATCH_AHEAD, DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
+from rpycdl.defaults import DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import QueueTimeoutError
 from rpycdl.scheduler import lockdir, planning, policies, policyfiles, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
@@ -204,19 +204,15 @@ class GPULockManager:
         self._queue.write(ticket, {**info, **need.entry(), "row": True})
         return ticket
 
-    def dispatch(self, mine: Callable[[dict[str, Any]], bool] = lambda entry: True, ahead: int = DISPATCH_AHEAD,
+    def dispatch(self, mine: Callable[[dict[str, Any]], bool] = lambda entry: True, ahead: int | None = None,
                  lookahead: int = DISPATCH_LOOKAHEAD) -> list[tuple[dict[str, Any], Place]]:
-        """Claim the rows the caller may start (`mine`) that are among the first `ahead` rows in line for their
-        GPUs (their supervisors wait as any request does, so that a release hands the GPUs over at once), whose
-        turn has come (the policy would grant them now, were a process waiting), or whose `deadline` passed.
-        Each gets its wake-up FIFO, the claim (one dispatcher wins it), whose descriptor the caller hands to the
-        supervisor it starts for the row, or closes; a row whose FIFO nobody holds open is claimable again. In
-        the policy's order, it decides for at most `lookahead` rows per set of candidate GPUs that cannot go
-        (those behind them wait too).
-
-        Returns:
-            Each claimed row's entry and its place.
-        """
+        """Claim the rows the caller may start (`mine`) that are among the first `ahead` in line for their GPUs
+        (unless told, as many as could run at once on them: Need.at_once; their supervisors wait as any request
+        does, so that a release hands over every GPU it frees at once), whose turn has come (the policy would grant
+        them now), or whose `deadline` passed. Each gets its wake-up FIFO, the claim (one dispatcher wins it), whose
+        descriptor the caller hands to the supervisor it starts for the row, or closes; a row whose FIFO nobody
+        holds open is claimable again. In the policy's order, it decides for at most `lookahead` rows per set of
+        candidate GPUs that cannot go (those behind them wait too). Returns each claimed row's entry and place."""
         claimed: list[tuple[dict[str, Any], Place]] = []
         placed: dict[tuple[str, ...], int] = {}  # rows met so far, by their candidates
         blocked: dict[tuple[str, ...], int] = {}
@@ -236,10 +232,12 @@ class GPULockManager:
             with self._locked():  # the claim: one dispatcher makes its FIFO
                 if not self._queue.exists(ticket) or self._queue.claimed(ticket):
                     continue
-                if placed[key] > ahead and (entry.get("deadline") is None or entry["deadline"] > now):
+                need = Need.from_entry(entry)
+                if placed[key] > (need.at_once() if ahead is None else ahead) and (
+                        entry.get("deadline") is None or entry["deadline"] > now):
                     index = places[ticket]
                     others = waiters[:index] + ([] if self.scheduling.policy == FCFS else waiters[index + 1:])
-                    if not self._decide(ticket, Need.from_entry(entry), entry, others)[0].uuids:
+                    if not self._decide(ticket, need, entry, others)[0].uuids:
                         blocked[key] = blocked.get(key, 0) + 1
                         continue
                 claimed.append((entry, Place(ticket, self._queue.open_fifo(ticket))))

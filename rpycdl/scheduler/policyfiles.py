@@ -28,7 +28,9 @@ def claim(root: Path, scheduling: Scheduling) -> None:
     """
     folder = root / "policies"
     lockdir.shared_dir(folder)
-    lockdir.write_json(folder / f"{scheduling.key()}.json", scheduling.to_dict())  # the same for the same key
+    said = folder / f"{scheduling.key()}.json"
+    if lockdir.read_json(said) is None:  # the same for the same key: written once
+        lockdir.write_json(said, scheduling.to_dict())
     for other in lockdir.claim(folder, scheduling.key()):
         theirs = _claimed(folder, other)
         raise RpycdlError(f"the lock directory {root} is used by servers with {theirs.words() if theirs else other}; "

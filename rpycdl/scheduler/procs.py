@@ -114,6 +114,18 @@ def environment_names(pid: int, job_id: str) -> bool:
         return False
 
 
+def named(pid: int, name: str) -> bool:
+    """Whether the process is one of this account's named `name` (/proc/PID/comm, as child.name_process sets it):
+    how a server tells its keepers and supervisors, forked from its forkserver, from what dead jobs left. A job of a
+    root server runs as its owner, so none passes for one of them."""
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            found = comm.read().strip() == name
+        return found and os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def runs_module(pid: int, module: str) -> bool:
     """Whether the process runs `python -m module` (False where unreadable)."""
     return module_args(pid, module) is not None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rpycdl.defaults import DISPATCH_AHEAD, DISPATCH_AHEAD_MAX
 from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler import lockdir
 from rpycdl.units import MiB, format_size
@@ -54,6 +55,11 @@ class Need:
     share_bytes: int = 0
     sizes: Mapping[str, int] = field(default_factory=dict)
     seconds: float | None = None
+
+    def at_once(self) -> int:
+        """How many requests like this one its candidates could run at once (DISPATCH_AHEAD at least,
+        DISPATCH_AHEAD_MAX at most): the heads of its line whose supervisors a dispatcher starts before their turn."""
+        return max(DISPATCH_AHEAD, min(DISPATCH_AHEAD_MAX, len(self.candidates) // max(1, self.ngpus)))
 
     def check(self) -> None:
         """Raise InvalidRequestError if it can never be granted."""

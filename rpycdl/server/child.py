@@ -28,7 +28,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rpycdl.defaults import ARRAY_INDEX_VARIABLE, ATTEMPT_VARIABLE, OUTPUT_FLUSH_DELAY, WORKING_DIR_VARIABLE
+from rpycdl.defaults import (
+    ARRAY_INDEX_VARIABLE,
+    ATTEMPT_VARIABLE,
+    OUTPUT_FLUSH_DELAY,
+    SECRET_VARIABLE_PREFIXES,
+    STORE_SECRET_VARIABLES,
+    WORKING_DIR_VARIABLE,
+)
 from rpycdl.errors import InvalidRequestError
 from rpycdl.gpu import caps
 from rpycdl.scheduler import procs
@@ -200,6 +207,13 @@ def _become(go: Go, parent: int, cgroup: cgroups.JobCgroup | None = None) -> Non
         sys.path.insert(0, working_dir)
     elif go.account is not None:
         os.chdir(go.account.home if os.access(go.account.home, os.X_OK) else "/")
+
+
+def clean_environment(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The environment less every variable that may hold a credential: the store's, and any named by a
+    prefix of SECRET_VARIABLE_PREFIXES."""
+    return {name: value for name, value in environ.items()
+            if name not in STORE_SECRET_VARIABLES and not name.startswith(SECRET_VARIABLE_PREFIXES)}
 
 
 def keep_only(fds: Sequence[int]) -> None:

@@ -124,6 +124,7 @@ class ServerContext:
     accounts: Accounts = field(default_factory=Accounts)  # whose account runs each job (security.accounts)
     launcher: runner.Launcher = orphans.HERE  # what starts job processes: the server's forkserver, else this one
     preload: tuple[str, ...] = ()  # what the forkserver imported before it forked any job (--preload)
+    ledger_checked: bool = False  # a server checked and migrated the ledger (a supervisor's: Ledger's checked)
     locks: GPULockManager = field(init=False)
     ledger: Ledger = field(init=False)
     files: JobFiles = field(init=False)
@@ -135,7 +136,8 @@ class ServerContext:
             lockdir.use_private_modes()
         self.gpus = self.inventory.gpus()
         self.locks = GPULockManager(self.lock_dir, self.scheduling)  # creates the layout; connections inherit it
-        self.ledger = Ledger(self.state_dir)  # LedgerError if it is missing or damaged: never start over a history
+        # LedgerError if it is missing or damaged: never start over a history
+        self.ledger = Ledger(self.state_dir, checked=self.ledger_checked)
         self.files = JobFiles(self.state_dir)
         self.working_dirs = WorkdirCache(os.path.join(self.state_dir, "workdirs"), self.limits.working_dir_cache)
         if self.accounts.isolated:  # every user's code and data: nobody's but the server's to read

@@ -23,11 +23,11 @@ log = logging.getLogger("rpycdl.server")
 
 
 class Dispatcher:
-    """Dispatches for the server of `context`, forking under `forking` (the lock the server parent forks under)
-    and adding each supervisor it starts to `started` (the server's, so that its sweep leaves them alone)."""
+    """Dispatches for the server of `context`, claiming under `forking` (the lock the server parent forks under),
+    its supervisors forked by the server's forkserver (context.launcher)."""
 
-    def __init__(self, context: ServerContext, forking: threading.Lock, started: set[int]) -> None:
-        self.context, self._forking, self._started = context, forking, started
+    def __init__(self, context: ServerContext, forking: threading.Lock) -> None:
+        self.context, self._forking = context, forking
         self._name = f"dispatcher-{context.server_id}"
 
     def run(self, stop: threading.Event) -> None:
@@ -70,7 +70,6 @@ class Dispatcher:
             if record is not None and record.state.finished:
                 ctx.locks.leave(entry["ticket"])
             return
-        pid, go = supervisor.start(entry, place)
-        self._started.add(pid)
+        pid, go = supervisor.start(entry, place, ctx.launcher)
         if not supervisor.confirm(ctx.ledger, record, pid, go):
             log.info("job %s was cancelled or started elsewhere as its supervisor started", entry["job_id"])

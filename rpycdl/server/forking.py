@@ -29,6 +29,7 @@ from rpycdl.defaults import (
     SAMPLER_MODULE,
     SPARE_CONNECTIONS,
     STARTUP_GRACE,
+    SUPERVISOR_NAME,
     SWEEP_INTERVAL,
 )
 from rpycdl.errors import LimitError, RpycdlError
@@ -47,10 +48,8 @@ from rpycdl.server import (
     gate,
     held,
     keeper,
-    orphans,
     retries,
     runner,
-    supervisor,
 )
 from rpycdl.server.context import ServerContext
 from rpycdl.server.dispatcher import Dispatcher
@@ -109,7 +108,6 @@ class DLServer(ForkingServer):
         self._stop = threading.Event()
         self._connections: set[int] = set()  # pids of the connection processes serving a client
         self._spares: set[int] = set()  # pids of those still waiting for one
-        self._supervisors: set[int] = set()  # pids of the detached jobs' supervisors it started (its dispatcher)
         self._queued = 0  # connections handed to the spares that no spare has said it took yet
         self._fork_failed = False
         self._forking = threading.Lock()  # held while those sets change: the sweeper kills other children
@@ -123,7 +121,7 @@ class DLServer(ForkingServer):
         self.gate = gate.Gate(self.listener, credentials, startups, self.tally)
         self.gate.watch(self._taken_r, self._note_taken)
         self.gate.watch(self._exited_r, lambda: lockdir.drain(self._exited_r))
-        self._dispatcher = Dispatcher(context, self._forking, self._supervisors)
+        self._dispatcher = Dispatcher(context, self._forking)
 
     def start(self) -> None:
         child.become_subreaper()
@@ -207,9 +205,6 @@ class DLServer(ForkingServer):
         with self._forking:
             self._connections = {pid for pid in self._connections if _running(pid)}
             self._spares = {pid for pid in self._spares if _running(pid)}
-            for pid in [pid for pid in self._supervisors if not _running(pid)]:
-                self._supervisors.discard(pid)
-                orphans.forget(pid)
 
     def _authenticated(self) -> int:
         """The connections that got in and have a connection process, or are on their way to one."""
@@ -421,17 +416,16 @@ class DLServer(ForkingServer):
     def _adopted(self) -> list[int]:
         """The running processes this server adopted (it is a child subreaper): its children that
         are neither spares nor connection processes (what dead connection processes left), and
-        their descendants; but not its job forkserver, nor a job's keeper (with its job: adopted when the
-        forkserver died), nor a job container's watcher, which
-        removes its container, nor a detached job's supervisor (with its job), nor its load sampler."""
+        their descendants; but not its job forkserver, nor a job's keeper or a detached job's supervisor (with
+        its job: adopted when the forkserver that forked it died), nor a job container's watcher, which
+        removes its container, nor its load sampler."""
         launcher = self.context.launcher
         with self._forking:
-            mine = self._spares | self._connections | self._supervisors | (
+            mine = self._spares | self._connections | (
                 {launcher.process.pid} if isinstance(launcher, ForkServer) else set())
             found = [pid for pid in procs.children(os.getpid()) if pid not in mine]
-        found = [pid for pid in found if not keeper.is_keeper(pid) and not any(
-            procs.runs_module(pid, module) for module in (container_watcher.__name__, supervisor.MODULE,
-                                                          SAMPLER_MODULE))]
+        found = [pid for pid in found if not procs.named(pid, keeper.NAME) and not procs.named(pid, SUPERVISOR_NAME)
+                 and not any(procs.runs_module(pid, module) for module in (container_watcher.__name__, SAMPLER_MODULE))]
         return [each for pid in found for each in (pid, *procs.subtree(pid)) if procs.alive(each)]
 
 

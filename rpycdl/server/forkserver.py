@@ -1,4 +1,5 @@
-"""The job forkserver: the process that forks a keeper for every job process and load check of a server's connections.
+"""The job forkserver: the process that forks a keeper for every job process and load check of a server's connections,
+and the supervisor of every detached job its server's dispatcher starts.
 
 The server starts it clean at its own start (`python -m rpycdl.server.forkserver FD`, exec'd, with the
 server's environment less every credential variable), so that nothing of the server's memory (its TLS
@@ -6,17 +7,20 @@ key, its shared secret, the store's credentials, other users' rows) and no secre
 in a job, whose owner may read all of its memory once it runs as them (rpycdl.security.accounts). It
 never touches CUDA. For each request it forks a keeper (rpycdl.server.keeper), which forks the job
 process, answers the requester and carries the job to its end on its own: the forkserver keeps no job's
-life, so its death ends none. It is a child subreaper: what it adopts (what a killed keeper's job left)
-is killed.
+life, so its death ends none. It forks a detached job's supervisor the same way (rpycdl.server.supervisor.forked,
+warm: that module is imported here once), which answers the requester itself and lives on its own. It is a child
+subreaper: what it adopts (what a killed keeper's job left) is killed.
 
 One request a datagram on a SOCK_SEQPACKET connection: the one the server made (every connection process
 inherits it; no job ever holds it), or one a process of the server's account made to the forkserver's
 abstract address (ForkServer.launch, after the forkserver it knew died):
 
-    request   JSON {"kind": "job" | "check"}; SCM_RIGHTS: a control socket, then the child's descriptors
-              (job: go, stdout, stderr, result, files; check: go, result, files)
+    request   JSON {"kind": "job" | "check" | "supervisor"}; SCM_RIGHTS: a control socket, then the child's
+              descriptors (job: go, stdout, stderr, result, files; check: go, result, files; supervisor: its row's
+              claim, go, secrets)
     reply     from the keeper, on the control socket: PID (pid, start time), then the name of the job's cgroup
-              if it has one (rpycdl.security.cgroups); SCM_RIGHTS: the child's pidfd
+              if it has one (rpycdl.security.cgroups); SCM_RIGHTS: the child's pidfd (a supervisor: its own, and
+              nothing more comes on the socket)
     end       from the keeper, on the control socket: STATUS (wait status), then the JSON of its cgroup's usage
               (rpycdl.security.cgroups.Usage) if the job had one, once the child and everything of its job are
               gone; then the control socket closes
@@ -42,18 +46,18 @@ import sys
 from rpycdl.defaults import (
     FORKSERVER_MODULE,
     KILL_WAIT,
-    SECRET_VARIABLE_PREFIXES,
-    STORE_SECRET_VARIABLES,
     SWEEP_INTERVAL,
 )
 from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import procs
 from rpycdl.security import cgroups
-from rpycdl.server import child, keeper
+from rpycdl.server import child, keeper, supervisor
 from rpycdl.server.keeper import PID, STATUS
 
 READY = b"ready"  # the forkserver to the server, once its preload is imported
 MAX_FDS = 8
+DESCRIPTORS = {"job": 6, "check": 4, "supervisor": 4}
+"""The descriptors each kind of request comes with, its control socket first."""
 
 log = logging.getLogger("rpycdl.forkserver")
 
@@ -169,7 +173,7 @@ class ForkServer:
         fds = [theirs.fileno(), listener.fileno()]
         self.process = subprocess.Popen([sys.executable, "-m", FORKSERVER_MODULE, *map(str, fds),
                                          *(() if self.fence else (cgroups.NO_FENCE,)), *self.preload],
-                                        pass_fds=fds, env=clean_environment(os.environ), stdin=subprocess.DEVNULL,
+                                        pass_fds=fds, env=child.clean_environment(os.environ), stdin=subprocess.DEVNULL,
                                         start_new_session=True)
         theirs.close()
         listener.close()  # the forkserver's alone: the address is free again once it is gone
@@ -233,13 +237,6 @@ class ForkServer:
         self._socket.close()
 
 
-def clean_environment(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """The environment less every variable that may hold a credential: the store's, and any named by a
-    prefix of SECRET_VARIABLE_PREFIXES."""
-    return {name: value for name, value in environ.items()
-            if name not in STORE_SECRET_VARIABLES and not name.startswith(SECRET_VARIABLE_PREFIXES)}
-
-
 # -- the forkserver's side ------------------------------------------------------------------------
 
 
@@ -250,6 +247,7 @@ class _Server:
         self.connections = {first}  # the server's, and those of processes that reconnected (ForkServer.launch)
         self.listener = listener
         self.keepers: set[int] = set()
+        self.supervisors: set[int] = set()  # detached jobs' (rpycdl.server.supervisor): their lives are their own
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_w)
@@ -290,7 +288,7 @@ class _Server:
             return
         try:
             kind = json.loads(data)["kind"]
-            if kind not in ("job", "check") or len(fds) != (6 if kind == "job" else 4):
+            if len(fds) != DESCRIPTORS.get(kind):
                 raise ValueError(f"bad request {data[:100]!r}")
             self._fork(kind, fds)
         except Exception:  # a bad request never takes the forkserver down
@@ -301,26 +299,31 @@ class _Server:
                     os.close(fd)
 
     def _fork(self, kind: str, fds: list[int]) -> None:
-        """Fork the keeper of the request's process; the requester's reply comes from it (an empty one, the
-        control socket closed, if no process could be forked)."""
+        """Fork the keeper of the request's process, or a detached job's supervisor; the requester's reply comes
+        from it (an empty one, the control socket closed, if no process could be forked)."""
         try:
             pid = os.fork()
         except OSError:
             return
         if pid == 0:
             signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if kind == "supervisor":
+                supervisor.forked(fds[0], fds[1:])
             keeper.keep(kind, fds[0], fds[1:])
-        self.keepers.add(pid)
+        (self.supervisors if kind == "supervisor" else self.keepers).add(pid)
 
     def _reap(self) -> None:
-        self.keepers.difference_update(pid for pid, _ in procs.reaped())
+        ended = {pid for pid, _ in procs.reaped()}
+        self.keepers -= ended
+        self.supervisors -= ended
 
     def _sweep(self) -> None:
         """Kill what this process adopted: what a job whose keeper died left (the keeper's own subtree while it
         lives). Everything the jobs of the dead keepers started is in this process's subtree (it is a child
         subreaper), so no scan of the whole of /proc is needed."""
         for pid in procs.children(os.getpid()):
-            if pid not in self.keepers:
+            if pid not in self.keepers and pid not in self.supervisors:
                 procs.kill([pid, *procs.subtree(pid)])
 
 

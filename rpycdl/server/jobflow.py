@@ -23,19 +23,7 @@ from rpycdl.defaults import (
     RELEASE_BEFORE_REPLY,
     SAVE_SOCKET_VARIABLE,
 )
-from rpycdl.errors import (
-    ContainerError,
-    GPUMemoryExceededError,
-    GPUNotGrantedError,
-    HostMemoryExceededError,
-    JobCancelledError,
-    JobCrashedError,
-    JobTimeoutError,
-    LimitError,
-    OutputLimitError,
-    QueueTimeoutError,
-    RemoteError,
-)
+from rpycdl.errors import ContainerError, JobCancelledError, JobTimeoutError, LimitError, QueueTimeoutError
 from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
 from rpycdl.gpu.watchdog import GPUWatch
@@ -44,11 +32,11 @@ from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.security.fence import Fence
-from rpycdl.server import child, commands, draining, fencing, jobdirs, runner, saves, status
+from rpycdl.server import child, draining, fencing, jobdirs, outcomes, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
-from rpycdl.wire import codec, untrusted
+from rpycdl.wire import codec
 
 LOAD_CHECK_AFTER = 0.2
 """Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits
@@ -57,15 +45,6 @@ are not worth a process."""
 Stop = Callable[[int], tuple[runner.Ending, str] | None]
 """Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
 
-STATES = {runner.Ending.TIMED_OUT: JobState.TIMED_OUT, runner.Ending.CANCELLED: JobState.CANCELLED,
-          runner.Ending.CRASHED: JobState.FAILED, runner.Ending.OVER_MEMORY: JobState.FAILED,
-          runner.Ending.ELSEWHERE: JobState.FAILED, runner.Ending.OVER_OUTPUT: JobState.FAILED,
-          runner.Ending.OVER_HOST_MEMORY: JobState.FAILED}
-ERRORS = {runner.Ending.TIMED_OUT: JobTimeoutError, runner.Ending.CANCELLED: JobCancelledError,
-          runner.Ending.CRASHED: JobCrashedError, runner.Ending.OVER_MEMORY: GPUMemoryExceededError,
-          runner.Ending.ELSEWHERE: GPUNotGrantedError, runner.Ending.OVER_OUTPUT: OutputLimitError,
-          runner.Ending.OVER_HOST_MEMORY: HostMemoryExceededError}
-"""How a job that did not finish ends: its record's state, and the error its client gets."""
 WATCHED = {watchdog.ELSEWHERE: runner.Ending.ELSEWHERE, watchdog.OVER_MEMORY: runner.Ending.OVER_MEMORY}
 """How a job the GPU watchdog stopped ends."""
 
@@ -89,8 +68,8 @@ class Link(Protocol):
         """Call `end` once the reply has gone out (or when the client has gone)."""
 
     def keep(self, outcome: bytes) -> int | None:
-        """Keep the outcome of a job that ran to its end, before its end is recorded: a detached job's
-        result file (its size; LimitError if it cannot be written); None for an attached job."""
+        """Keep the outcome of a job that ran to its end, once its GPUs are back and before its end is recorded: a
+        detached job's result file (its size; LimitError if it cannot be written); None for an attached job."""
 
 
 class JobFlow:
@@ -138,8 +117,6 @@ class JobFlow:
                 record.pgid, record.leader_start = self.job.identity
             self.grant = self._acquire()
             self.result = self._execute()
-            if self.result.ending is runner.Ending.FINISHED:
-                record.result_bytes = self.link.keep(self.result.outcome)
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
             record.error, record.error_type = str(exc) or type(exc).__name__, type(exc).__name__
@@ -152,7 +129,7 @@ class JobFlow:
                 self.link.defer(self._end)
         if self.result.ending is runner.Ending.FINISHED:
             return self.result.outcome
-        raise ERRORS[self.result.ending](f"job {record.job_id}: {self.result.reason}")
+        raise outcomes.ERRORS[self.result.ending](f"job {record.job_id}: {self.result.reason}")
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -366,16 +343,17 @@ class JobFlow:
             fencing.record_usage(record, self.job.usage)
         if self.grant is not None:
             self.context.locks.release(self.grant)
+        self._keep()
         ran = not record.state.finished and result is not None  # else it failed before its job could end
         if record.state.finished:  # (record.error says why)
             pass
         elif result is None:
             record.state = JobState.FAILED
         elif result.ending is not runner.Ending.FINISHED:
-            record.state, record.error = STATES[result.ending], result.reason
-            record.error_type = ERRORS[result.ending].__name__
+            record.state, record.error = outcomes.STATES[result.ending], result.reason
+            record.error_type = outcomes.ERRORS[result.ending].__name__
         else:
-            self._judge(result.outcome)
+            outcomes.judge(record, result.outcome, self.request.command is not None)
         if ran and self._retry is not None and self._retry(record, attempts.cause(
                 record, result.ending is runner.Ending.CRASHED, self._signaled)):  # type: ignore[union-attr]
             if self._saver is not None:  # its row waits again; its directories stay for the next attempt
@@ -390,34 +368,17 @@ class JobFlow:
         jobdirs.finish(self.context, record, saved)  # the GPUs are back, the end recorded: then the outputs go up
         self._on_end()
 
-    def _judge(self, outcome: bytes) -> None:
-        """The row's state, exit code and error from the outcome of a job that ran to its end: a
-        command fails unless it exits with 0; a callable, if it raised."""
-        record = self.record
-        if not codec.succeeded(outcome):
-            record.state = JobState.FAILED
-            record.error_type, record.error = untrusted.failure(outcome)
+    def _keep(self) -> None:
+        """Keep the outcome of a job that ran to its end (a detached job's result file, flushed to disk) once its
+        GPUs are back, so that the next job does not wait for the disk; one that cannot be kept (a full disk)
+        fails the job."""
+        record, result = self.record, self.result
+        if result is None or result.ending is not runner.Ending.FINISHED or record.state.finished:
             return
-        if self.request.command is not None:
-            record.exit_code = _exit_code(outcome)  # run_command's own value, read as plain data
-            if record.exit_code is None:
-                record.state, record.error_type = JobState.FAILED, "UnreadableResult"
-                record.error = "the command's exit code could not be read from its job process"
-                return
-            if record.exit_code:
-                record.state, record.error_type = JobState.FAILED, "CommandFailed"
-                record.error = commands.describe_exit(record.exit_code)
-                return
-        record.state = JobState.SUCCEEDED
-
-
-def _exit_code(outcome: bytes) -> int | None:
-    """A command job's exit code from its outcome, None if it holds no int (read as plain data only)."""
-    try:
-        code = untrusted.outcome(outcome)
-    except RemoteError:
-        return None
-    return code if type(code) is int else None
+        try:
+            record.result_bytes = self.link.keep(result.outcome)
+        except LimitError as exc:
+            record.state, record.error, record.error_type = JobState.FAILED, str(exc), type(exc).__name__
 
 
 def need_of(context: ServerContext, record: JobRecord) -> Need:

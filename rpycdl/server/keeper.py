@@ -36,17 +36,6 @@ PID = struct.Struct("<iQ")  # reply: pid, start time, then the name of its cgrou
 STATUS = struct.Struct("<i")  # end: wait status, then the JSON of its cgroup's usage (if it had one)
 
 
-def is_keeper(pid: int) -> bool:
-    """Whether the process is a keeper of this account's: its name, and its owner this process's (a job of a
-    root server runs as its owner, so no job process passes for a root server's keeper)."""
-    try:
-        with open(f"/proc/{pid}/comm") as comm:
-            named = comm.read().strip() == NAME
-        return named and os.stat(f"/proc/{pid}").st_uid == os.getuid()
-    except OSError:
-        return False
-
-
 def keep(kind: str, control: int, fds: list[int]) -> NoReturn:
     """In a child the forkserver just forked: become the keeper of a new process of `kind` ("job" or "check")
     whose descriptors are `fds`, its requester on the socket `control`. Never returns."""

@@ -20,7 +20,8 @@ from rpycdl.errors import InvalidRequestError, JobCancelledError, RpycdlError
 from rpycdl.server import jobdirs, request, runner
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import refused
-from rpycdl.server.jobflow import ERRORS, JobFlow
+from rpycdl.server.jobflow import JobFlow
+from rpycdl.server.outcomes import ERRORS
 from rpycdl.states import JobState
 from rpycdl.wire import bulk, codec
 

@@ -5,9 +5,9 @@ A detached job waits as a row (hand_over): the connection process that accepts i
 (rpycdl.scheduler.jobfiles), takes its place in line as a queue entry that no process keeps
 (GPULockManager.enqueue_row) and records it in the ledger with no owner. Nothing runs for it meanwhile. When
 its turn comes, a dispatcher of whichever server of the lock directory is up claims the entry (one claim
-wins) and starts `python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD` in a session of its own
-(start), handing it the claim (the descriptor of the entry's wake-up FIFO) and, down the secrets pipe, its state
-directory, job id and ticket (nothing of the job on its command line, which every user reads); it records the
+wins) and has the server's forkserver fork its supervisor (rpycdl-superv) in a session of its own (start,
+forked), handing it the claim (the descriptor of the entry's wake-up FIFO) and, down a pipe, its state
+directory, job id and ticket (nothing of the job on a command line, which every user reads); it records the
 supervisor as the job's owner, and only then says go (confirm). The supervisor runs the job's flow
 (rpycdl.server.jobflow) as a connection process would, without a client: it takes its grant, holds the GPU
 locks, forks the job process, writes its output to the job's log and its outcome to its result file, and
@@ -23,15 +23,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
+import socket
 import sqlite3
-import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from rpycdl.defaults import DISPATCH_AHEAD, SUPERVISOR_MODULE
+from rpycdl.defaults import DISPATCH_AHEAD, SUPERVISOR_NAME
 from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.scheduler import attempts, procs
@@ -41,18 +40,15 @@ from rpycdl.scheduler.lockdir import shared_dir
 from rpycdl.scheduler.policies import FCFS, Scheduling
 from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.scheduler.shares import GPURequest, ShareRules
-from rpycdl.security import cgroups, results
+from rpycdl.security import results
 from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
 from rpycdl.server import child, elements, jobdirs, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
-from rpycdl.server.forkserver import clean_environment
 from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
+from rpycdl.server.keeper import PID
 from rpycdl.states import JobState
 from rpycdl.wire import codec
-
-MODULE = SUPERVISOR_MODULE
-"""What a supervisor runs (`python -m`): how a server tells supervisors from what dead jobs left."""
 
 GO = b"go"
 END_RETRY = 1.0
@@ -171,41 +167,56 @@ def _spec(context: ServerContext, checked: request.JobRequest, container: dict[s
                         "memory": checked.memory, "cpus": checked.cpus}}
 
 
-def start(entry: dict[str, Any], place: Place) -> tuple[int, int]:
-    """Start the supervisor of a queued row that a server's dispatcher claimed (locks.dispatch), in a session of
-    its own, with the claim's place, which it inherits (the caller closes its own descriptor: the claim is the
-    supervisor's, or lapses); confirm() lets it go on. Returns its pid and the pipe to send it GO on. It is this
-    process's own child (orphans), not a leftover. Its environment is clean of credentials
-    (forkserver.clean_environment): they come down a pipe, which it reads only once its job process is forked,
-    so that no job ever holds them.
+def start(entry: dict[str, Any], place: Place, launcher: runner.Launcher) -> tuple[int, int]:
+    """Start the supervisor of a queued row that a server's dispatcher claimed (locks.dispatch): forked by the
+    server's forkserver (`launcher`: clean of the server's memory, and warm, so that no interpreter starts per
+    job), in a session of its own, with the claim's place, which it inherits (the caller closes its own
+    descriptor: the claim is the supervisor's, or lapses); confirm() lets it go on. Returns its pid and the pipe
+    to send it GO on. The credentials of this process's environment, which the forkserver's lacks
+    (child.clean_environment), come down a pipe that the supervisor reads only once its job process is forked,
+    so that no job ever holds them; so do its state directory, job id and ticket (nothing of a job on a
+    command line, which every user reads).
 
     Raises:
         LimitError: no process could be started (the claim lapses: the row is dispatched again).
     """
-    state_dir, job_id = entry["state_dir"], entry["job_id"]
     go_r, go_w = os.pipe()
     secrets_r, secrets_w = os.pipe()
-    env = clean_environment(os.environ)
-    told = {"state_dir": state_dir, "job_id": job_id, "ticket": place.ticket, "array_id": entry.get("array_id"),
-            "environ": {name: value for name, value in os.environ.items() if name not in env}}
+    clean = child.clean_environment(os.environ)
+    told = {"state_dir": entry["state_dir"], "job_id": entry["job_id"], "ticket": place.ticket,
+            "array_id": entry.get("array_id"),
+            "environ": {name: value for name, value in os.environ.items() if name not in clean}}
     child.write_all(secrets_w, json.dumps(told).encode())  # a few variables: the pipe holds them
     os.close(secrets_w)
-    pid = orphans.fork("the job's supervisor", (go_r, go_w, secrets_r))
-    if pid == 0:
+    try:
+        launched = launcher.launch("supervisor", [os.dup(place.fifo_fd), go_r, secrets_r])  # they go with it
         try:
-            os.setsid()  # no signal for the server's session or group reaches it
-            os.close(go_w)
-            for fd in (go_r, place.fifo_fd, secrets_r):
-                os.set_inheritable(fd, True)
-            unfenced = [cgroups.NO_FENCE] if cgroups.turned_off() else []
-            os.execve(sys.executable, [sys.executable, "-m", MODULE, str(place.fifo_fd), str(go_r), str(secrets_r),
-                                       *unfenced], env)
+            return launched.pid, go_w
         finally:
-            os._exit(127)
-    orphans.let_go(pid)
-    os.close(go_r)
-    os.close(secrets_r)
-    return pid, go_w
+            launched.close()
+    except BaseException:
+        os.close(go_w)
+        raise
+
+
+def forked(control: int, fds: list[int]) -> NoReturn:
+    """In a child the forkserver just forked (rpycdl.server.forkserver): become the supervisor of the row whose
+    claim, GO pipe and secrets pipe are `fds` (start), in a session of its own, after telling the requester on
+    `control` its pid, start time and pidfd. Never returns."""
+    code = 1
+    try:
+        child.keep_only([control, *fds])
+        os.setsid()  # no signal for the server's session or group reaches it
+        child.name_process(SUPERVISOR_NAME)
+        pidfd = os.pidfd_open(os.getpid())
+        with socket.socket(fileno=control) as requester:
+            socket.send_fds(requester, [PID.pack(*procs.identify(os.getpid()))], [pidfd])
+        os.close(pidfd)
+        code = supervise(*fds)
+    except BaseException:  # noqa: BLE001 - whatever it was, it is told, and the process ends
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 # -- the supervisor's side -------------------------------------------------------------------
@@ -254,7 +265,8 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          artifact_store=server.get("artifact_store", ""),
                          artifact_endpoint=server.get("artifact_endpoint"),
                          scheduling=Scheduling.from_dict(server["scheduling"]),
-                         accounts=Accounts.from_dict(server["accounts"]) if "accounts" in server else Accounts())
+                         accounts=Accounts.from_dict(server["accounts"]) if "accounts" in server else Accounts(),
+                         ledger_checked=True)
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:
@@ -368,17 +380,3 @@ def _record_end(context: ServerContext, record: JobRecord) -> None:
             return
         except sqlite3.Error:
             time.sleep(END_RETRY)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m rpycdl.server.supervisor FIFO_FD GO_FD SECRETS_FD [--no-fence]`."""
-    fifo_fd, go_fd, secrets_fd, *unfenced = argv if argv is not None else sys.argv[1:]
-    if unfenced == [cgroups.NO_FENCE]:
-        cgroups.turn_off(cgroups.NO_FENCE)
-    child.name_process("rpycdl-superv")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal is not for detached jobs
-    return supervise(int(fifo_fd), int(go_fd), int(secrets_fd))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rpycdl import registry
-from rpycdl.defaults import KILL_WAIT, STATE_SUBDIR, SUPERVISOR_MODULE
+from rpycdl.defaults import KILL_WAIT, STATE_SUBDIR, SUPERVISOR_NAME
 from rpycdl.errors import RpycdlError
 from rpycdl.scheduler import procs
 from rpycdl.scheduler.ledger import Ledger
@@ -83,7 +83,7 @@ def stop_supervisors(state_dir: str) -> list[str]:
     stopped = []
     for record in Ledger(state_dir, read_only=True).unfinished():
         owner = (record.owner_pid, record.owner_start)
-        if record.detached and procs.alive(*owner) and procs.runs_module(record.owner_pid, SUPERVISOR_MODULE):
+        if record.detached and procs.alive(*owner) and procs.named(record.owner_pid, SUPERVISOR_NAME):
             procs.kill([record.owner_pid])
             procs.kill_until_gone(lambda job_id=record.job_id: procs.job_processes(job_id), KILL_WAIT)
             stopped.append(record.job_id)

@@ -16,7 +16,6 @@ from rpycdl.gpu import sampler
 from rpycdl.scheduler import procs, sweep
 from rpycdl.scheduler.jobfiles import TAIL_CHUNK, UNRECORDED, JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
-from rpycdl.server import supervisor
 
 
 def test_a_jobs_files_come_and_go_together(tmp_path):
@@ -86,6 +85,5 @@ def test_the_tail_is_the_last_lines(tmp_path_factory, pieces, lines, big):
     assert tail == expected
 
 
-def test_the_sweep_finds_supervisors_and_samplers_by_their_modules_names():
-    assert defaults.SUPERVISOR_MODULE == supervisor.__name__
+def test_the_sweep_finds_samplers_by_their_modules_name():
     assert defaults.SAMPLER_MODULE == sampler.__name__

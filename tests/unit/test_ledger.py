@@ -459,7 +459,7 @@ def test_refusals_are_counted_by_service_and_reason_in_one_statement_each(ledger
 
 def test_counting_a_refusal_never_raises_nor_waits_long_for_a_stuck_writer(ledger, caplog, tmp_path, monkeypatch):
     busy = REFUSAL_BUSY_TIMEOUT / 5  # the bound that counts is the constant's; a fifth of it keeps the unit tier quick
-    monkeypatch.setattr("rpycdl.scheduler.ledger.REFUSAL_BUSY_TIMEOUT", busy)
+    monkeypatch.setattr("rpycdl.scheduler.tallies.REFUSAL_BUSY_TIMEOUT", busy)
     other = sqlite3.connect(ledger.path, isolation_level=None)
     other.execute("BEGIN IMMEDIATE")  # another process in the middle of a write, for as long as it likes
     try:

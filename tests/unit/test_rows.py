@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from rpycdl.defaults import DISPATCH_AHEAD, DISPATCH_AHEAD_MAX
 from rpycdl.scheduler import sweep
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
@@ -73,6 +74,25 @@ def test_rows_go_in_turn_first_come_first_served(tmp_path):
     grants.append(locks.acquire(Need(1, GPUS), {"job_id": "two"}, place=place))
     assert sorted(uuid for grant in grants for uuid in grant.uuids) == list(GPUS)
     assert [each[0]["job_id"] for each in locks.dispatch(ahead=1)] == ["both", "expired"]
+
+
+def test_as_many_rows_as_could_run_at_once_are_claimed_ahead_of_their_turn(tmp_path):
+    """On four GPUs, the first four one-GPU rows are claimed (a release of every GPU at once finds a supervisor
+    waiting for each), the fifth is not; of two-GPU rows, the first DISPATCH_AHEAD (2) only; on twenty GPUs, no more
+    than DISPATCH_AHEAD_MAX."""
+    four, twenty = tuple(f"GPU-{i}" for i in range(4)), tuple(f"GPU-{i}" for i in range(20))
+    for candidates, ngpus, rows, claimed in ((four, 1, 5, 4), (four, 2, 4, DISPATCH_AHEAD),
+                                             (twenty, 1, 12, DISPATCH_AHEAD_MAX)):
+        locks = GPULockManager(tmp_path / f"{len(candidates)}-{ngpus}")
+        holder = locks.acquire(Need(len(candidates), candidates), {"job_id": "holder"})  # none can go now
+        for index in range(rows):
+            locks.enqueue_row(Need(ngpus, candidates), {"job_id": f"r{index}", "user": "alice", "server_id": "s",
+                                                        "state_dir": "/mine", "deadline": None})
+        found = locks.dispatch()
+        locks.release(holder)
+        assert [entry["job_id"] for entry, _ in found] == [f"r{index}" for index in range(claimed)]
+        for _, place in found:
+            os.close(place.fifo_fd)
 
 
 def test_a_dispatcher_starts_only_its_own_rows_and_they_wait_behind_the_others(tmp_path):
