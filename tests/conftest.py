@@ -126,6 +126,13 @@ def connect() -> Iterator[Callable[[int], rpycdl.Connection]]:
         conn.close()
 
 
+@pytest.fixture
+def two(cluster, connect) -> tuple[int, rpycdl.Connection]:
+    """A server with two simulated GPUs, and a connection to it: (its port, the connection)."""
+    port = cluster.add_server("pytorch", "fake:2")[1]
+    return port, connect(port)
+
+
 @pytest.fixture(scope="module")
 def shared_port(tmp_path_factory) -> Iterator[int]:
     """One registry and fake:2 server for a whole test module (for tests that leave no state behind)."""

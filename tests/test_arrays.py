@@ -55,12 +55,6 @@ def _made():
 square, gated, nap = _made()
 
 
-@pytest.fixture
-def two(cluster, connect) -> tuple[int, rpycdl.Connection]:
-    port = cluster.add_server("pytorch", "fake:2")[1]
-    return port, connect(port)
-
-
 def test_results_in_order_with_a_failing_element_under_both_error_modes(two):
     _, conn = two
     array = conn.root.submit_array(square, list(range(6)), name="squares")

@@ -20,13 +20,6 @@ END = 30.0
 """Seconds a test gives a job to reach a state (generous: a busy two-core machine)."""
 
 
-@pytest.fixture
-def two(cluster, connect) -> tuple[int, rpycdl.Connection]:
-    """A server with two simulated GPUs, and a connection to it."""
-    port = cluster.add_server("pytorch", "fake:2")[1]
-    return port, connect(port)
-
-
 def wait_state(job: rpycdl.Job, state: JobState, timeout: float = END) -> rpycdl.JobStatus:
     return wait_until(lambda: (status := job.status()).state is state and status, timeout, f"job {job.id} {state}")
 

@@ -30,13 +30,6 @@ sys.stdin.read()  # until the test kills it
 """
 
 
-@pytest.fixture
-def two(cluster, connect) -> tuple[int, rpycdl.Connection]:
-    """A server with two simulated GPUs, and a connection to it."""
-    port = cluster.add_server("pytorch", "fake:2")[1]
-    return port, connect(port)
-
-
 def wait_state(job: rpycdl.Job, state: JobState, timeout: float = 10.0) -> rpycdl.JobStatus:
     return wait_until(lambda: (status := job.status()).state is state and status, timeout, f"job {job.id} {state}")
 

@@ -195,10 +195,23 @@ class WorkdirCache:
         if any(dest.iterdir()):
             raise InvalidRequestError(f"{dest} is not empty: a working directory is unpacked into an empty one")
         with self._held(digest) as (path, members):
-            if sum(member.size for member in members) > limit:
-                raise InvalidRequestError(f"the working directory's files pass this server's limit of {limit} "
-                                          "bytes (--max-working-dir)")
+            _check_limit(members, limit)
             _copy_tree(path / "tree", members, dest)
+
+    def keep(self, digest: str, dest: str | os.PathLike[str], limit: int) -> None:
+        """Copy the entry `digest` as it is (its tree and members) into the new directory `dest`, the server's own,
+        from which unpack_kept makes copies however long after, whatever the cache evicts meanwhile (an array's
+        working directory: stored once for all its elements); KeyError if it is not here.
+
+        Raises:
+            InvalidRequestError: its files hold more than `limit` bytes.
+        """
+        dest = Path(dest)
+        with self._held(digest) as (path, members):
+            _check_limit(members, limit)
+            dest.mkdir(mode=0o700)
+            shutil.copytree(path / "tree", dest / "tree", symlinks=True)  # as the cache keeps it: readable
+            shutil.copyfile(path / MEMBERS, dest / MEMBERS)
 
     def _evict(self, keep: Path) -> None:
         entries = []
@@ -245,6 +258,18 @@ class WorkdirCache:
             os.close(fd)
         shutil.rmtree(gone, ignore_errors=True)
         return True
+
+
+def unpack_kept(kept: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+    """Copy a working directory that WorkdirCache.keep kept in `kept` into the empty directory `dest`, as unpack
+    does; FileNotFoundError if it is gone."""
+    _copy_tree(Path(kept) / "tree", _members(Path(kept)), Path(dest))
+
+
+def _check_limit(members: list[Member], limit: int) -> None:
+    if sum(member.size for member in members) > limit:
+        raise InvalidRequestError(f"the working directory's files pass this server's limit of {limit} "
+                                  "bytes (--max-working-dir)")
 
 
 def _touch(path: Path) -> bool:

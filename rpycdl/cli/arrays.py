@@ -55,16 +55,14 @@ def parse(spec: str) -> tuple[list[int], int | None]:
     return indices, most
 
 
-def submit(args: argparse.Namespace, conn: Connection) -> int:
-    """`rpycdl submit --array`: one command per index, submitted in one request."""
-    if args.image or args.after or args.working_dir or args.exists != "error" or args.retries:
-        raise InvalidRequestError("--array goes without --image, --after, --working-dir, --exists and --retries "
-                                  "(not yet)")
+def submit(args: argparse.Namespace, conn: Connection, options: dict[str, Any]) -> int:
+    """`rpycdl submit --array`: one command per index, submitted in one request with submit's `options` (its
+    keywords, as the command line gave them)."""
+    if args.image:
+        raise InvalidRequestError("--array goes without --image (not yet)")
     indices, most = parse(args.array)
     commands = [[part.replace(INDEX, str(index)) for part in args.argv] for index in indices]
-    array = conn.root.submit_command_array(commands, args.ngpus, max_running=most, gpus=args.gpus,
-                                           gpu_memory=args.gpu_memory, name=args.name, timeout=args.timeout,
-                                           queue_timeout=args.queue_timeout, memory=args.memory, cpus=args.cpus)
+    array = conn.root.submit_command_array(commands, args.ngpus, max_running=most, **options)
     at_most = f", {most} at most at once" if most else ""
     print(array.id if args.quiet else f"array {array.id}{f' ({array.name})' if array.name else ''} of {array.size} "
           f"jobs submitted on {conn.address[0]}:{conn.address[1]}{at_most}: {array.status()}")

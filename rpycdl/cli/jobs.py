@@ -157,15 +157,18 @@ def _add_submit(command: Command) -> None:
     working_dir_flag(submit)
     submit.add_argument("--name", default=None, help="a name to find the job by, unique among your unfinished jobs")
     submit.add_argument("--exists", choices=EXISTS, default="error",
-                        help="if you have a job of that --name: refuse (error, the default), print that job and submit "
-                             "nothing (return: a command you can run again), or cancel it and submit anew (replace)")
+                        help="if you have a job (with --array: an array) of that --name: refuse (error, the default), "
+                             "print it and submit nothing (return: a command you can run again), or cancel it and "
+                             "submit anew (replace)")
     submit.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop the job after this long")
     submit.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
                         help="fail the job if its GPUs are not granted within this long")
     submit.add_argument("--after", default=None, metavar="KIND:JOB[,JOB]",
-                        help="wait for other jobs first (ids, or names of yours): ok: until each SUCCEEDED, notok: "
-                             "until each ended otherwise, any: until each ended; if they end so that it never can, "
-                             "the job fails with DependencyError, never having run")
+                        help="wait for other jobs first (ids, or names of yours; an array waits for every element, "
+                             "NAME[3] names one; with --array, NAME[*]: each element after its peer of the same "
+                             "index): ok: until each SUCCEEDED, notok: until each ended otherwise, any: until each "
+                             "ended; if they end so that it never can, the job fails with DependencyError, never "
+                             "having run")
     submit.add_argument("--retries", type=int, default=0, metavar="N",
                         help="requeue the job up to N times (0 to 100; default 0) if it is LOST (its server or node "
                              "died while it ran) or a signal rpycdl did not send killed it (the OOM killer, a kill); "
@@ -201,20 +204,19 @@ def _submit(args: argparse.Namespace) -> int:
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
     with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
                  tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
+        options = {"gpus": args.gpus, "gpu_memory": args.gpu_memory, "name": args.name, "timeout": args.timeout,
+                   "queue_timeout": args.queue_timeout, "working_dir": args.working_dir, "exists": args.exists,
+                   "memory": args.memory, "cpus": args.cpus, "after": args.after, "retries": args.retries,
+                   "retry_on_failure": args.retry_on_failure}
         if args.array is not None:
-            return arrays.submit(args, conn)
+            return arrays.submit(args, conn, options)
         if args.image:
             submitted = conn.root.submit_container(args.image, args.argv, 1 if args.ngpus is None else args.ngpus,
                                                    env=env or None, workdir=args.workdir, name=args.name,
                                                    timeout=args.timeout, queue_timeout=args.queue_timeout,
                                                    exists=args.exists)
         else:
-            submitted = conn.root.submit_command(args.argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
-                                                 name=args.name, timeout=args.timeout,
-                                                 queue_timeout=args.queue_timeout, working_dir=args.working_dir,
-                                                 exists=args.exists, memory=args.memory, cpus=args.cpus,
-                                                 after=args.after, retries=args.retries,
-                                                 retry_on_failure=args.retry_on_failure)
+            submitted = conn.root.submit_command(args.argv, args.ngpus, **options)
         if args.quiet:
             print(submitted.id)
         else:

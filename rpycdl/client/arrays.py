@@ -194,6 +194,12 @@ class ArrayJob:
         return {"text/plain": repr(self), "text/html": array_html(self.id, self.name, status, self.read_at)}
 
 
+def _check_max_running(max_running: Any) -> None:
+    if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
+                                    or max_running < 1):
+        raise InvalidRequestError(f"max_running= is a whole number, 1 or more, or None, not {max_running!r}")
+
+
 def array_html(array_id: str, name: str | None, status: ArrayStatus, read_at: datetime) -> str:
     """An array's counts as a table, and a progress bar of its ended elements."""
     cells = [(state, count) for state, count in status.counts.items() if state in JobState.__members__]
@@ -204,59 +210,88 @@ def array_html(array_id: str, name: str | None, status: ArrayStatus, read_at: da
 
 
 class ArrayCalls:
-    """`conn.root`'s calls about arrays, mixed into RemoteRoot."""
+    """`conn.root`'s calls about arrays, mixed into RemoteRoot (with rpycdl.client.detached's DetachedCalls, whose
+    `exists=` and retries it shares)."""
 
     _connection: Connection
     _check_size: Callable[[int], None]
+    _working_dir: Callable[[str | os.PathLike[str] | None], str | None]
+    _named: Callable[..., Any]
+    _retries_sent: Callable[[Any, Any], tuple[Any, Any]]
 
     def submit_array(self, fn: Callable[..., Any], args_list: list[Any], ngpus: int | None = None, *,
                      gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                      timeout: float | None = None, queue_timeout: float | None = None,
                      memory: str | int | None = None, cpus: float | None = None,
-                     max_running: int | None = None) -> ArrayJob:
+                     max_running: int | None = None, working_dir: str | os.PathLike[str] | None = None,
+                     after: str | None = None, retries: int = 0, retry_on_failure: bool = False,
+                     exists: str = "error") -> ArrayJob:
         """Submit `fn(args)` for every item of `args_list` as an array of detached jobs, in one request: each
         element a job of its own (its id, its place in line, its name `name[i]`), its index in
-        $RPYCDL_ARRAY_INDEX (rpycdl.array_index()). `max_running` bounds how many run at once. Options as submit's
-        (working_dir, after, retries and retry_on_failure are not taken yet).
+        $RPYCDL_ARRAY_INDEX (rpycdl.array_index()). `max_running` bounds how many run at once. Options as submit's:
+
+        Args:
+            working_dir: sent and stored once for the array; each element runs in a copy of its own.
+            after: the whole array waits for these jobs (or arrays, or an element `NAME[INDEX]`), as submit's; with
+                `NAME[*]` (`"ok:sweep[*]"`), element i waits for element i of that array, which must be as big. An
+                element whose dependency can never be met ends FAILED with DependencyError, never having run.
+            retries, retry_on_failure: each element is requeued on its own, as a job of submit's
+                (rpycdl.attempt() in it says its attempt).
+            exists: with `name`, what to do if you have an array of that name already: "error" (the default: a
+                second unfinished one is refused), "return" (that array, unfinished or not: nothing is submitted),
+                "replace" (cancel it, wait for its end, then submit).
 
         Raises:
             InvalidRequestError: an empty `args_list`, more than MAX_ARRAY elements, a bad max_running, a name you
-                use already, or what submit refuses; nothing is submitted.
+                use already, an `after=` element by element of an array of another size, or what submit refuses;
+                nothing is submitted.
+            DependencyError: a job of `after` has ended already so that no element can ever run.
             LimitError: over the server's queue limits or --max-payload; nothing is submitted.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         items = list(args_list) if not isinstance(args_list, (str, bytes)) else None
         if not items:
             raise InvalidRequestError(f"args_list must be a non-empty list of arguments, not {args_list!r:.60}")
-        if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
-                                        or max_running < 1):
-            raise InvalidRequestError(f"max_running= is a whole number, 1 or more, or None, not {max_running!r}")
-        payload = codec.encode_payload(fn, None)
-        parts = tuple(codec.dumps(item)[0] for item in items)
-        self._check_size(len(payload) + sum(map(len, parts)))
-        return self._array_submitted("submit_array", payload, parts, ngpus, gpus, gpu_memory, timeout,
-                                     queue_timeout, name, memory, cpus, max_running)
+        _check_max_running(max_running)
+
+        def submit() -> ArrayJob:
+            payload = codec.encode_payload(fn, None)
+            parts = tuple(codec.dumps(item)[0] for item in items)
+            self._check_size(len(payload) + sum(map(len, parts)))
+            return self._array_submitted("submit_array", payload, parts, ngpus, gpus, gpu_memory, timeout,
+                                         queue_timeout, name, memory, cpus, max_running, self._working_dir(working_dir),
+                                         after, *self._retries_sent(retries, retry_on_failure))
+
+        return self._named(name, exists, submit, self.array)
 
     def submit_command_array(self, commands: list[list[str]], ngpus: int | None = None, *,
                              gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                              timeout: float | None = None, queue_timeout: float | None = None,
                              memory: str | int | None = None, cpus: float | None = None,
-                             max_running: int | None = None) -> ArrayJob:
-        """Submit a command per element (each an argv), as submit_array does; each element's result is its exit
-        code (it fails unless that is 0)."""
+                             max_running: int | None = None, working_dir: str | os.PathLike[str] | None = None,
+                             after: str | None = None, retries: int = 0, retry_on_failure: bool = False,
+                             exists: str = "error") -> ArrayJob:
+        """Submit a command per element (each an argv), as submit_array does, with its options; each element's
+        result is its exit code (it fails unless that is 0)."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
+        _check_max_running(max_running)
         argvs = tuple(tuple(str(part) for part in command) for command in commands)
-        return self._array_submitted("submit_command_array", argvs, ngpus, gpus, gpu_memory, timeout, queue_timeout,
-                                     name, memory, cpus, max_running)
+        return self._named(name, exists, lambda: self._array_submitted(
+            "submit_command_array", argvs, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, memory, cpus,
+            max_running, self._working_dir(working_dir), after, *self._retries_sent(retries, retry_on_failure)),
+            self.array)
 
     def _array_submitted(self, call: str, *args: Any) -> ArrayJob:
-        """Call a submit of an array with a fresh seal of its elements' results after its name."""
+        """Call a submit of an array with a fresh seal of its elements' results after its name, then its options
+        up to the last given (a server from before working_dir, after and retries on arrays takes them only)."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         secret, _ = credentials.result_secret()
-        *before, memory, cpus, max_running = args
+        *before, memory, cpus, max_running, working_dir, after, retries, on_failure = args
+        options = [memory, cpus, max_running, working_dir, after, retries, on_failure]
+        while len(options) > 3 and options[-1] is None:
+            options.pop()
         seal = results.new_seal(secret).sent()
-        return ArrayJob(codec.decode_outcome(self._connection.call(call, *before, seal, memory, cpus, max_running)),
-                        self._connection)
+        return ArrayJob(codec.decode_outcome(self._connection.call(call, *before, seal, *options)), self._connection)
 
     def array(self, ref: str) -> ArrayJob:
         """The handle of an array of this server's host, by id, or by name among your arrays."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rpycdl.client import credentials
+from rpycdl.client.arrays import ArrayJob, ArrayStatus
 from rpycdl.client.displays import JobList, client_row
 from rpycdl.client.jobs import Job
 from rpycdl.defaults import CANCEL_WAIT
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 
 EXISTS = ("error", "return", "replace")
 """What a submit does when you have a job of its name already (its `exists=`)."""
+
+Handle = TypeVar("Handle", Job, ArrayJob)
 
 
 class DetachedCalls:
@@ -74,7 +77,7 @@ class DetachedCalls:
             self._check_size(len(payload))
             digest = self._working_dir(working_dir)
             return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest,
-                                   fence=(memory, cpus, after, *_retries(retries, retry_on_failure)))
+                                   fence=(memory, cpus, after, *self._retries_sent(retries, retry_on_failure)))
 
         return self._named(name, exists, submit)
 
@@ -88,7 +91,8 @@ class DetachedCalls:
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return self._named(name, exists, lambda: self._submitted(
             "submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
-            self._working_dir(working_dir), fence=(memory, cpus, after, *_retries(retries, retry_on_failure))))
+            self._working_dir(working_dir),
+            fence=(memory, cpus, after, *self._retries_sent(retries, retry_on_failure))))
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -100,8 +104,10 @@ class DetachedCalls:
         return self._named(name, exists, lambda: self._submitted(
             "submit_container", image, list(command), ngpus, env, workdir, mounts, timeout, queue_timeout, name))
 
-    def _named(self, name: str | None, exists: str, submit: Callable[[], Job]) -> Job:
-        """`submit()`, as `exists` says for a job of `name` that you have already (submit's `exists`)."""
+    def _named(self, name: str | None, exists: str, submit: Callable[[], Handle],
+               find: Callable[[str], Handle] | None = None) -> Handle:
+        """`submit()`, as `exists` says for a job of `name` that you have already (submit's `exists`); `find` looks
+        it up by name (an array's submit: `array`), by default `job`."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         if exists not in EXISTS:
             raise InvalidRequestError(f"exists= takes {', '.join(map(repr, EXISTS))}, not {exists!r}")
@@ -109,10 +115,10 @@ class DetachedCalls:
             return submit()
         if name is None:
             raise InvalidRequestError(f"exists={exists!r} needs name=: it finds your job by its name")
-        found = self._mine(name)
+        found = self._mine(name, find or self.job)
         if found is not None and exists == "return":
             return found
-        if found is not None and not JobState(found.info["state"]).finished:
+        if found is not None and not _finished(found):
             status = found.cancel()
             if not status.finished:
                 raise LimitError(f"job {found.id} ({name!r}) did not stop within {CANCEL_WAIT:g} s of its cancel: "
@@ -120,15 +126,22 @@ class DetachedCalls:
         try:
             return submit()
         except InvalidRequestError:
-            again = self._mine(name) if exists == "return" else None
-            if again is None or JobState(again.info["state"]).finished:
+            again = self._mine(name, find or self.job) if exists == "return" else None
+            if again is None or _finished(again):
                 raise
             return again  # a submit of the same name won the race: that is the job
 
-    def _mine(self, name: str) -> Job | None:
-        """Your job of that name (unfinished, else the latest that ended), or None."""
+    @staticmethod
+    def _retries_sent(retries: Any, on_failure: Any) -> tuple[Any, Any]:
+        """`retries=` and `retry_on_failure=` as sent: None for their defaults (a server before retries takes none);
+        anything else as it is, for the server to check."""
+        return (None if retries == 0 and not isinstance(retries, bool) else retries,
+                None if on_failure is False else on_failure)
+
+    def _mine(self, name: str, find: Callable[[str], Handle]) -> Handle | None:
+        """Your job (or array) of that name (unfinished, else the latest that ended) as `find` finds it, or None."""
         try:
-            found = self.job(name)
+            found = find(name)
         except InvalidRequestError:
             return None
         return found if found.name == name else None  # not a job whose id it happens to be
@@ -195,8 +208,8 @@ class DetachedCalls:
         return codec.decode_outcome(self._connection.call("cancel", ref))
 
 
-def _retries(retries: Any, on_failure: Any) -> tuple[Any, Any]:
-    """`retries=` and `retry_on_failure=` as sent: None for their defaults (a server before retries takes none);
-    anything else as it is, for the server to check."""
-    return (None if retries == 0 and not isinstance(retries, bool) else retries,
-            None if on_failure is False else on_failure)
+def _finished(found: Job | ArrayJob) -> bool:
+    """Whether a job, or every element of an array, had ended when its handle was last read."""
+    if isinstance(found, ArrayJob):
+        return ArrayStatus(found.info["counts"], found.size).finished
+    return JobState(found.info["state"]).finished

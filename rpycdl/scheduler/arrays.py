@@ -27,6 +27,10 @@ _ARRAY_COLUMNS = ("array_id", "user", "user_verified", "name", "size", "max_runn
 BATCH = 500
 """Rows a statement names at most by id (SQLite bounds a statement's parameters)."""
 
+HELD = "json_extract(request, '$.after') IS NOT NULL AND json_extract(request, '$.after_met') IS NULL"
+"""An element's row whose dependencies (its array's `after=`: rpycdl.server.held) have not been met yet; once they
+have, its request's `after_met` says so (mark_met), for good: its place in line is then its array's to give."""
+
 ELEMENT = re.compile(r"^(?P<array>[A-Za-z0-9._-]+)\[(?P<index>\d{1,6})\]$")
 """A reference to one element: its array's id or name, then its index in brackets (`sweep[3]`)."""
 
@@ -146,13 +150,14 @@ def job_ids(ledger: Ledger, array_id: str) -> list[str]:
 
 def unqueued(ledger: Ledger, array_id: str, after: int, count: int, queued: Container[str]) -> list[tuple[str, int]]:
     """The array's first `count` elements after index `after` that wait with no owner, no cancel asked and no place
-    in line (not in `queued`), in index order: (job id, index). It reads as few rows as it needs, BATCH at a time."""
+    in line (not in `queued`), in index order: (job id, index); not those held by their dependencies (HELD), nor a
+    requeued one (its place is rpycdl.server.retries's to give). It reads as few rows as it needs, BATCH at a time."""
     found: list[tuple[str, int]] = []
     while len(found) < count:
         with ledger._db() as db:
             rows = db.execute("SELECT job_id, array_index FROM jobs WHERE array_id = ? AND array_index > ? AND "
-                              "state = 'PENDING' AND owner_pid = 0 AND cancel_requested = 0 ORDER BY array_index "
-                              "LIMIT ?", (array_id, after, BATCH)).fetchall()
+                              "state = 'PENDING' AND owner_pid = 0 AND cancel_requested = 0 AND attempt = 1 AND "
+                              f"NOT ({HELD}) ORDER BY array_index LIMIT ?", (array_id, after, BATCH)).fetchall()
         found += [(job_id, index) for job_id, index in rows if job_id not in queued][:count - len(found)]
         if len(rows) < BATCH:
             break
@@ -176,6 +181,42 @@ def active(ledger: Ledger, array_id: str, queued: Container[str]) -> int:
         waiting = db.execute("SELECT job_id FROM jobs WHERE array_id = ? AND state = 'PENDING' AND owner_pid = 0",
                              (array_id,)).fetchall()
     return started + sum(1 for (job_id,) in waiting if job_id in queued)
+
+
+def has_room(ledger: Ledger, array_id: str, queued: Container[str]) -> bool:
+    """Whether one more of the array's elements may take its place in line under its max_running (`queued`, the rows
+    in line now, read under the queue lock)."""
+    array = get(ledger, array_id)
+    return array is None or array.max_running is None or active(ledger, array_id, queued) < array.max_running
+
+
+def held(ledger: Ledger) -> list[tuple[str, str]]:
+    """The arrays that have elements held by their dependencies (HELD), with the `after` their elements keep."""
+    with ledger._db() as db:
+        return list(db.execute(f"SELECT DISTINCT array_id, json_extract(request, '$.after') FROM jobs WHERE array_id "
+                               f"IS NOT NULL AND state = 'PENDING' AND owner_pid = 0 AND attempt = 1 AND "
+                               f"cancel_requested = 0 AND {HELD}"))
+
+
+def held_elements(ledger: Ledger, array_id: str, peer: str | None) -> list[tuple[str, int, str | None]]:
+    """The array's elements held by their dependencies, in index order: (job id, index, the job id of its peer in
+    the array `peer`, None if that has no such element); with a `peer`, only those whose peer has ended, or is
+    no longer on record."""
+    with ledger._db() as db:
+        return list(db.execute(
+            "SELECT e.job_id, e.array_index, p.job_id FROM jobs e LEFT JOIN jobs p ON p.array_id = ? AND "
+            "p.array_index = e.array_index WHERE e.array_id = ? AND e.state = 'PENDING' AND e.owner_pid = 0 AND "
+            f"e.attempt = 1 AND e.cancel_requested = 0 AND {HELD.replace('request', 'e.request')} AND (p.state IS NULL "
+            "OR p.state NOT IN ('PENDING', 'RUNNING')) ORDER BY e.array_index", (peer, array_id)))
+
+
+def mark_met(ledger: Ledger, job_ids: Sequence[str]) -> None:
+    """Say in the rows of the elements `job_ids`, still waiting with no owner, that their dependencies are met."""
+    for start in range(0, len(job_ids), BATCH):
+        chunk = list(job_ids[start:start + BATCH])
+        with ledger._write() as db:
+            db.execute("UPDATE jobs SET request = json_set(request, '$.after_met', 1) WHERE job_id IN "
+                       f"({', '.join('?' * len(chunk))}) AND state = 'PENDING' AND owner_pid = 0", chunk)
 
 
 def deciding(ledger: Ledger, array_id: str) -> list[JobRecord]:

@@ -4,6 +4,7 @@ functions of the rows: the server's sweep (rpycdl.server.held) reads them and ac
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,13 @@ KINDS = {"ok": "ended SUCCEEDED", "notok": "ended other than SUCCEEDED", "any": 
 
 MAX_REFS = 64
 """The most jobs one `after=` may name."""
+
+EACH = "[*]"
+"""What ends a reference to an array that an array waits for element by element (`ok:sweep[*]`: each element for its
+peer of the same index)."""
+
+_REF = re.compile(r"^[A-Za-z0-9._-]+(\[(\d{1,6}|\*)\])?$")
+"""A job id or name, an array's element (`sweep[3]`), or an array element by element (`sweep[*]`)."""
 
 
 @dataclass(frozen=True)
@@ -45,12 +53,14 @@ class Verdict:
 
 
 def parse(text: object) -> After:
-    """`after=` as a client gives it: "KIND:JOB[,JOB...]", KIND one of KINDS, each JOB an id or a name.
+    """`after=` as a client gives it: "KIND:JOB[,JOB...]", KIND one of KINDS, each JOB an id or a name (of a job, an
+    array, or an array's element: `sweep[3]`; `sweep[*]`: element by element, for an array's submit).
 
     Raises:
         InvalidRequestError: anything else, saying what it takes.
     """
-    usage = f"after= takes KIND:JOB[,JOB...], KIND one of {', '.join(KINDS)} (such as 'ok:3f2a9c1d'), not {text!r}"
+    usage = (f"after= takes KIND:JOB[,JOB...], KIND one of {', '.join(KINDS)} (such as 'ok:3f2a9c1d', 'ok:sweep[3]', "
+             f"or 'ok:sweep[*]' for an array element by element), not {text!r}")
     if not isinstance(text, str):
         raise InvalidRequestError(usage)
     kind, colon, listed = text.strip().partition(":")
@@ -63,8 +73,15 @@ def parse(text: object) -> After:
 
 
 def _plain(ref: str) -> bool:
-    """A job id or name: letters, digits, '.', '_', '-' (what JobCalls._find takes)."""
-    return ref.isascii() and ref.replace("-", "").replace("_", "").replace(".", "").isalnum()
+    """A job id or name: letters, digits, '.', '_', '-' (what JobCalls._find takes), with an element's index or [*]."""
+    return _REF.match(ref) is not None
+
+
+def split(after: After) -> tuple[After, str | None]:
+    """`after` as an array's element waits: the jobs every element waits for, and the array (its id) whose element
+    of the same index each waits for (a reference ending in EACH; one at most), or None."""
+    peers = [ref[:-len(EACH)] for ref in after.refs if ref.endswith(EACH)]
+    return After(after.kind, tuple(ref for ref in after.refs if not ref.endswith(EACH))), (peers or [None])[0]
 
 
 def judge(after: After, rows: Mapping[str, JobRecord | Sequence[JobRecord] | None]) -> Verdict:

@@ -242,9 +242,9 @@ class Ledger(AttemptsLedger, TalliesLedger):
     def unfinished(self, owned: bool | None = None, after: bool = False) -> list[JobRecord]:
         """The PENDING and RUNNING jobs, oldest first; with `owned`, only those a process owns, or (False) only
         those none does (the rows waiting in line for no process); with `after`, only those with dependencies
-        (rpycdl.server.held: a few, however many rows wait, read without parsing the others)."""
+        (rpycdl.server.held: a few, however many rows wait, read without parsing the others; no array's element)."""
         which = {None: "", True: " AND owner_pid != 0", False: " AND owner_pid = 0"}[owned] + (
-            """ AND request LIKE '%"after"%'""" if after else "")
+            """ AND request LIKE '%"after"%' AND array_id IS NULL""" if after else "")
         with self._db() as db:
             return [from_row(row) for row in db.execute(f"{_SELECT} WHERE {LIVE}{which} ORDER BY submitted")]
 

@@ -20,9 +20,9 @@ from rpycdl.server.context import ServerContext
 from rpycdl.wire import codec, netrefs
 
 ARRAY_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "seal", "memory", "cpus",
-                 "max_running")
-"""The options of `submit_array` and `submit_command_array` after what they run (submit's, less working_dir and
-after, which arrays do not take yet, with max_running)."""
+                 "max_running", "working_dir", "after", "retries", "retry_on_failure")
+"""The options of `submit_array` and `submit_command_array` after what they run: submit's (request.SUBMIT_OPTIONS;
+`after` may also wait element by element, `ok:ID[*]`) and max_running, the ones arrays took first first."""
 
 RESULTS_CHUNK = 64 * 1024 * 1024
 """Bytes of results one array_results call answers at most (it answers one result at least: call again)."""
@@ -37,6 +37,7 @@ class ArrayCalls:
     context: ServerContext
     _identity: auth.Identity
     _request: Callable[..., request.JobRequest]
+    _detached: Callable[..., tuple[dict[str, Any], results.Seal | None, tuple[str, bool] | None]]
 
     def exposed_submit_array(self, payload: bytes, arguments: Any, *args: Any, **kwargs: Any) -> bytes:
         """Submit an array: `payload` (codec.encode_payload of the function, its argument None) and `arguments`, a
@@ -65,9 +66,9 @@ class ArrayCalls:
     def _submit_array(self, args: tuple[Any, ...], kwargs: dict[str, Any], parts: list[bytes],
                       **job: Any) -> dict[str, Any]:
         options = request.named(ARRAY_OPTIONS, args, kwargs)
-        name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
         max_running = arrays.check(parts, options.pop("max_running", None))
-        checked = self._request(options, detached=True, name=name, **job)
+        detached, seal, _ = self._detached(options, len(parts))
+        checked = self._request(options, **detached, **job)
         array = arrays.hand_over(self.context, checked, parts, max_running, seal)
         return arrays.view(self.context, array)
 

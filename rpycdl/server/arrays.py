@@ -2,9 +2,11 @@
 ordinary detached job with its own id, row and place in line, while what they share is stored once.
 
 - *Accepting* (hand_over): the array's files in jobs/<array id>/ (its spec, its function's payload, every element's
-  argument in one file `args` with their offsets in `args.index`, its result key), then every element's row and the
-  array's row in one transaction (rpycdl.scheduler.arrays.save), then their places in line (release). A pending
-  element is its row and its queue entry: no file of its own, so it costs a few KiB.
+  argument in one file `args` with their offsets in `args.index`, its result key, its working directory kept once:
+  jobdirs.keep), then every element's row and the array's row in one transaction (rpycdl.scheduler.arrays.save), then
+  their places in line (release), once their dependencies are met (`after=`, the same for every element or each
+  after its peer: rpycdl.server.held.release_elements). A pending element is its row and its queue entry: no file
+  of its own, so it costs a few KiB. Its retries (`retries=`) are its own (rpycdl.server.retries).
 - *Its place in line* and *running*: rpycdl.server.elements (release, at submit, at each element's end and at every
   sweep of every server; payload, made as an element starts; RPYCDL_ARRAY_INDEX in its environment). Until it has
   a queue entry an element is no job of the queue: the policies see those in line.
@@ -25,7 +27,7 @@ from rpycdl.scheduler import arrays
 from rpycdl.scheduler.arrays import Array
 from rpycdl.scheduler.jobrecord import new_job_id
 from rpycdl.security import results
-from rpycdl.server import elements, request, supervisor
+from rpycdl.server import elements, held, jobdirs, request, supervisor
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobflow import JobFlow, need_of, queue_info
 from rpycdl.states import JobState
@@ -89,11 +91,15 @@ def hand_over(context: ServerContext, checked: request.JobRequest, arguments: Se
         files.write(array.array_id, elements.INDEX, struct.pack(f"<{len(offsets)}Q", *offsets))
         if seal is not None:
             results.write_job_key(files.path(array.array_id), seal.key)
+        if checked.working_dir is not None:  # once, for every element: each copies it as it starts (jobdirs)
+            jobdirs.keep(context, array.array_id, checked.working_dir)
         arrays.save(ledger, array, template, job_ids)
         files.recorded(array.array_id)
     except BaseException:
         files.remove(array.array_id)
         raise
+    if checked.after is not None:  # those met already take their places now
+        held.release_elements(context, array.array_id)
     elements.release(context, array.array_id)
     return array
 

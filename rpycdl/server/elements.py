@@ -103,8 +103,9 @@ def ended(context: ServerContext, record: JobRecord) -> None:
 
 
 def drop_shared(context: ServerContext, array_id: str) -> None:
-    """The array's payload, arguments and result key go (its spec stays, for what was asked)."""
+    """The array's payload, arguments, result key and working directory go (its spec stays, for what was asked)."""
     context.files.drop_payload(array_id)
+    context.files.remove_working_dir(array_id)
     for name in (ARGS, INDEX):
         context.files.write(array_id, name, b"")
     results.drop_job_key(context.files.path(array_id))

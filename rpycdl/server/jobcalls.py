@@ -95,16 +95,24 @@ class JobCalls:
 
     def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any], **job: Any) -> dict[str, Any]:
         options = request.named(request.SUBMIT_OPTIONS, args, kwargs)
-        name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
-        retries, on_failure = attempts.check(options.pop("retries", None), options.pop("retry_on_failure", None))
-        after = held.check_after(options.pop("after", None), self._find, (self._identity.user, self._identity.verified),
-                                 self.context)
-        checked = self._request(options, detached=True, name=name, after=None if after is None else after[0],
-                                retries=retries, retry_on_failure=on_failure, **job)
+        detached, seal, after = self._detached(options)
+        checked = self._request(options, **detached, **job)
         held_back = after is not None and after[1]
         record = supervisor.hand_over(self.context, checked, seal=seal, held=held_back)
         return _shown(self.context, record, self._identity,  # a new row, last in line or held: its status says
                       None if after is not None and not held_back else {})  # where (one with after=, met: its place)
+
+    def _detached(self, options: dict[str, Any], size: int | None = None) -> tuple[
+            dict[str, Any], results.Seal | None, tuple[str, bool] | None]:
+        """Take a detached submit's own options out of `options` (name, seal, retries, retry_on_failure, after; an
+        array's, of `size` elements, may wait element by element: held.check_after), checked: the request's keywords
+        for them, the seal, and the dependency as held.check_after resolved it."""
+        name, seal = request.check_name(options.pop("name", None)), results.check_seal(options.pop("seal", None))
+        retries, on_failure = attempts.check(options.pop("retries", None), options.pop("retry_on_failure", None))
+        after = held.check_after(options.pop("after", None), self._find, (self._identity.user, self._identity.verified),
+                                 self.context, size)
+        return {"detached": True, "name": name, "after": None if after is None else after[0], "retries": retries,
+                "retry_on_failure": on_failure}, seal, after
 
     # -- any job of the ledger ---------------------------------------------------------
 

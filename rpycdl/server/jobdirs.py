@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.artifacts.files import Identity
+from rpycdl.artifacts.workdircache import unpack_kept
 from rpycdl.defaults import OUTPUT_CHECK_INTERVAL, OUTPUT_DEPTH, OUTPUT_DIR_VARIABLE, WORKING_DIR_VARIABLE
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError, LimitError
 from rpycdl.scheduler import dirfds, procs
@@ -26,13 +27,14 @@ from rpycdl.server.request import JobRequest
 from rpycdl.units import format_size
 
 
-def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[str, str]:
+def prepare(context: ServerContext, job_id: str, checked: JobRequest, array_id: str | None = None) -> dict[str, str]:
     """Make the job's output directory and unpack its working directory, unless there already (a detached
-    job's, made when it was submitted), each handed to the job's owner once made (give). Returns the variables
-    that name them to the job.
+    job's, made when it was submitted), each handed to the job's owner once made (give); an array's element
+    (`array_id`) copies its array's (keep). Returns the variables that name them to the job.
 
     Raises:
-        InvalidRequestError: the working directory left the cache (evicted meanwhile: send it again).
+        InvalidRequestError: the working directory left the cache (evicted meanwhile: send it again), or its
+            array's copy is gone.
     """
     if checked.container is not None:  # a container sees its image, not the server's files
         return {}
@@ -46,14 +48,32 @@ def prepare(context: ServerContext, job_id: str, checked: JobRequest) -> dict[st
 
     def unpack(path: Path) -> None:
         try:
-            context.working_dirs.unpack(digest, path, context.limits.max_working_dir)
-        except KeyError:
+            if array_id is not None:
+                unpack_kept(files.working_dir(array_id), path)
+            else:
+                context.working_dirs.unpack(digest, path, context.limits.max_working_dir)
+        except (KeyError, FileNotFoundError):
             raise InvalidRequestError(f"the working directory {digest[:12]} left this server's cache before the "
                                       "job started: submit it again") from None
 
     give(files.path(job_id), WORKING_DIR, checked.account, unpack)
     env[WORKING_DIR_VARIABLE] = str(files.working_dir(job_id))
     return env
+
+
+def keep(context: ServerContext, array_id: str, digest: str) -> None:
+    """Keep the working directory `digest` for the array `array_id`, once, the server's own (WorkdirCache.keep, in
+    the array's files, where its working directory would be): each element's copy is made from it as the element
+    starts (prepare), whatever the cache evicts meanwhile. It goes with the array's shared files.
+
+    Raises:
+        InvalidRequestError: it left the cache (send it again), or passes --max-working-dir.
+    """
+    try:
+        context.working_dirs.keep(digest, context.files.working_dir(array_id), context.limits.max_working_dir)
+    except KeyError:
+        raise InvalidRequestError(f"the working directory {digest[:12]} left this server's cache: submit it "
+                                  "again") from None
 
 
 def give(parent: Path, name: str, account: Account | None, fill: Callable[[Path], None] | None = None) -> None:

@@ -111,7 +111,7 @@ class JobFlow:
         try:
             if self._unrecorded:
                 self.context.files.begin(record.job_id)
-            self._env = jobdirs.prepare(self.context, record.job_id, self.request)  # before the GPUs: never waited for
+            self._env = jobdirs.prepare(self.context, record.job_id, self.request, record.array_id)  # before the GPUs
             if self.request.body is not None:
                 self.job = self._job_process()
                 record.pgid, record.leader_start = self.job.identity
