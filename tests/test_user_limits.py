@@ -13,9 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import gate_job, open_gate, server_process, wait_until
 
 from rpycdl import JobState
+from rpycdl.errors import LimitError
 from rpycdl.scheduler import limits
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.site.local import start
@@ -122,3 +124,18 @@ def test_limits_stay_in_force_through_kill_9_of_the_server_and_its_restart(clust
     runs = sorted((alice.root.job(job.id).refresh()["started"], alice.root.job(job.id).refresh()["ended"])
                   for job in (first, second))
     assert runs[0][1] <= runs[1][0], runs
+
+
+def test_a_submit_over_the_pending_limit_or_the_gpus_limit_is_refused_by_name(server, connect, tmp_path):
+    port = server("pytorch", "fake:2", "--limits", _limits(tmp_path, "[default]\npending = 1\ngpus = 1\n"))
+    alice, bob = _users(connect, port)
+    gate = str(tmp_path / "gate")
+    running = alice.root.submit(gate_job(gate), 0)
+    wait_until(lambda: running.status().state is JobState.RUNNING, 30, "alice's first job to run")
+    waiting = alice.root.submit(gate_job(gate), 1)
+    with pytest.raises(LimitError, match=r"alice has 1 job\(s\) waiting, the limit of default.pending = 1"):
+        alice.root.submit(lambda x: x, 2)
+    with pytest.raises(LimitError, match="bob asks 2 GPUs, more than the limit of default.gpus = 1"):
+        bob.root.submit(lambda x: x, 3, ngpus=2)
+    open_gate(gate)
+    assert [running.result(60), waiting.result(60)] == [0, 1]
