@@ -80,6 +80,10 @@ FAIR_SHARE_REFRESH = 2.0
 """Seconds between a server's refreshes of the host's fair-share snapshot (under --policy fair): what jobs
 that ended since used reaches the order of the queue within this (running ones count at once)."""
 
+LIMITS_REFRESH = 2.0
+"""Seconds between a server's looks at its --limits file (read again when it changed) and refreshes of the
+GPU-hours each account used (rpycdl.scheduler.limits): what jobs that ended since used counts within this."""
+
 SAMPLER_MODULE = "rpycdl.gpu.sampler"
 """The module of a server's load sampler (python -m), which its sweep leaves alone."""
 

@@ -246,8 +246,9 @@ def _jobs(args: argparse.Namespace) -> int:
 def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
     """Jobs as a table (rows as conn.root.jobs() gives them: times as datetimes): id, name, state, owner,
     service, what they asked for, when, how long they waited and ran, with `long` what they used (peak
-    memory, CPU time, most processes at once), and why they ended (or, waiting, what they wait behind)."""
-    cells = []
+    memory, CPU time, most processes at once), and why they ended (or, waiting, what they wait behind); a WHY column
+    where a waiting job's owner's limits hold it back (its `reason`)."""
+    cells, why = [], any(row.get("reason") for row in rows)
     for row in rows:
         started, ended = row["started"], row["ended"]
         waited = format_duration(seconds(row["submitted"], started or ended) or 0.0)
@@ -260,10 +261,11 @@ def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
         cells.append([row["job_id"], row.get("name") or "-", row["state"], user, row["service"],
                       need_text(row["ngpus"], row["share_bytes"]),
                       row["submitted"].strftime("%Y-%m-%d %H:%M"), waited, ran,
-                      *([*usage_cells(row), _attempt(row)] if long else []), info])
+                      *([*usage_cells(row), _attempt(row)] if long else []),
+                      *([row.get("reason") or "-"] if why else []), info])
     header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN",
-              *(["MEM", "CPU", "PROCS", "TRY"] if long else []), "INFO"]
-    widest = [None, 24, None, 24, 16] + [None] * (len(header) - 6) + [100]
+              *(["MEM", "CPU", "PROCS", "TRY"] if long else []), *(["WHY"] if why else []), "INFO"]
+    widest = [None, 24, None, 24, 16] + [None] * (len(header) - 6 - why) + [80] * why + [100]
     return "\n".join(table(header, cells, widest=widest) + ([] if rows else ["(no jobs)"]))
 
 

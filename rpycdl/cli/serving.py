@@ -200,6 +200,11 @@ def _add_scheduling_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--fair-share", default=None, metavar="FILE",
                        help="with --policy fair: a TOML file of half_life (default 1d) and [weights] (user = number, "
                             "default 1)")
+    serve.add_argument("--limits", default=None, metavar="FILE", type=os.path.abspath,
+                       help="per-user and per-group limits, for every server of the lock directory: a TOML file of "
+                            "[default], [users.NAME] and [groups.NAME] (members = [...]) tables of gpus (held at "
+                            "once), pending (waiting at once), gpu_hours_day, gpu_hours_week; a job over its owner's "
+                            "limit waits while others go first. Read again on SIGHUP or change (docs/limits.md)")
 
 
 def _scheduling(args: argparse.Namespace) -> Scheduling:
@@ -346,7 +351,7 @@ def _serve(args: argparse.Namespace) -> int:
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_ca=args.tls_ca, limits=limits, shares=shares, artifact_store=args.artifacts or "",
                           artifact_endpoint=args.artifacts_endpoint, scheduling=_scheduling(args),
-                          accounts=_accounts(args), preload=_preload(args.preload))
+                          accounts=_accounts(args), preload=_preload(args.preload), limits_file=args.limits)
     if args.registry != "none":
         registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later
     logging.getLogger("rpycdl.rpyc").addFilter(lambda record: record.getMessage() != "keyboard interrupt!")

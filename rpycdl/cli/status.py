@@ -75,8 +75,9 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
         for place, waiter in enumerate(status["queue"], 1):
             wants = need_text(waiter["ngpus"], waiter["share_mib"] * MiB)
             waited = format_duration(seconds(waiter["since"], now) or 0.0)
+            why = f"; held back: {waiter['reason']}" if waiter.get("reason") else ""
             lines.append(f"    {place}. job {waiter['job_id']} of {waiter.get('user', 'unknown')} wants {wants}, "
-                         f"{_source(waiter)}, waiting {waited}{_plan(waiter, place, now)}")
+                         f"{_source(waiter)}, waiting {waited}{_plan(waiter, place, now)}{why}")
     else:
         lines.append("  nobody waiting")
     return "\n".join(lines) + "\n"

@@ -45,7 +45,9 @@ class JobStatus:
     whole GPU, "since": a datetime}; None from a server that does not say, whose `ahead` counts the waiting
     requests alone), and of those the waiting requests alone (`queued`); once it has ended, why (`error`) and
     a command's or container's exit code; and when this was read from the server (`read_at`). A job held by its
-    dependencies (submit's `after=`), with no place in line yet, says what it waits for (`after`: "ok:ID")."""
+    dependencies (submit's `after=`), with no place in line yet, says what it waits for (`after`: "ok:ID"). A job
+    whose owner's limits hold it back (the server's --limits file) says why (`reason`: "alice holds 4 GPUs, the
+    limit of users.alice.gpus = 4"); others go first meanwhile."""
 
     state: JobState
     ahead: int | None = None
@@ -55,12 +57,15 @@ class JobStatus:
     read_at: datetime | None = field(default=None, compare=False)
     queued: int | None = field(default=None, compare=False)
     after: str | None = field(default=None, compare=False)
+    reason: str = field(default="", compare=False)
 
     @property
     def finished(self) -> bool:
         return self.state.finished
 
     def __str__(self) -> str:
+        if self.state is JobState.PENDING and self.reason:
+            return f"PENDING ({self.reason})"
         if self.state is JobState.PENDING and self.ahead is not None:
             return f"PENDING ({waiting_behind(self.ahead, self.holders)})"
         if self.state is JobState.PENDING and self.after:
@@ -75,6 +80,8 @@ class JobStatus:
             fields.append(f"holders=({held_by(self.holders)})")
         if self.after and self.ahead is None:
             fields.append(f"after={self.after!r}")
+        if self.reason:
+            fields.append(f"reason={self.reason!r}")
         if self.error:
             fields.append(f"error={self.error!r}")
         if self.exit_code is not None:
@@ -357,4 +364,5 @@ def _status(info: dict[str, Any], read_at: datetime | None = None) -> JobStatus:
     return JobStatus(JobState(info["state"]), info.get("ahead"), info.get("error") or "", info.get("exit_code"),
                      None if info.get("holders") is None else tuple(info["holders"]), read_at,
                      info.get("queued", info.get("ahead")),
-                     (info.get("request") or {}).get("after") if info["state"] == JobState.PENDING.value else None)
+                     (info.get("request") or {}).get("after") if info["state"] == JobState.PENDING.value else None,
+                     info.get("reason") or "")

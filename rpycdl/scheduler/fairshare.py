@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
 from rpycdl.errors import InvalidRequestError
-from rpycdl.scheduler import lockdir
+from rpycdl.scheduler import lockdir, tomlfiles
 from rpycdl.scheduler.ledger import Ledger
 from rpycdl.units import parse_duration
 
@@ -58,12 +52,7 @@ def read_settings(path: str | os.PathLike[str]) -> FairShare:
     Raises:
         InvalidRequestError: the file cannot be read, is not TOML, or holds a bad setting; named.
     """
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise InvalidRequestError(f"cannot read the fair-share file {path}: {exc.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"the fair-share file {path} is not TOML: {exc}") from None
+    data = tomlfiles.read(path, "the fair-share file")
     return load_settings(data, str(path))
 
 
@@ -94,10 +83,12 @@ def load_settings(data: Mapping[str, Any], source: str) -> FairShare:
 
 def used(started: float, ended: float | None, gpus: float, until: float, half_life: float) -> float:
     """The decayed GPU-seconds at `until` of `gpus` GPUs used from `started` to `ended` (None: still in use
-    at `until`): each second counts 2 ** -(its age at `until` / half_life)."""
+    at `until`): each second counts 2 ** -(its age at `until` / half_life); all alike with an infinite half-life."""
     end = until if ended is None else min(ended, until)
     if end <= started:
         return 0.0
+    if half_life == math.inf:
+        return gpus * (end - started)
     rate = math.log(2) / half_life
     return gpus / rate * math.exp(-rate * (until - end)) * -math.expm1(-rate * (end - started))
 

@@ -50,7 +50,7 @@ from typing import Any
 
 from rpycdl.defaults import DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import QueueTimeoutError
-from rpycdl.scheduler import lockdir, planning, policies, policyfiles, procs
+from rpycdl.scheduler import limits, lockdir, planning, policies, policyfiles, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.planning import Range
@@ -237,8 +237,9 @@ class GPULockManager:
                         entry.get("deadline") is None or entry["deadline"] > now):
                     index = places[ticket]
                     others = waiters[:index] + ([] if self.scheduling.policy == FCFS else waiters[index + 1:])
-                    if not self._decide(ticket, need, entry, others)[0].uuids:
-                        blocked[key] = blocked.get(key, 0) + 1
+                    decision = self._decide(ticket, need, entry, others)[0]
+                    if not decision.uuids:  # a row over its owner's limits holds nobody back: not counted
+                        blocked[key] = blocked.get(key, 0) + (not decision.reason)
                         continue
                 claimed.append((entry, Place(ticket, self._queue.open_fifo(ticket))))
         return claimed
@@ -333,8 +334,7 @@ class GPULockManager:
                 waiters: list[dict[str, Any]]) -> tuple[policies.Decision, dict[str, list[Range]], dict[str, int]]:
         """Under the queue lock: whether the policy lets `ticket` go now among the live `waiters` (without it),
         with what is taken of the GPUs involved and their sizes (MiB)."""
-        policy = self.scheduling.policy
-        mine = need.entry()
+        policy, mine = self.scheduling.policy, need.entry()
         me = policyfiles.want(ticket, mine, info)
         involved, sizes = set(me.candidates), {}
         for waiter in waiters:
@@ -348,12 +348,12 @@ class GPULockManager:
                  for uuid in involved}
         now = time.time()
         usage = policyfiles.usage(self.root, records, self.scheduling.fair_share, now) if policy == FAIR else None
-        wants = [policyfiles.want(waiter["ticket"], waiter, waiter) for waiter in waiters]
-        waiting = policies.order([*wants, me], policy, usage)
+        waiting = policies.order([*(policyfiles.want(w["ticket"], w, w) for w in waiters), me], policy, usage)
         placement = self.scheduling.placement
         rules = Rules(policy, placement, read_load(self.root, now) if placement == planning.LEAST_BUSY else {})
         board = policyfiles.board(self._holders.records(), sizes, now) if policy == BACKFILL else None  # after taken()
-        decision = policies.decide(planning.rooms(taken, sizes, fractional), waiting, me, rules, board=board, now=now)
+        decision = policies.decide(planning.rooms(taken, sizes, fractional), waiting, me, rules, board=board, now=now,
+                                   limits=limits.tally(self.root, records, now))  # None without limits
         return decision, taken, sizes
 
     def claim_scheduling(self) -> None:

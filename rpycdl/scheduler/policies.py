@@ -12,6 +12,10 @@ later with it running there for its whole timeout (conservative backfill: every 
 planned start, not only the first). A job of unknown length (no declared timeout, or past it) may end
 at any moment and let whoever waits behind it start sooner than any plan says: nothing backfills onto
 GPUs that such a job holds, nor in front of requests that wait behind one that waits for them.
+
+Under every policy, a request over its owner's limits (rpycdl.scheduler.limits: GPUs held, GPU-hours) neither
+goes nor holds the line: it is passed over, reserving nothing, until its owner is under them again (the documented
+exception to first come, first served).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler import planning
 from rpycdl.scheduler.fairshare import FairShare
+from rpycdl.scheduler.limits import Tally
 from rpycdl.scheduler.planning import Room
 
 FCFS, BACKFILL, FAIR = "fcfs", "fcfs-backfill", "fair"
@@ -79,7 +84,8 @@ class Want:
         share_mib: MiB of one GPU for a share; 0 for whole GPUs.
         candidates: the UUIDs of the GPUs it may use, in its server's order.
         seconds: its declared timeout, the longest it holds its GPUs once granted; None if it declared none.
-        account: the user it counts against under fair share.
+        account: the user it counts against under fair share and limits.
+        gpus: the GPUs it counts for against its owner's limits (a share's fraction); None: ngpus.
     """
 
     ticket: int
@@ -88,6 +94,12 @@ class Want:
     candidates: tuple[str, ...]
     seconds: float | None = None
     account: str = ""
+    gpus: float | None = None
+
+    @property
+    def counts(self) -> float:
+        """The GPUs it counts for against its owner's limits."""
+        return float(self.ngpus) if self.gpus is None else self.gpus
 
 
 @dataclass(frozen=True)
@@ -120,11 +132,13 @@ class Rules:
 @dataclass(frozen=True)
 class Decision:
     """What a request does now: lock `uuids` (backfilled, if it goes before requests ahead), or wait (no
-    uuids); `ahead` is how many requests ahead of it compete for its GPUs."""
+    uuids); `ahead` is how many requests ahead of it compete for its GPUs; `reason`, why it waits when its owner's
+    limits hold it back."""
 
     uuids: tuple[str, ...] = ()
     ahead: int = 0
     backfilled: bool = False
+    reason: str = ""
 
 
 def order(wants: Sequence[Want], policy: str, usage: Mapping[str, float] | None = None) -> list[Want]:
@@ -138,7 +152,7 @@ def order(wants: Sequence[Want], policy: str, usage: Mapping[str, float] | None 
 
 
 def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: Rules, *,
-           board: Board | None = None, now: float = 0.0) -> Decision:
+           board: Board | None = None, now: float = 0.0, limits: Tally | None = None) -> Decision:
     """Whether `me` may lock GPUs now, and which.
 
     Args:
@@ -148,21 +162,27 @@ def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: 
         rules: the policy, placement and load.
         board: what holds the GPUs until when, for a backfill's plan (None: no backfill).
         now: the time of `board`'s ends (seconds since the epoch).
+        limits: what each account holds and used against its limits (None: no limits); updated in place.
     """
     ahead = waiting[:waiting.index(me)]
     planned = dict(rooms)
     count, behind_a_grant = 0, False
     for want in ahead:
+        if limits is not None and limits.over(want.account, want.counts):
+            continue  # over its owner's limits: it waits, and holds nobody back
         competes = not set(want.candidates).isdisjoint(me.candidates)
         count += competes
         theirs = _pick(planned, want, rules)
         if theirs:
             planning.take(planned, theirs, want.share_mib)  # they will take these first
             behind_a_grant |= competes  # and be granted first: their grant wakes us
+            if limits is not None:
+                limits.take(want.account, want.counts)
         else:
             planning.take(planned, want.candidates, 0)  # reserved while they wait
-    if behind_a_grant:
-        return Decision(ahead=count)
+    reason = "" if limits is None else limits.over(me.account, me.counts)
+    if behind_a_grant or reason:
+        return Decision(ahead=count, reason=reason)
     mine = _pick(planned, me, rules)
     if mine:
         return Decision(tuple(mine), count)

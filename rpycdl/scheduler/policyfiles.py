@@ -1,7 +1,7 @@
 """The host's scheduling as its lock directory holds it, for rpycdl.scheduler.locks: the claim that every
 server and supervisor grants with the same policy (policies/<key>, share-locked while they live), and what
 the policies read from the queue and the grants' records: requests as Wants, a backfill's Board, fair
-share's usage, the queue in the policy's order."""
+share's usage, the limits' tally, the queue in the policy's order (with why each over its owner's limits waits)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rpycdl.errors import RpycdlError
-from rpycdl.scheduler import fairshare, lockdir, policies
+from rpycdl.scheduler import fairshare, limits, lockdir, policies
 from rpycdl.scheduler.fairshare import FairShare
 from rpycdl.scheduler.holders import Records
 from rpycdl.scheduler.policies import BACKFILL, FAIR, Board, Hold, Rules, Scheduling, Want
@@ -61,8 +61,10 @@ def _claimed(folder: Path, key: str) -> Scheduling | None:
 
 def want(ticket: int, entry: Mapping[str, Any], info: Mapping[str, Any]) -> Want:
     """A request as the policies see it, from its queue entry (or queuedir.Need.entry()) and info."""
+    sizes = [size for uuid, size in entry.get("sizes_mib", {}).items() if uuid in entry["candidates"]]
+    share = entry["share_mib"] / max(sizes) if entry["share_mib"] and sizes else None
     return Want(ticket, entry["ngpus"], entry["share_mib"], tuple(entry["candidates"]), entry.get("seconds"),
-                info.get("account", ""))
+                info.get("account", ""), share)
 
 
 def board(records: Records, sizes: Mapping[str, int], now: float) -> Board:
@@ -91,6 +93,7 @@ def in_order(root: Path, scheduling: Scheduling, queue: list[dict[str, Any]], re
     account's, weighted) under fair share; with `plan`, under backfill, the `planned_start` of each of the
     first PLAN_MAX (None: unknown), the first one's being the start its place reserves."""
     policy, now = scheduling.policy, time.time()
+    queue = with_reasons(root, queue, records, now)
     if policy != FAIR and not (plan and policy == BACKFILL):
         return queue  # the tickets' order, nothing to add
     used = usage(root, records, scheduling.fair_share, now) if policy == FAIR else None
@@ -107,3 +110,16 @@ def in_order(root: Path, scheduling: Scheduling, queue: list[dict[str, Any]], re
         for each, start in zip(first, starts, strict=True):
             by_ticket[each.ticket]["planned_start"] = None if start == math.inf else start
     return [by_ticket[each.ticket] for each in ordered]
+
+
+def with_reasons(root: Path, queue: list[dict[str, Any]], records: Records, now: float) -> list[dict[str, Any]]:
+    """The waiting requests, each whose owner's limits hold it back with its `reason` (rpycdl.scheduler.limits),
+    judged by what is held and used now."""
+    tally = limits.tally(root, records, now)
+    if tally is None:
+        return queue
+    found = []
+    for waiter in queue:
+        reason = tally.over(waiter.get("account", ""), want(waiter["ticket"], waiter, waiter).counts)
+        found.append({**waiter, "reason": reason} if reason else waiter)
+    return found

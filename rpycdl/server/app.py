@@ -20,7 +20,7 @@ from rpycdl.defaults import REREGISTER_INTERVAL, SAMPLER_MODULE, lock_dir, state
 from rpycdl.errors import ArtifactStoreError, InvalidRequestError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.registry import registry_client
-from rpycdl.scheduler import dirfds, lockdir
+from rpycdl.scheduler import dirfds, limits, lockdir
 from rpycdl.scheduler.planning import LEAST_BUSY
 from rpycdl.scheduler.policies import Scheduling
 from rpycdl.scheduler.shares import ShareRules
@@ -32,6 +32,7 @@ from rpycdl.server import child
 from rpycdl.server.context import Limits, ServerContext
 from rpycdl.server.forking import DLServer
 from rpycdl.server.forkserver import ForkServer
+from rpycdl.server.limitwatch import LimitsWatch
 
 FRAMEWORK_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "pytorch": ("torch",),
@@ -78,6 +79,7 @@ class ServerConfig:
     scheduling: Scheduling = field(default_factory=Scheduling)  # --policy, --placement, --fair-share
     accounts: Accounts = field(default_factory=Accounts)  # --user-map, --guest-user, --require-verified, --one-account
     preload: tuple[str, ...] | None = None  # --preload; None: the service's framework, where installed (PRELOADED)
+    limits_file: str | None = None  # --limits: per-user and per-group limits (rpycdl.scheduler.limits)
 
 
 def framework_version(service: str) -> str | None:
@@ -136,6 +138,7 @@ def build_server(config: ServerConfig) -> DLServer:
             f"refusing to listen on {config.host} without authentication: anyone who reaches it can run "
             "code here. Give TLS certificates (--tls-cert, --tls-key, --tls-ca) or a shared secret "
             "(--secret-file), bind to 127.0.0.1, or pass --insecure if the network is trusted")
+    user_limits = None if config.limits_file is None else limits.read(config.limits_file)  # a bad file: refused
     inventory = load_inventory(config.inventory)
     version = config.version or framework_version(config.service)
     directory = config.lock_dir or lock_dir()
@@ -153,6 +156,7 @@ def build_server(config: ServerConfig) -> DLServer:
     lockdir.claim_pid_namespace(Path(directory))
     lockdir.claim_isolation(Path(directory), context.accounts.mode)
     context.locks.claim_scheduling()
+    limits.claim(Path(directory), user_limits, config.limits_file)
     context.preload = preload_of(config)
     if not config.limits.fence:
         cgroups.turn_off(cgroups.NO_FENCE)
@@ -227,6 +231,9 @@ def serve(config: ServerConfig) -> None:
     if ctx.name == CONTAINER_SERVICE:
         _remove_orphan_containers(ctx.lock_dir)
     signal.signal(signal.SIGTERM, lambda *_: server.close())
+    watch = LimitsWatch(config.limits_file, Path(ctx.lock_dir), ctx.ledger)
+    signal.signal(signal.SIGHUP, lambda *_: watch.reload())  # read the --limits file again
+    watch.start()
     child.name_process("rpycdl-server")
     sampler = None
     if ctx.scheduling.placement == LEAST_BUSY and not ctx.inventory.simulated:  # NVML in a process of its own
@@ -239,6 +246,7 @@ def serve(config: ServerConfig) -> None:
         if server.active:
             server.close()
         server.tally.flush(force=True)
+        watch.stop()
         if sampler is not None:
             sampler.terminate()
 

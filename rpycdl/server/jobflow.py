@@ -27,7 +27,7 @@ from rpycdl.errors import ContainerError, JobCancelledError, JobTimeoutError, Li
 from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
 from rpycdl.gpu.watchdog import GPUWatch
-from rpycdl.scheduler import attempts, procs
+from rpycdl.scheduler import attempts, limits, procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.queuedir import Need, Place
@@ -175,7 +175,7 @@ class JobFlow:
     def _on_position(self, ahead: int) -> None:
         if self._waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
             if self._place is None:  # a detached job's place was checked when it was submitted
-                check_queue_limits(self.context, self.request)
+                check_queue_limits(self.context, self.request, self.record.job_id)
             self._waiting_since = time.monotonic()
             self.context.ledger.save(self.record)
         if self.request.output.on_state is not None:  # the GPUs' holders are read only for a client listening
@@ -393,12 +393,14 @@ def queue_info(context: ServerContext, record: JobRecord, request: JobRequest) -
             "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user}
 
 
-def check_queue_limits(context: ServerContext, request: JobRequest) -> int:
+def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str = "") -> int:
     """Raise LimitError if this server's queue, or this user's share of it, is full: its PENDING rows in the
     ledger (an attached request's, saved once it has to wait, after this check; a detached job's, a row, saved
-    after it too).
-    Returns how many of this server's wait."""
-    label = request.owner.label
+    after it too); or if the host's --limits file refuses it (`pending`, or more GPUs than `gpus`; the queue's
+    entries but `job_id`'s). Returns how many of this server's wait."""
+    label, asked = request.owner.label, request.gpu_request
+    limits.check_request(context.lock_dir, request.owner.user, 0 if asked.share_bytes else asked.ngpus,
+                         context.locks.queue, job_id)
     waiting, mine = context.ledger.waiting(context.server_id, request.owner.user, request.owner.verified)
     if waiting >= context.limits.max_queued:
         raise LimitError(f"this server's queue is full: {waiting} requests wait, the limit is "

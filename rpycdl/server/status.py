@@ -48,7 +48,8 @@ NOT_IN_LINE: dict[str, Any] = {"ahead": None, "holders": []}
 def lines(ctx: ServerContext, snapshot: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Where each waiting job stands, by job id (in the lock manager's `snapshot`, taken now if not given):
     `ahead`, how many waiting requests are before it in line (in the order of the host's policy) and compete for
-    its GPUs, and `holders`, the jobs holding the GPUs it may use (holders()). One pass over the queue, counting
+    its GPUs, `holders`, the jobs holding the GPUs it may use (holders()), and `reason`, why its owner's limits hold
+    it back ("": they do not; rpycdl.scheduler.limits). One pass over the queue, counting
     those ahead by their set of GPUs (a server's requests share one), so that thousands waiting cost little."""
     snapshot = ctx.locks.snapshot() if snapshot is None else snapshot
     counted: dict[frozenset[str], int] = {}  # the requests met so far, by their candidates
@@ -59,7 +60,7 @@ def lines(ctx: ServerContext, snapshot: dict[str, Any] | None = None) -> dict[st
         if mine not in held:
             held[mine] = holders(ctx, snapshot["held"], waiter["candidates"])
         found[waiter["job_id"]] = {"ahead": sum(count for theirs, count in counted.items() if theirs & mine),
-                                   "holders": held[mine]}
+                                   "holders": held[mine], "reason": waiter.get("reason", "")}
         counted[mine] = counted.get(mine, 0) + 1
     return found
 
