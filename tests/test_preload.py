@@ -1,5 +1,6 @@
 """A server's job forkserver imports the modules of --preload once, before it forks any job, so that every job
-starts with them imported (issue 28); a preload that fails stops the start, naming the module."""
+starts with them imported (issue 28), a detached job too (its supervisor is the forkserver's); a preload that fails
+stops the start, naming the module."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def test_a_preloaded_module_is_imported_once_in_the_forkserver_and_there_in_ever
     assert "preloaded: rpycdl_preload_probe;" in process.lines[0]
     conn = connect(port)
     seen = [conn.root.run_code(_seen, None) for _ in range(3)]
-    assert [found for found, _ in seen] == [True] * 3 and len({pid for _, pid in seen}) == 3
+    seen += [conn.root.submit(_seen, None).result(timeout=60) for _ in range(2)]  # a detached job's too
+    assert [found for found, _ in seen] == [True] * 5 and len({pid for _, pid in seen}) == 5
     assert log.read_text().split() == [str(forkserver(server_pid(cluster, port)))]  # once, in the forkserver
     status = rpycdl_cli("status", "--host", "127.0.0.1", "--port", str(port))
     assert "preloaded: rpycdl_preload_probe" in status.stdout, status.stdout
