@@ -122,7 +122,7 @@ def test_the_dashboard_shows_why_a_job_waits_and_a_limits_panel(cluster, connect
                                       "return r ? [...r.cells].map(c => c.textContent) : []", key)
 
     wait_until(lambda: cells("user:alice")[:2] == ["alice", ""], 30, "the limits panel to list alice")
-    assert cells("user:alice")[2] == "1 / 1" and cells("user:alice")[5] == "1"
+    assert cells("user:alice")[2] == "1 / 1" and cells("user:alice")[3] == "0.0" and cells("user:alice")[5] == "1"
     assert cells("group:vision")[:3] == ["group vision", "alice, bob", "1 / 3"]
     assert browser.execute_script("return document.querySelector(`#limits tr[data-key='user:alice'] td`)"
                                   ".parentNode.cells[2].className") == "at-limit"

@@ -87,9 +87,9 @@
 
   const LIMITED = ["gpus", "gpu_hours_day", "gpu_hours_week", "pending"];  // the limits panel's columns, in order
 
-  /** A use against its limit: "1 / 1", "3.5 / 200", or the use alone where no limit binds. */
+  /** A use against its limit: "1 / 1", "3.5 / 200.0" (GPU-hours), or the use alone where no limit binds. */
   function against(row, key) {
-    const round = (n) => String(Number(Number(n).toFixed(key.startsWith("gpu_hours") ? 1 : 2)));
+    const round = (n) => (key.startsWith("gpu_hours") ? Number(n).toFixed(1) : String(Number(Number(n).toFixed(2))));
     const limit = row.limits[key];
     return {text: limit === undefined ? round(row[key]) : `${round(row[key])} / ${round(limit)}`,
             className: limit !== undefined && row[key] >= limit ? "at-limit" : ""};
