@@ -69,6 +69,8 @@ def test_the_monitor_status_and_notebooks_show_why_a_job_waits_and_use_against_l
     assert (alice_row["gpus"], alice_row["limits"], alice_row["pending"]) == (1, {"gpus": 1}, 1)
     assert (vision["gpus"], vision["limits"], vision["members"]) == (1, {"gpus": 3}, ["alice", "bob"])
     assert 0 < alice_row["gpu_hours_day"] == vision["gpu_hours_day"] < 1  # her running job, up to now
+    job = api(monitor, f"/api/jobs/{waiting.id}")["job"]
+    assert (job["reason"], job["position"], job["reduced"]) == (REASON, 1, True)
 
     samples = scrape(monitor)
     assert value(samples, "rpycdl_user_gpus_held", user="alice") == 1
@@ -126,6 +128,9 @@ def test_the_dashboard_shows_why_a_job_waits_and_a_limits_panel(cluster, connect
     assert cells("group:vision")[:3] == ["group vision", "alice, bob", "1 / 3"]
     assert browser.execute_script("return document.querySelector(`#limits tr[data-key='user:alice'] td`)"
                                   ".parentNode.cells[2].className") == "at-limit"
+    browser.get(f"{monitor}/jobs/{waiting.id}")  # the job's page, nobody signed in
+    wait_until(lambda: _text(browser, "#job-reason") == REASON, 30, "the job's page to say why it waits")
     open_gate(gate)
     assert [running.result(60), waiting.result(60)] == [1, 2]
-    wait_until(lambda: not browser.find_elements("css selector", why), 30, "the queue to empty")
+    wait_until(lambda: _text(browser, "#job-state") == "SUCCEEDED", 30, "the job's page to show its end")
+    assert _text(browser, "#job-reason") == ""

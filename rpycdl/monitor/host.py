@@ -103,8 +103,8 @@ class HostView:
         """One job's row as `viewer` may see it (None: no such job); for its owner or an admin: the list's
         fields, its request, full error, the server that accepted it, its GPUs' uuids, its log's size now (a
         detached job's), what it used as measured at its end (peak_memory, cpu_seconds, max_procs; None: not
-        measured) and, while it waits, its place in the queue (1: next); "logs": whether the viewer may read
-        its log here."""
+        measured) and, while it waits, its place in the queue (1: next) and why its owner's limits hold it back
+        (`reason`, "" if they do not); "logs": whether the viewer may read its log here."""
         record = self.ledger.get(job_id) if valid_job_id(job_id) else None
         if record is None:
             return None
@@ -119,8 +119,9 @@ class HostView:
         if record.state in UNFINISHED and not record.started:
             with SNAPSHOTS:
                 queue = self._snapshot()["queue"]
-            row["position"] = next((place for place, waiter in enumerate(queue, 1)
-                                    if waiter.get("job_id") == job_id), None)
+            place, waiter = next(((place, waiter) for place, waiter in enumerate(queue, 1)
+                                  if waiter.get("job_id") == job_id), (None, {}))
+            row.update(position=place, reason=str(waiter.get("reason", "")))
         return {"now": time.time(), "job": visibility.shown(row, viewer, owner),
                 "logs": record.detached and visibility.sees_all(viewer, owner)}
 
