@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from rpycdl.cli.common import EXIT_FAILED, Command, each_server, iso, report_unreached, server_flags, table
-from rpycdl.client.displays import seconds
+from rpycdl.client.displays import STANDING_HEADER, seconds, standing_cells
 from rpycdl.errors import RpycdlError
 from rpycdl.states import need_text
 from rpycdl.units import MiB, format_duration, format_size
@@ -80,7 +80,19 @@ def format_status(address: tuple[str, int], status: dict[str, Any] | Exception) 
                          f"{_source(waiter)}, waiting {waited}{_plan(waiter, place, now)}{why}")
     else:
         lines.append("  nobody waiting")
+    lines.extend(_limits(status.get("limits")))
     return "\n".join(lines) + "\n"
+
+
+def _limits(standing: list[dict[str, Any]] | None) -> list[str]:
+    """The lines of each user's and group's use of the host against the limits in force (none while none are)."""
+    if standing is None:
+        return []
+    if not standing:
+        return ["  limits in force: nobody holds, waits or used GPUs this week"]
+    rows = [standing_cells(row) for row in standing]
+    return ["  use against the limits in force:", *table([cell.upper() for cell in STANDING_HEADER], rows,
+                                                         indent="    ")]
 
 
 ORDERS = {"fcfs": "first come first served", "fcfs-backfill": "first come first served, with backfill",

@@ -5,9 +5,10 @@ its counts and a progress bar."""
 
 from __future__ import annotations
 
+import html
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -191,7 +192,8 @@ class ArrayJob:
                 status = self.status()
             except (RpycdlError, OSError, EOFError):
                 pass
-        return {"text/plain": repr(self), "text/html": array_html(self.id, self.name, status, self.read_at)}
+        reasons = [] if status.finished else self.info.get("reasons") or []
+        return {"text/plain": repr(self), "text/html": array_html(self.id, self.name, status, self.read_at, reasons)}
 
 
 def _check_max_running(max_running: Any) -> None:
@@ -200,13 +202,16 @@ def _check_max_running(max_running: Any) -> None:
         raise InvalidRequestError(f"max_running= is a whole number, 1 or more, or None, not {max_running!r}")
 
 
-def array_html(array_id: str, name: str | None, status: ArrayStatus, read_at: datetime) -> str:
-    """An array's counts as a table, and a progress bar of its ended elements."""
+def array_html(array_id: str, name: str | None, status: ArrayStatus, read_at: datetime,
+               reasons: Iterable[str] = ()) -> str:
+    """An array's counts as a table, a progress bar of its ended elements, and why its owner's limits hold back
+    its waiting ones (`reasons`, the server's: each once)."""
     cells = [(state, count) for state, count in status.counts.items() if state in JobState.__members__]
     caption = f"array {array_id}{' ' + repr(name) if name else ''}, read at {read_at.strftime('%H:%M:%S')}"
     bar = (f'<progress value="{status.done}" max="{status.size}" style="width: 20em"></progress> '
            f"{status.done}/{status.size} ended")
-    return displays.table([state for state, _ in cells], [[count for _, count in cells]], caption) + bar
+    held = "".join(f"<p>held back: {html.escape(reason)}</p>" for reason in reasons)
+    return displays.table([state for state, _ in cells], [[count for _, count in cells]], caption) + bar + held
 
 
 class ArrayCalls:

@@ -1,7 +1,8 @@
 """How the client hands out what servers tell of jobs and GPUs, and how it reads: `client_row`, the one place
 where the rows and status that travel (epoch seconds, `ahead` as the queued requests alone, as every server
 sends them) become what the client gives (datetimes, `ahead` counting the jobs that hold the GPUs too);
-`JobList` and `GPUStatus`, which Jupyter shows as tables (`_repr_html_`), and the HTML of a job."""
+`JobList` and `GPUStatus`, which Jupyter shows as tables (`_repr_html_`), and the HTML of a job (a waiting one
+with why its owner's limits hold it back: `held_back`); each user's use against the limits (`standing_cells`)."""
 
 from __future__ import annotations
 
@@ -69,12 +70,40 @@ def job_cells(row: Mapping[str, Any]) -> list[str]:
     started, ended = row.get("started"), row.get("ended")
     waited = seconds(row.get("submitted"), started or ended)
     ran = seconds(started, ended)
-    info = waiting_for(row) or row.get("error") or (f"exit {row['exit_code']}" if row.get("exit_code") is not None
-                                                    else "")
+    info = held_back(row) or waiting_for(row) or row.get("error") or (
+        f"exit {row['exit_code']}" if row.get("exit_code") is not None else "")
     user = Identity(row.get("user", "unknown"), bool(row.get("user_verified"))).label
     return [row["job_id"], row.get("name") or "-", row["state"], user, gpus_text(row),
             "-" if waited is None else format_duration(waited), "-" if ran is None else format_duration(ran),
             *usage_cells(row)[:2], info]
+
+
+def held_back(row: Mapping[str, Any]) -> str:
+    """Why a PENDING job's owner's limits hold it back, in words ('held back: alice holds 1 GPU, the limit of
+    users.alice.gpus = 1'); "" for a job they do not hold back, or that does not wait."""
+    reason = row.get("reason") if row.get("state") == JobState.PENDING.value else ""
+    return f"held back: {reason}" if reason else ""
+
+
+STANDING_HEADER = ["user", "GPUs held", "GPU-hours, last day", "GPU-hours, last week", "waiting"]
+"""The columns of standing_cells."""
+
+
+def standing_cells(row: Mapping[str, Any]) -> list[str]:
+    """A user's or group's use against the limits in force (a row of a status's `limits`:
+    rpycdl.scheduler.limits.standing) as cells: who ('group vision (alice, bob)' for a group), then GPUs held,
+    GPU-hours in the last day and week and requests waiting, each as '1 / 2' against its limit, or alone where
+    none binds."""
+    who = f"group {row['name']} ({', '.join(row['members'])})" if row["kind"] == "group" else row["name"]
+    cells = [who]
+    for key in ("gpus", "gpu_hours_day", "gpu_hours_week", "pending"):
+        limit = row["limits"].get(key)
+        cells.append(_figure(key, row[key]) + ("" if limit is None else f" / {_figure(key, limit)}"))
+    return cells
+
+
+def _figure(key: str, count: float) -> str:
+    return f"{count:.1f}" if key.startswith("gpu_hours") else f"{count:g}"
 
 
 def usage_cells(row: Mapping[str, Any]) -> list[str]:
@@ -132,17 +161,22 @@ def status_html(status: Mapping[str, Any]) -> str:
     parts = [table(["GPU", "name", "memory used", "held by"], gpus, where)]
     queue = [[place, waiter["job_id"], waiter.get("user", "unknown"),
               need_text(waiter.get("ngpus", 1), waiter.get("share_mib", 0) * 1024**2),
-              format_duration(seconds(waiter["since"], status.get("time")) or 0.0)]
+              format_duration(seconds(waiter["since"], status.get("time")) or 0.0), waiter.get("reason") or ""]
              for place, waiter in enumerate(status.get("queue", []), 1)]
-    parts.append(table(["#", "job", "user", "wants", "waiting"], queue, "waiting") if queue
+    parts.append(table(["#", "job", "user", "wants", "waiting", "held back"], queue, "waiting") if queue
                  else "<p>nobody waiting</p>")
+    if status.get("limits") is not None:
+        parts.append(table(STANDING_HEADER, [standing_cells(row) for row in status["limits"]],
+                           "use against the limits in force"))
     return "".join(parts)
 
 
 def job_text(row: Mapping[str, Any], read_at: datetime) -> str:
     """A job in one line: its state, where it runs or what it waits for, and when that was read."""
     state = row["state"]
-    if state == JobState.PENDING.value and row.get("holders"):
+    if held_back(row):
+        state += f" ({held_back(row)})"
+    elif state == JobState.PENDING.value and row.get("holders"):
         state += f" ({held_by(row['holders'])})"
     elif state == JobState.RUNNING.value and row.get("gpu_uuids"):
         state += f" on {gpus_text(row)}"

@@ -1,5 +1,6 @@
 """What the monitor's dashboard shows, as plain JSON-able dicts: the host's GPUs with their holders, the
-queue in order, the recent jobs, one job's row, and a piece of a detached job's log.
+queue in order (with why a job waits), each user's use against the limits in force, the recent jobs, one job's
+row, and a piece of a detached job's log.
 
 It reads what HostCollector reads, and as it does: the lock directory's snapshot (probes that take
 nothing), the ledger (WAL readers never block a writer), the GPUs' inventory, and the jobs' log files.
@@ -21,7 +22,7 @@ from typing import Any
 from rpycdl.defaults import LOG_CHUNK, RECENT_JOBS
 from rpycdl.errors import NotAllowedError
 from rpycdl.gpu.inventory import Inventory
-from rpycdl.scheduler import lockdir
+from rpycdl.scheduler import limits, lockdir
 from rpycdl.scheduler.jobfiles import JobFiles
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.locks import GPULockManager
@@ -75,7 +76,9 @@ class HostView:
         utilisation (0 to 1, None: unknown), and its holders in grant order (job id, name, user, whole
         or share and its bytes, since when, service, leftover: its holder died but its processes run).
         The queue is in order: job id, name, user, service, what it waits for (ngpus, share_bytes), on
-        which GPUs (their indices), since when. The jobs are the ledger's default view, newest first."""
+        which GPUs (their indices), since when, and why its owner's limits hold it back (`reason`, "" if they do
+        not). The jobs are the ledger's default view, newest first. "limits": each user's and group's use against
+        the limits in force (rpycdl.scheduler.limits.standing; None while none are)."""
         now = time.time()
         with SNAPSHOTS:
             snapshot = self._snapshot()
@@ -94,14 +97,14 @@ class HostView:
         queue = [_waiter(position, waiter, names, index) for position, waiter in enumerate(snapshot["queue"], 1)]
         return {"host": self.hostname, "now": now, "gpus": gpus, "queue": queue,
                 "jobs": [_row(record, index) for record in records], "jobs_limit": RECENT_LIMIT,
-                "recent_seconds": RECENT_JOBS}
+                "recent_seconds": RECENT_JOBS, "limits": limits.standing(self.locks.root, snapshot, self.ledger, now)}
 
     def job(self, job_id: str, viewer: Identity | None) -> dict[str, Any] | None:
         """One job's row as `viewer` may see it (None: no such job); for its owner or an admin: the list's
         fields, its request, full error, the server that accepted it, its GPUs' uuids, its log's size now (a
         detached job's), what it used as measured at its end (peak_memory, cpu_seconds, max_procs; None: not
-        measured) and, while it waits, its place in the queue (1: next); "logs": whether the viewer may read
-        its log here."""
+        measured) and, while it waits, its place in the queue (1: next) and why its owner's limits hold it back
+        (`reason`, "" if they do not); "logs": whether the viewer may read its log here."""
         record = self.ledger.get(job_id) if valid_job_id(job_id) else None
         if record is None:
             return None
@@ -116,8 +119,9 @@ class HostView:
         if record.state in UNFINISHED and not record.started:
             with SNAPSHOTS:
                 queue = self._snapshot()["queue"]
-            row["position"] = next((place for place, waiter in enumerate(queue, 1)
-                                    if waiter.get("job_id") == job_id), None)
+            place, waiter = next(((place, waiter) for place, waiter in enumerate(queue, 1)
+                                  if waiter.get("job_id") == job_id), (None, {}))
+            row.update(position=place, reason=str(waiter.get("reason", "")))
         return {"now": time.time(), "job": visibility.shown(row, viewer, owner),
                 "logs": record.detached and visibility.sees_all(viewer, owner)}
 
@@ -163,7 +167,8 @@ def _waiter(position: int, waiter: dict[str, Any], names: dict[str, str | None],
     return {"position": position, "job_id": str(waiter.get("job_id", "")), "name": names.get(waiter.get("job_id", "")),
             "user": str(waiter.get("user", "")), "service": str(waiter.get("server", "")),
             "ngpus": int(waiter.get("ngpus", 0)), "share_bytes": int(waiter.get("share_mib", 0)) * 1024**2,
-            "gpus": sorted(index.get(uuid, -1) for uuid in waiter.get("candidates", [])), "since": waiter.get("since")}
+            "gpus": sorted(index.get(uuid, -1) for uuid in waiter.get("candidates", [])), "since": waiter.get("since"),
+            "reason": str(waiter.get("reason", ""))}
 
 
 def _row(record: JobRecord, index: dict[str, int], short: bool = True) -> dict[str, Any]:

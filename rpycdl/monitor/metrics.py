@@ -3,8 +3,9 @@ GPUs when it is scraped (prometheus_client's custom collector; nothing is hand-w
 
 It takes no lock a grant waits on: the lock directory's snapshot probes with F_GETLK, which takes
 nothing, and the ledger is read in WAL mode, which never blocks a writer. Labels stay bounded: GPUs,
-services, states and reasons; a job id appears only on `rpycdl_gpu_holder_info`, one series per current
-holder. The histograms and the counters of the watchdog's stops and of CPU time count the jobs that ended
+services, states, reasons, and users and groups (under --limits, their use against the limits: the users the file
+names and those active in the last week); a job id appears only on `rpycdl_gpu_holder_info`, one series per
+current holder. The histograms and the counters of the watchdog's stops and of CPU time count the jobs that ended
 since the monitor started (peak memory and CPU time: those their server measured); the refusals and the
 connections dropped before authenticating are the ledger's own counts, host-wide since it was made.
 """
@@ -29,7 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rpycdl.gpu.inventory import Inventory
-from rpycdl.scheduler import lockdir
+from rpycdl.scheduler import limits, lockdir
 from rpycdl.scheduler.ledger import DROPS, REFUSALS, JobRecord, Ledger
 from rpycdl.scheduler.lockdir import host_fencing, host_isolation
 from rpycdl.scheduler.locks import GPULockManager
@@ -43,6 +44,17 @@ MEMORY_BUCKETS = (*(16.0 * 1024**2 * 4**power for power in range(9)), math.inf)
 
 LATE_COMMIT = 300.0
 """Seconds of ends read again at each scrape: a job's end may be committed after a later one's."""
+
+LIMIT_GAUGES = (
+    ("gpus", "gpus_held", "GPUs held now (a share counts as its fraction)", False),
+    ("gpus", "gpu_limit", "The limit of GPUs held at once (--limits; absent: none)", False),
+    ("pending", "pending_requests", "Requests waiting for GPUs", False),
+    ("pending", "pending_limit", "The limit of requests waiting at once (--limits; absent: none)", False),
+    ("", "gpu_hours", "GPU-hours used in the rolling window", True),
+    ("", "gpu_hours_limit", "The limit of GPU-hours in the rolling window (--limits; absent: none)", True),
+)
+"""The gauges of each user's and group's use against the limits in force: (the key of limits.standing's rows,
+the name after rpycdl_user_ or rpycdl_group_, its help, whether by window: the key is then each of WINDOWS')."""
 
 MEMORY_STOP = "GPUMemoryExceededError"
 """The error type of a job the watchdog stopped for using more GPU memory than its share."""
@@ -131,6 +143,7 @@ class HostCollector(Collector):
         for kind in host_fencing(self.locks.root):
             fencing.add_metric([kind], {})
         yield fencing
+        yield from self._limits(snapshot)
         yield from self._ended()
 
     def _gpus(self, held: dict[str, list[dict[str, Any]]]) -> Iterator[Metric]:
@@ -159,6 +172,23 @@ class HostCollector(Collector):
                 kind = "share" if holder.get("share_bytes") else "whole"
                 holders.add_metric([*index, holder.get("job_id", ""), holder.get("user", ""), kind], 1)
         yield from (info, total, used, granted, busy, holders)
+
+    def _limits(self, snapshot: dict[str, Any]) -> Iterator[Metric]:
+        """Each user's and group's use against the limits in force (limits.standing; no series while none are), a
+        family of each of LIMIT_GAUGES for users (rpycdl_user_...) and for groups (rpycdl_group_...)."""
+        rows = limits.standing(self.locks.root, snapshot, self.ledger, time.time()) or []
+        for kind in ("user", "group"):
+            for key, name, words, windowed in LIMIT_GAUGES:
+                labels = [kind, "window"] if windowed else [kind]
+                family = GaugeMetricFamily(f"rpycdl_{kind}_{name}", f"{words}, by {kind}" +
+                                           (" and rolling window (day, week)" if windowed else ""), labels=labels)
+                keys = [(each, [window]) for each, (_, window) in limits.WINDOWS.items()] if windowed else [(key, [])]
+                for row in (row for row in rows if row["kind"] == kind):
+                    for each, window in keys:
+                        value = row["limits"].get(each) if name.endswith("limit") else row[each]
+                        if value is not None:
+                            family.add_metric([row["name"], *window], value)
+                yield family
 
     def _ended(self) -> Iterator[Metric]:
         """The histograms of queue wait, run time and peak memory, the watchdog's stops and the CPU time of the

@@ -70,16 +70,23 @@ class Limits:
     def bounds(self, account: str, key: str) -> list[Bound]:
         """The limits of `key` (KEYS) that bind `account`: its own (or the default's), each of its groups'."""
         found = []
-        own = getattr(self.users.get(account, Limit()), key)
+        own = self.own(account, key)
         if own is not None:
-            found.append(Bound(own, f"users.{account}.{key}", (account,), account))
-        elif getattr(self.default, key) is not None:
-            found.append(Bound(getattr(self.default, key), f"default.{key}", (account,), account))
+            found.append(Bound(*own, (account,), account))
         for name, (members, limit) in sorted(self.groups.items()):
             if account in members and getattr(limit, key) is not None:
                 found.append(Bound(getattr(limit, key), f"groups.{name}.{key}", members,
                                    f"group {name} ({', '.join(members)})"))
         return found
+
+    def own(self, account: str, key: str) -> tuple[float, str] | None:
+        """The limit of `key` that binds `account` alone, and where the file says it: its own table's, else the
+        default's (None: neither sets it)."""
+        if getattr(self.users.get(account, Limit()), key) is not None:
+            return getattr(self.users[account], key), f"users.{account}.{key}"
+        if getattr(self.default, key) is not None:
+            return getattr(self.default, key), f"default.{key}"
+        return None
 
     def has(self, *keys: str) -> bool:
         """Whether any table sets one of `keys`."""
@@ -205,9 +212,13 @@ def _live(folder: Path) -> bool:
 def refresh_usage(root: Path, ledger: Ledger, now: float) -> None:
     """Write each account's GPU-seconds in the last day and week as the ledger has them at `now` (its running jobs'
     up to `now`), for Tally (which adds what running grants used since)."""
+    lockdir.write_json(root / USAGE, {"at": now, **windows(ledger, now)})
+
+
+def windows(ledger: Ledger, now: float) -> dict[str, dict[str, float]]:
+    """Each account's GPU-seconds in each window (WINDOWS' keys) up to `now`, as the ledger has them."""
     jobs = ledger.usage_since(now - WEEK)
-    lockdir.write_json(root / USAGE, {"at": now, **{key: window_usage(jobs, now - span, now)
-                                                    for key, (span, _) in WINDOWS.items()}})
+    return {key: window_usage(jobs, now - span, now) for key, (span, _) in WINDOWS.items()}
 
 
 def window_usage(jobs: Iterable[tuple[str, float, float | None, float]], since: float,
@@ -263,11 +274,8 @@ def tally(root: Path, records: Records, now: float) -> Tally | None:
     limits = in_force(root)
     if limits is None:
         return None
-    held: dict[str, float] = {}
-    running = [(record.get("account", ""), record["since"], record.get("gpus", 1.0))
-               for entries in records.values() for _, record in entries]
-    for account, _, gpus in running:
-        held[account] = held.get(account, 0.0) + gpus
+    running = running_grants(record for entries in records.values() for _, record in entries)
+    held = holding(running)
     used: dict[str, dict[str, float]] = {}
     if limits.has(*WINDOWS):
         snapshot = lockdir.read_json(root / USAGE) or {}
@@ -277,6 +285,53 @@ def tally(root: Path, records: Records, now: float) -> Tally | None:
             for account, seconds in window_usage([(a, s, None, g) for a, s, g in running], at, now).items():
                 used[key][account] = used[key].get(account, 0.0) + seconds
     return Tally(limits, held, used)
+
+
+def running_grants(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, float]]:
+    """(account, since, GPUs) of each of the grants' records (a job on two GPUs has a record on each, its GPUs
+    split among them)."""
+    return [(record.get("account", ""), record["since"], record.get("gpus", 1.0)) for record in records]
+
+
+def holding(running: Iterable[tuple[str, float, float]]) -> dict[str, float]:
+    """The GPUs each account holds, of running_grants()."""
+    held: dict[str, float] = {}
+    for account, _, gpus in running:
+        held[account] = held.get(account, 0.0) + gpus
+    return held
+
+
+def standing(root: Path, snapshot: Mapping[str, Any], ledger: Ledger, now: float) -> list[dict[str, Any]] | None:
+    """Each user's and group's use against the limits in force in the lock directory `root` (None: none), for
+    those who show it (the monitor, `rpycdl status`): from a lock manager's `snapshot` (its grants' records, its
+    queue) and the ledger's GPU-hours up to `now`. One dict per user (those the file names, and any who holds,
+    waits or ran a job in the last week), then per group of the file: {"kind": "user" or "group", "name",
+    "members", "gpus" (held now), "pending" (requests waiting), "gpu_hours_day", "gpu_hours_week" (GPU-hours in
+    the rolling windows), "limits": {key: value} of the KEYS that bind it (its own or the default's; a group's
+    own)}: users, counts and limits only, which anyone may see."""
+    limits = in_force(root)
+    if limits is None:
+        return None
+    held = holding(running_grants(record for records in snapshot["held"].values() for record in records))
+    pending: dict[str, float] = {}
+    for waiter in snapshot["queue"]:
+        pending[waiter.get("account", "")] = pending.get(waiter.get("account", ""), 0) + 1
+    used = windows(ledger, now)
+    counts = {"gpus": held, "pending": pending,
+              **{key: {account: seconds / 3600 for account, seconds in used[key].items()} for key in WINDOWS}}
+    users = sorted(set(limits.users).union(*counts.values()) - {""})
+    rows = [_standing("user", name, (name,), counts, {key: (limits.own(name, key) or (None,))[0] for key in KEYS})
+            for name in users]
+    rows += [_standing("group", name, members, counts, _table(limit))
+             for name, (members, limit) in sorted(limits.groups.items())]
+    return rows
+
+
+def _standing(kind: str, name: str, members: tuple[str, ...], counts: Mapping[str, Mapping[str, float]],
+              bound: Mapping[str, float | None]) -> dict[str, Any]:
+    return {"kind": kind, "name": name, "members": list(members),
+            **{key: sum(found.get(member, 0) for member in members) for key, found in counts.items()},
+            "limits": {key: value for key, value in bound.items() if value is not None}}
 
 
 def check_request(root: str | os.PathLike[str], account: str, gpus: float,

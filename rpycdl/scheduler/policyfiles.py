@@ -82,8 +82,7 @@ def board(records: Records, sizes: Mapping[str, int], now: float) -> Board:
 
 def usage(root: Path, records: Records, settings: FairShare, now: float) -> dict[str, float]:
     """Each account's weighted usage for fair share: the host's snapshot, and the grants running now."""
-    running = [(record.get("account", ""), record["since"], record.get("gpus", 1.0))
-               for entries in records.values() for _, record in entries]
+    running = limits.running_grants(record for entries in records.values() for _, record in entries)
     return fairshare.usage(fairshare.read_snapshot(root), running, settings, now)
 
 

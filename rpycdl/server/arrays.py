@@ -23,7 +23,7 @@ from typing import Any
 
 from rpycdl.defaults import MAX_ARRAY
 from rpycdl.errors import InvalidRequestError, LimitError
-from rpycdl.scheduler import arrays
+from rpycdl.scheduler import arrays, limits
 from rpycdl.scheduler.arrays import Array
 from rpycdl.scheduler.jobrecord import new_job_id
 from rpycdl.security import results
@@ -135,10 +135,23 @@ def cancel(context: ServerContext, array: Array) -> int:
 
 
 def view(context: ServerContext, array: Array) -> dict[str, Any]:
-    """What a client sees of an array: its row, its elements' counts by state, their ids in index order, and its
-    seal's nonce and key id (the same for every element), read at `read_at`."""
+    """What a client sees of an array: its row, its elements' counts by state, their ids in index order, its
+    seal's nonce and key id (the same for every element), read at `read_at`, and why its owner's limits hold its
+    waiting elements back (`reasons`: held_back)."""
     first = arrays.elements(context.ledger, array.array_id, 0, 1)
     ids = arrays.job_ids(context.ledger, array.array_id)
-    return {**array.to_dict(), "counts": arrays.counts(context.ledger, array.array_id), "job_ids": ids,
+    counts = arrays.counts(context.ledger, array.array_id)
+    return {**array.to_dict(), "counts": counts, "job_ids": ids,
             "result_nonce": first[0].result_nonce if first else None,
-            "result_key_id": first[0].result_key_id if first else None, "read_at": time.time()}
+            "result_key_id": first[0].result_key_id if first else None, "read_at": time.time(),
+            "reasons": held_back(context, set(ids)) if counts.get("PENDING") else []}
+
+
+def held_back(context: ServerContext, job_ids: set[str]) -> list[str]:
+    """Why the owner's limits hold back the waiting jobs of `job_ids` (rpycdl.scheduler.limits), each reason once,
+    in the order of the queue (none while no limits are in force)."""
+    if limits.in_force(context.locks.root) is None:
+        return []
+    found = [waiter["reason"] for waiter in context.locks.snapshot()["queue"]
+             if waiter.get("job_id") in job_ids and waiter.get("reason")]
+    return list(dict.fromkeys(found))

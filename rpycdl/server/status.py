@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rpycdl.scheduler import limits
 from rpycdl.security import visibility
 from rpycdl.security.auth import Identity
 from rpycdl.server.context import ServerContext
@@ -14,20 +15,32 @@ def _snapshot(ctx: ServerContext, plan: bool = False) -> tuple[dict[str, Any], l
     """Holders by GPU UUID, and the waiting requests that compete for this server's GPUs (with `plan`, their
     planned starts under backfill)."""
     snapshot = ctx.locks.snapshot(plan)
+    return snapshot["held"], _mine(ctx, snapshot["queue"])
+
+
+def _mine(ctx: ServerContext, queue: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The waiting requests of a host's `queue` that compete for this server's GPUs."""
     mine = {gpu.uuid for gpu in ctx.gpus}
-    return snapshot["held"], [waiter for waiter in snapshot["queue"] if mine & set(waiter["candidates"])]
+    return [waiter for waiter in queue if mine & set(waiter["candidates"])]
 
 
 def gpu_status(ctx: ServerContext, viewer: Identity) -> dict[str, Any]:
     """This server, each GPU with its holders (one whole-GPU job, or the jobs sharing it, each with its
     `share_bytes`, 0 for the whole GPU) and memory use, and the waiting queue in order; the holders and
-    waiters of others than `viewer` as security.visibility shows them (no client address)."""
-    held, queue = _snapshot(ctx, plan=True)
+    waiters of others than `viewer` as security.visibility shows them (no client address); while limits are
+    in force (`rpycdl serve --limits`), each user's and group's use of the host against them (`limits`:
+    rpycdl.scheduler.limits.standing: users, counts and limits, which anyone may see)."""
+    host, now = ctx.locks.snapshot(plan=True), time.time()
+    held, queue = host["held"], _mine(ctx, host["queue"])
     used = ctx.inventory.memory_used()
     gpus = [{**gpu.to_dict(), "memory_used": used.get(gpu.uuid),
              "holders": [visibility.shown(holder, viewer) for holder in held.get(gpu.uuid, [])]} for gpu in ctx.gpus]
-    return {"server": ctx.info(), "gpus": gpus, "queue": [visibility.shown(waiter, viewer) for waiter in queue],
-            "time": time.time()}
+    status = {"server": ctx.info(), "gpus": gpus, "queue": [visibility.shown(waiter, viewer) for waiter in queue],
+              "time": now}
+    standing = limits.standing(ctx.locks.root, host, ctx.ledger, now)
+    if standing is not None:
+        status["limits"] = standing
+    return status
 
 
 def load(ctx: ServerContext) -> tuple[int, int, int]:

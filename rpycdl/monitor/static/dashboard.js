@@ -1,5 +1,6 @@
 // rpycdl monitor: the host's page. Polls /api/host and shows its GPUs (memory granted and used, holders),
-// the queue in order, and the recent jobs; everything as text (see common.js). Others' jobs come reduced
+// the queue in order (with why a job over its owner's limits waits), each user's and group's use against the
+// limits in force, and the recent jobs; everything as text (see common.js). Others' jobs come reduced
 // (`reduced`: no name, command or error, which only their owners and admins see): shown as "-".
 "use strict";
 
@@ -80,6 +81,29 @@
       need(entry.ngpus, entry.share_bytes),
       gpuList(entry.gpus),
       entry.since ? duration(now - entry.since) : "",
+      {text: entry.reason || "", className: "why"},
+    ]);
+  }
+
+  const LIMITED = ["gpus", "gpu_hours_day", "gpu_hours_week", "pending"];  // the limits panel's columns, in order
+
+  /** A use against its limit: "1 / 1", "3.5 / 200.0" (GPU-hours), or the use alone where no limit binds. */
+  function against(row, key) {
+    const round = (n) => (key.startsWith("gpu_hours") ? Number(n).toFixed(1) : String(Number(Number(n).toFixed(2))));
+    const limit = row.limits[key];
+    return {text: limit === undefined ? round(row[key]) : `${round(row[key])} / ${round(limit)}`,
+            className: limit !== undefined && row[key] >= limit ? "at-limit" : ""};
+  }
+
+  // Each user's and group's use against the limits in force (rpycdl serve --limits); hidden while none are.
+  function renderLimits(rows) {
+    document.getElementById("limits-section").hidden = rows === null || rows === undefined;
+    if (!rows) return;
+    document.getElementById("limits-empty").hidden = rows.length > 0;
+    syncRows(document.querySelector("#limits tbody"), rows, (row) => `${row.kind}:${row.name}`, (row) => [
+      row.kind === "group" ? `group ${row.name}` : row.name,
+      row.kind === "group" ? row.members.join(", ") : "",
+      ...LIMITED.map((key) => against(row, key)),
     ]);
   }
 
@@ -124,6 +148,7 @@
     document.title = `rpycdl: ${data.host}`;
     renderGpus(data.gpus);
     renderQueue(data.queue);
+    renderLimits(data.limits);
     renderJobs(data.jobs, data.jobs_limit);
     rpycdl.renders = {count: (rpycdl.renders ? rpycdl.renders.count : 0) + 1, ms: performance.now() - started};
   });

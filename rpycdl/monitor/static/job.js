@@ -54,6 +54,7 @@
       ...row("runs", job.what, "command"),
       ...row("asked for", need(job.ngpus, job.share_bytes) + (timeouts.length ? `; ${timeouts.join(", ")}` : "")),
       ...row("place in the queue", job.position ? `${job.position} (1: next)` : null),
+      ...row("held back", job.reason || null, "reason"),
       ...row("GPUs", job.gpu_uuids.length
         ? job.gpu_uuids.map((uuid, i) => `${gpuList([job.gpus[i]])}: ${uuid}`).join("\n") : null),
       ...row("submitted", when(job.submitted)),
