@@ -73,6 +73,7 @@ def _row(lock_dir: str, job_id: str):
 
 def test_an_idle_session_is_warned_then_ended_and_its_gpu_goes_to_a_waiting_job(driver, server, connect, lock_dir,
                                                                                  monitor):
+    driver(50)  # busy while the session opens and runs its first call, however slow the machine
     port = _reclaiming(server)
     conn = connect(port)
     conn.root.identify("alice")
@@ -80,11 +81,13 @@ def test_an_idle_session_is_warned_then_ended_and_its_gpu_goes_to_a_waiting_job(
     session = conn.root.session().open()
     assert session.run(lambda x: x + 1, 1, stderr=err) == 2
     job = _waiting_job(connect, port)
+    driver(0)  # now its user thinks: the GPU is idle
     assert job.result(60) == "bob's"  # the session's GPU went to it
     with pytest.raises(IdleReclaimedError, match="--idle-reclaim") as caught:
         session.run(lambda x: x, 0)
     assert "idle_reclaim=False" in str(caught.value)
-    assert "it will be ended unless they are used" in err.getvalue()  # the warning came first (sent between calls)
+    warning = err.getvalue()  # it came first, sent between calls, read by the client at its next call
+    assert "it will be ended unless they are used" in warning and "idle_reclaim=False" in warning, warning
     row = _row(lock_dir, session.id)
     assert row.state is JobState.FAILED and row.error_type == "IdleReclaimedError", row
     assert "showed no utilization" in row.error
@@ -167,7 +170,8 @@ def test_a_detached_job_without_retries_ends_with_the_error(driver, server, conn
 
 def test_a_session_is_reclaimed_through_kill_9_of_the_server_and_its_restart(driver, cluster, server, connect,
                                                                               lock_dir):
-    port = _reclaiming(server, "--idle-reclaim", "6s")  # the last --idle-reclaim wins: time to kill and restart
+    driver(50)  # busy until the server was killed and another started
+    port = _reclaiming(server)
     conn = connect(port)
     session = conn.root.session().open()
     assert session.run(lambda x: x, 1) == 1
@@ -176,6 +180,7 @@ def test_a_session_is_reclaimed_through_kill_9_of_the_server_and_its_restart(dri
     server_process(cluster, port).popen.wait(30)
     port = _reclaiming(server)
     job = _waiting_job(connect, port)
+    driver(0)
     assert job.result(90) == "bob's"
     with pytest.raises(IdleReclaimedError):
         session.run(lambda x: x, 0)
