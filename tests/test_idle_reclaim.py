@@ -67,6 +67,12 @@ def _idle_once(_):
     return rpycdl.attempt()
 
 
+def _idle_for(seconds):
+    """A job idle on its GPU for `seconds`."""
+    time.sleep(seconds)
+    return seconds
+
+
 def _row(lock_dir: str, job_id: str):
     return Ledger(os.path.join(lock_dir, "state")).get(job_id)
 
@@ -141,8 +147,8 @@ def test_idle_reclaim_false_keeps_the_gpu_within_the_allowance_and_is_refused_ab
         with pytest.raises(LimitError, match="default.keep_idle = 1"):
             other.root.run_code(lambda x: x, 0, idle_reclaim=False, queue_timeout=1)
     bob = connect(port)
-    bob.root.identify("bob")  # his own allowance: one
-    assert bob.root.run_code(lambda x: x, "kept", idle_reclaim=False) == "kept"
+    bob.root.identify("bob")  # his own allowance: one, here for a detached job (its supervisor keeps its GPU)
+    assert bob.root.submit(_idle_for, 8, idle_reclaim=False).result(90) == 8
 
 
 def test_idle_reclaim_false_is_refused_without_an_allowance(driver, server, connect):
