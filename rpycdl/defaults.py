@@ -274,6 +274,12 @@ CONNECT_TIMEOUT = 10.0
 SESSION_IDLE_TIMEOUT = 600.0
 """Seconds a session may stay without a call before it is closed and its GPUs go back (session(idle_timeout=))."""
 
+IDLE_RECLAIM_LOOK = 1.0
+"""Seconds between two looks at a job's GPUs' utilization, where the server reclaims idle GPUs (--idle-reclaim)."""
+
+IDLE_RECLAIM_WARNING = 300.0
+"""Seconds before it is reclaimed that a job idle on its GPUs is warned (at most half of --idle-reclaim)."""
+
 SESSION_INTERRUPT_GRACE = 3.0
 """Seconds a session's call has to stop after Ctrl-C (KeyboardInterrupt in it) before the session is ended."""
 

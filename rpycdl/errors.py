@@ -81,6 +81,11 @@ class JobCancelledError(RpycdlError):
     """A job was cancelled (by its owner, an operator, or the client going away)."""
 
 
+class IdleReclaimedError(RpycdlError):
+    """A job or session whose GPUs showed no utilization for the server's --idle-reclaim was ended, so that others
+    get them (a detached job with retries left is requeued instead); ask with idle_reclaim=False to keep them."""
+
+
 class JobCrashedError(RpycdlError):
     """The job process ended without a result (killed by a signal, or exited early)."""
 

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from rpycdl import registry
+from rpycdl.cli import reclaiming
 from rpycdl.cli.common import EXIT_FAILED, EXIT_USAGE, Command, os_error
 from rpycdl.defaults import (
     DRAIN_TIMEOUT,
@@ -145,9 +146,7 @@ def _fence_limits(args: argparse.Namespace) -> dict[str, Any]:
 
     job_memory = 0 if args.job_memory == "auto" else parse_size(args.job_memory)
     max_job_memory = memory() if args.max_job_memory is None else parse_size(args.max_job_memory)
-    job_tmp = {"auto": 0, "off": -1}.get(args.job_tmp)
-    if job_tmp is None:
-        job_tmp = parse_size(args.job_tmp)
+    job_tmp = {"auto": 0, "off": -1}[args.job_tmp] if args.job_tmp in ("auto", "off") else parse_size(args.job_tmp)
     if job_memory and not MIN_JOB_MEMORY <= job_memory <= max_job_memory or max_job_memory < MIN_JOB_MEMORY:
         raise InvalidRequestError(f"--job-memory and --max-job-memory must be at least {format_size(MIN_JOB_MEMORY)}, "
                                   "--job-memory at most --max-job-memory")
@@ -289,6 +288,7 @@ def _add_serve(command: Command) -> None:
                        help="allow listening on a non-loopback address without authentication")
     _add_limit_flags(serve)
     _add_fence_flags(serve)
+    reclaiming.add_flags(serve)
     serve.add_argument("--gpu-unit", default=GPU_UNIT, metavar="UNIT",
                        help="granularity of shares of a GPU (gpus=0.25, gpu_memory='6GiB'): a size such as "
                             "1GiB or a fraction such as 1/8; shares are rounded up to it (default: %(default)s)")
@@ -301,8 +301,8 @@ def _add_serve(command: Command) -> None:
     serve.add_argument("--tls-cert", default=None, metavar="FILE",
                        help="this server's certificate (rpycdl certs server): require mutual TLS")
     serve.add_argument("--tls-key", default=None, metavar="FILE", help="its key (mode 600)")
-    serve.add_argument("--tls-ca", default=None, metavar="FILE",
-                       help="the team's CA certificate: clients must present a certificate it signed")
+    serve.add_argument("--tls-ca", default=None, metavar="FILE", help="the team's CA certificate: clients must "
+                       "present a certificate it signed")
     _add_scheduling_flags(serve)
     _add_isolation_flags(serve)
 
@@ -339,7 +339,8 @@ def _serve(args: argparse.Namespace) -> int:
                     working_dir_cache=parse_size(args.working_dir_cache),
                     max_startups=parse_max_startups(args.max_startups, MAX_STARTUPS_CEILING),
                     per_source_startups=args.per_source_startups, max_frame=_max_frame(args.max_frame),
-                    drain_timeout=parse_duration(args.drain_timeout), **_fence_limits(args))
+                    drain_timeout=parse_duration(args.drain_timeout), **_fence_limits(args),
+                    **reclaiming.limits(args))
     if min(limits.max_result, limits.max_log, limits.max_output, limits.max_working_dir,
            limits.working_dir_cache) < 1 or limits.keep <= 0:
         raise InvalidRequestError("--max-result, --max-log, --max-output, --max-working-dir, --working-dir-cache and "

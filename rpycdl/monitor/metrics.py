@@ -29,6 +29,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from rpycdl.errors import IdleReclaimedError
 from rpycdl.gpu.inventory import Inventory
 from rpycdl.scheduler import limits, lockdir
 from rpycdl.scheduler.ledger import DROPS, REFUSALS, JobRecord, Ledger
@@ -110,6 +111,10 @@ class HostCollector(Collector):
         for state, count in self.ledger.count_by_state().items():
             jobs.add_metric([state.value], count)
         yield jobs
+        reclaimed = CounterMetricFamily("rpycdl_idle_reclaims", "Jobs and attempts of jobs the host's servers stopped "
+                                        "with their GPUs idle past --idle-reclaim, since the ledger was made")
+        reclaimed.add_metric([], self.ledger.ended_with(IdleReclaimedError.__name__))
+        yield reclaimed
         refused = CounterMetricFamily("rpycdl_requests_refused", "Requests the host's servers refused, by service "
                                       "and reason, since the ledger was made", labels=["service", "reason"])
         counts = self.ledger.refusals()

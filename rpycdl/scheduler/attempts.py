@@ -5,10 +5,11 @@ earlier attempt becomes a row of the `attempts` table, as the job's row told it 
 row waits with no place in line until a server's sweep gives it one (rpycdl.server.retries), once nothing of its
 last attempt holds a GPU.
 
-What requeues a job: its supervisor died while it ran (LOST), or its job process (or its command) was killed by a
-signal rpycdl did not send (the OOM killer of the host, a kill); with `retry_on_failure`, also an end of its own (it
-raised, its command exited with another code than 0). Never: a cancel, its own timeout, rpycdl's limits (its GPU
-memory, its cgroup's memory, --max-output, --max-result), which a second attempt would meet again."""
+What requeues a job: its supervisor died while it ran (LOST), its job process (or its command) was killed by a
+signal rpycdl did not send (the OOM killer of the host, a kill), or its GPUs were reclaimed idle (RECLAIMED); with
+`retry_on_failure`, also an end of its own (it raised, its command exited with another code than 0). Never: a cancel,
+its own timeout, rpycdl's limits (its GPU memory, its cgroup's memory, --max-output, --max-result), which a second
+attempt would meet again."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ FAILED = "failed"
 """An attempt ended by itself without success: it raised, or its command exited with another code than 0."""
 LOST = "lost"
 """An attempt's supervisor died while it ran (the sweep's LOST)."""
+RECLAIMED = "reclaimed"
+"""An attempt's GPUs were idle past the server's --idle-reclaim, and it was stopped (rpycdl.server.reclaim)."""
 
 Retry = Callable[[JobRecord, "str | None"], bool]
 """Given a detached job's row as its attempt ended and why (cause): whether it requeued the job (its row waits
@@ -67,7 +70,9 @@ def check(retries: Any, on_failure: Any) -> tuple[int, bool]:
 def cause(record: JobRecord, crashed: bool, signaled: bool) -> str | None:
     """Why an attempt that ran to an end of its own or died (`crashed`: its job process ended without an outcome;
     `signaled`: by a signal) ended, as retries see it: KILLED, FAILED, or None (SUCCEEDED, or an error of NEVER).
-    A command that a signal killed (its exit code -N) was KILLED."""
+    A command that a signal killed (its exit code -N) was KILLED; a job stopped with its GPUs idle, RECLAIMED."""
+    if record.error_type == "IdleReclaimedError":
+        return RECLAIMED
     if record.state.value != "FAILED" or record.error_type in NEVER:
         return None
     if crashed:
@@ -119,6 +124,12 @@ class AttemptsLedger:
             return [from_row(row) for row in db.execute(
                 f"SELECT state, {', '.join(COLUMNS)} FROM jobs WHERE {LIVE} AND owner_pid = 0 AND attempt > 1 "
                 "ORDER BY submitted")]
+
+    def ended_with(self, error_type: str) -> int:
+        """How many jobs and earlier attempts of jobs ended with `error_type` (a requeued attempt counts)."""
+        with self._db() as db:
+            return sum(db.execute(f"SELECT count(*) FROM {table} WHERE error_type = ?", (error_type,)).fetchone()[0]
+                       for table in ("jobs", "attempts"))
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         """The earlier attempts of a job, first first: each its attempt number, state, started, ended, error,

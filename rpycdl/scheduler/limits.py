@@ -36,14 +36,17 @@ WINDOWS = {"gpu_hours_day": (DAY, "day"), "gpu_hours_week": (WEEK, "week")}
 @dataclass(frozen=True)
 class Limit:
     """One table of the file: GPUs held at once (a share counts as its fraction), jobs waiting at once, GPU-hours in
-    a rolling day and week; None: no limit."""
+    a rolling day and week, jobs kept from --idle-reclaim at once; None: no limit (keep_idle: 0)."""
 
     gpus: float | None = None
     pending: int | None = None
     gpu_hours_day: float | None = None
     gpu_hours_week: float | None = None
+    keep_idle: int | None = None  # jobs kept from --idle-reclaim at once (idle_reclaim=False): rpycdl.server.reclaim
 
 
+WHOLE = ("pending", "keep_idle")
+"""The keys that take whole numbers."""
 KEYS = tuple(Limit.__dataclass_fields__)
 
 
@@ -115,7 +118,8 @@ def read(path: str | os.PathLike[str]) -> Limits:
 
 def load(data: Mapping[str, Any], source: str) -> Limits:
     """The limits of a parsed file (`source` names it in errors): `[default]`, `[users.NAME]`, `[groups.NAME]` with
-    `members = [...]`, each with any of KEYS (`pending` a whole number, the others numbers, none negative).
+    `members = [...]`, each with any of KEYS (`pending` and `keep_idle` whole numbers, the others numbers, none
+    negative).
 
     Raises:
         InvalidRequestError: an unknown table or key, a wrong type, a negative number.
@@ -149,12 +153,12 @@ def _limit(table: Any, where: str, source: str) -> Limit:
         raise InvalidRequestError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} in [{where}] "
                                   f"({', '.join(KEYS)})")
     for key, value in table.items():
-        whole = key == "pending"
+        whole = key in WHOLE
         kinds = int if whole else (int, float)
         if isinstance(value, bool) or not isinstance(value, kinds) or not 0 <= value < math.inf:
             kind = "a whole number" if whole else "a number"
             raise InvalidRequestError(f"{source}: {where}.{key} must be {kind}, 0 or more, not {value!r}")
-    return Limit(**{key: int(value) if key == "pending" else float(value) for key, value in table.items()})
+    return Limit(**{key: int(value) if key in WHOLE else float(value) for key, value in table.items()})
 
 
 def from_dict(data: Mapping[str, Any]) -> Limits:

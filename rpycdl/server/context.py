@@ -67,6 +67,7 @@ class Limits:
     job_cpus: float = 0.0  # CPU cores a job may use unless it asks (cpus=); 0: all of them
     job_tmp: int = -1  # bytes of a job's private /tmp and /dev/shm; 0: as its memory; -1: none (the host's)
     fence: bool = True  # False: no job is fenced, even where the server could (--no-fence)
+    idle_reclaim: float = 0.0  # seconds a job's GPUs may show no utilization before it is reclaimed; 0: never
 
     def __post_init__(self) -> None:
         if not self.max_frame:

@@ -32,7 +32,7 @@ from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
 from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.security.fence import Fence
-from rpycdl.server import child, draining, fencing, jobdirs, outcomes, runner, saves, status
+from rpycdl.server import child, draining, fencing, jobdirs, outcomes, reclaim, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
@@ -93,6 +93,8 @@ class JobFlow:
         self._saver: saves.Saver | None = None
         self._waiting_since: float | None = None
         self._quota = jobdirs.OutputQuota(context, self.record.job_id)  # shared by its Stops: measured once a second
+        self._idle: reclaim.Reclaim | None = None  # its GPUs' idle time (--idle-reclaim), over a session's calls too
+        self.say = request.output.stderr  # where the server warns the job (a session's: as its client can hear)
 
     @staticmethod
     def new_record(context: ServerContext, request: JobRequest) -> JobRecord:
@@ -226,10 +228,11 @@ class JobFlow:
         return {**env, **self._env}
 
     def _stopper(self) -> Stop:
-        """The job's Stop: a cancel request, its output directory past --max-output, or the GPU watchdog (a GPU
-        it was not granted; over its share)."""
+        """The job's Stop: a cancel request, its output directory past --max-output, the GPU watchdog (a GPU
+        it was not granted; over its share), or its GPUs idle past --idle-reclaim (rpycdl.server.reclaim)."""
         ctx, grant, job_id = self.context, self.grant, self.record.job_id
         assert grant is not None
+        idle = self._idle = self._idle or reclaim.watch(self)
         watch = GPUWatch(ctx.inventory, {gpu.uuid: gpu for gpu in ctx.gpus},
                          {uuid: grant.share_bytes for uuid in grant.uuids}, ctx.shares.allowance)
 
@@ -242,7 +245,7 @@ class JobFlow:
             if over is not None:
                 return runner.Ending.OVER_OUTPUT, over
             found = watch.check(pid)
-            return (WATCHED[found[0]], found[1]) if found else None
+            return (WATCHED[found[0]], found[1]) if found else idle.check(self.say) if idle else None
 
         return stop
 

@@ -7,6 +7,7 @@ from rpycdl.errors import (
     GPUMemoryExceededError,
     GPUNotGrantedError,
     HostMemoryExceededError,
+    IdleReclaimedError,
     JobCancelledError,
     JobCrashedError,
     JobTimeoutError,
@@ -21,10 +22,11 @@ from rpycdl.wire import codec, untrusted
 
 STATES = {Ending.TIMED_OUT: JobState.TIMED_OUT, Ending.CANCELLED: JobState.CANCELLED, Ending.CRASHED: JobState.FAILED,
           Ending.OVER_MEMORY: JobState.FAILED, Ending.ELSEWHERE: JobState.FAILED, Ending.OVER_OUTPUT: JobState.FAILED,
-          Ending.OVER_HOST_MEMORY: JobState.FAILED}
+          Ending.OVER_HOST_MEMORY: JobState.FAILED, Ending.IDLE: JobState.FAILED}
 ERRORS = {Ending.TIMED_OUT: JobTimeoutError, Ending.CANCELLED: JobCancelledError, Ending.CRASHED: JobCrashedError,
           Ending.OVER_MEMORY: GPUMemoryExceededError, Ending.ELSEWHERE: GPUNotGrantedError,
-          Ending.OVER_OUTPUT: OutputLimitError, Ending.OVER_HOST_MEMORY: HostMemoryExceededError}
+          Ending.OVER_OUTPUT: OutputLimitError, Ending.OVER_HOST_MEMORY: HostMemoryExceededError,
+          Ending.IDLE: IdleReclaimedError}
 """How a job that did not finish ends: its record's state, and the error its client gets."""
 
 

@@ -10,11 +10,10 @@ framework is imported). Its stdout and stderr are pipes at the file-descriptor l
 output of any process it starts is streamed too. However it ends, its group is killed before
 run() returns, and everything it started is gone once close() returns (rpycdl.server.orphans).
 
-The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they
-are already in the connection process's memory, and a job forked as they arrive gets them
-without a copy (so a call that has them never goes to a spare). Its result's buffers come back
-through its result pipe, and the connection process hands them on as they come (run's
-`on_buffers`), so a large result is never held in it.
+The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they are already in the
+connection process's memory, and a job forked as they arrive gets them without a copy (so a call that has them never
+goes to a spare). Its result's buffers come back through its result pipe, and the connection process hands them on as
+they come (run's `on_buffers`), so a large result is never held in it.
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ class Ending(str, Enum):
     ELSEWHERE = "elsewhere"  # stopped by the GPU watchdog: on a GPU it was not granted
     OVER_HOST_MEMORY = "over_host_memory"  # killed by the kernel: over its cgroup's memory limit
     OVER_OUTPUT = "over_output"  # its output directory past --max-output (jobdirs.OutputQuota)
+    IDLE = "idle"  # its GPUs idle past --idle-reclaim (rpycdl.server.reclaim)
 
 
 @dataclass

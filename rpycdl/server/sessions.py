@@ -1,9 +1,10 @@
 """Sessions (issue 28): a job that takes its place in the queue like any other, then holds its GPUs and one
 job process between calls, so that what a call leaves in the process (a model loaded, a dataset on the GPU)
 is there for the next. It ends when its client closes it or goes, when it has been idle for its
-idle_timeout or alive for its timeout, when it is cancelled, when its process dies, or when the watchdog
-stops it; a call's exception (its Ctrl-C's too) ends the call, not the session. One row of the ledger,
-kind "session", counts its calls.
+idle_timeout or alive for its timeout, when it is cancelled, when its process dies, when the watchdog
+stops it, or when its GPUs were idle past the server's --idle-reclaim (rpycdl.server.reclaim); a call's
+exception (its Ctrl-C's too) ends the call, not the session. One row of the ledger, kind "session", counts
+its calls.
 
 SessionFlow is a job's flow (jobflow.JobFlow) cut in three: open (wait, grant, start the process), call (as
 many as come), close; SessionCalls is what a connection's RPyC service offers of it."""
@@ -17,7 +18,7 @@ from typing import Any
 
 from rpycdl.defaults import SESSION_IDLE_TIMEOUT, SESSION_INTERRUPT_GRACE, SESSION_TICK
 from rpycdl.errors import InvalidRequestError, JobCancelledError, RpycdlError
-from rpycdl.server import jobdirs, request, runner
+from rpycdl.server import jobdirs, reclaim, request, runner
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import refused
 from rpycdl.server.jobflow import JobFlow
@@ -92,7 +93,7 @@ class SessionFlow(JobFlow):
             self._saved = time.monotonic()
             self.context.ledger.save(record)
         self._interrupted = None
-        following = self._following(output, timeout)
+        following, self.say = self._following(output, timeout), output.stderr
         watch = following["stop"]
         following["stop"] = lambda pid: watch(pid) or self._unheeded()
         result = self._memory_stopped(job, job.call(body, buffers, output.stdout, output.stderr, **following))
@@ -138,6 +139,7 @@ class SessionFlow(JobFlow):
         elif self._left() is not None and now - self.opened >= self.request.timeout:  # type: ignore[operator]
             why = (runner.Ending.TIMED_OUT, f"the session ran past its timeout of {self.request.timeout:g} s")
         else:
+            self.say = reclaim.later(self._callbacks[2])  # its client may be waiting on its user
             why = self._watch(job.pid)
         if why is not None:
             self._end_with(runner.Result(*why[:1], reason=why[1]))
@@ -241,6 +243,9 @@ class SessionCalls:
     def _open_session(self) -> SessionFlow:
         session = self._session
         if session is None or not session.open_now:
+            reclaimed = reclaim.ended_error(session.record) if session else None
+            if reclaimed:
+                raise reclaimed
             why = f": it ended ({session.record.state.value}: {session.record.error})" if session else ""
             raise InvalidRequestError(f"this connection has no open session{why}; open one with "
                                       "conn.root.session()")
