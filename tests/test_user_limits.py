@@ -137,5 +137,11 @@ def test_a_submit_over_the_pending_limit_or_the_gpus_limit_is_refused_by_name(se
         alice.root.submit(lambda x: x, 2)
     with pytest.raises(LimitError, match="bob asks 2 GPUs, more than the limit of default.gpus = 1"):
         bob.root.submit(lambda x: x, 3, ngpus=2)
+    with pytest.raises(LimitError, match=r"bob has 0 job\(s\) waiting, the limit of default.pending = 1 \(the --limits "
+                                         r"file\), and an array of 2 would pass it \(nothing was submitted\)"):
+        bob.root.submit_array(gate_job(gate), [4, 5], name="too-many")
+    with pytest.raises(LimitError, match="bob asks 2 GPUs, more than the limit of default.gpus = 1"):
+        bob.root.submit_array(gate_job(gate), [6], ngpus=2)
+    assert not bob.root.jobs(all=True, users=["bob"])  # nothing of his was submitted
     open_gate(gate)
     assert [running.result(60), waiting.result(60)] == [0, 1]

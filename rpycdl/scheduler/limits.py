@@ -339,10 +339,10 @@ def _standing(kind: str, name: str, members: tuple[str, ...], counts: Mapping[st
 
 
 def check_request(root: str | os.PathLike[str], account: str, gpus: float,
-                  queue: Callable[[], Iterable[Mapping[str, Any]]], job_id: str = "") -> None:
-    """Refuse a job of `account` for `gpus` whole GPUs that its limits would never let run at once, or that would
-    wait over a `pending` limit, given the requests waiting now (`queue()`'s entries, read only where a limit is
-    in force; `job_id`'s own not counted).
+                  queue: Callable[[], Iterable[Mapping[str, Any]]], job_id: str = "", count: int = 1) -> None:
+    """Refuse `count` jobs (an array's elements) of `account` for `gpus` whole GPUs each that its limits would never
+    let run at once, or that would wait over a `pending` limit, given the requests waiting now (`queue()`'s
+    entries, read only where a limit is in force; `job_id`'s own not counted).
 
     Raises:
         LimitError: the limit, where the file says it, and how many wait.
@@ -357,7 +357,8 @@ def check_request(root: str | os.PathLike[str], account: str, gpus: float,
     bounds = limits.bounds(account, "pending")
     accounts = [entry.get("account", "") for entry in queue() if entry.get("job_id") != job_id] if bounds else []
     for bound in bounds:
-        count = sum(accounts.count(member) for member in bound.members)
-        if count + 1 > bound.value:
-            raise LimitError(f"{bound.who} has {count} job(s) waiting, the limit of {bound.where} = {bound.value:g} "
-                             "(the --limits file); wait for some to start")
+        waiting = sum(accounts.count(member) for member in bound.members)
+        if waiting + count > bound.value:
+            more = "" if count == 1 else f", and an array of {count} would pass it (nothing was submitted)"
+            raise LimitError(f"{bound.who} has {waiting} job(s) waiting, the limit of {bound.where} = "
+                             f"{bound.value:g} (the --limits file){more}; wait for some to start")

@@ -105,16 +105,20 @@ def hand_over(context: ServerContext, checked: request.JobRequest, arguments: Se
 
 
 def _check_room(context: ServerContext, checked: request.JobRequest, count: int) -> None:
-    """Raise LimitError unless this server's queue, and the user's share of it, have room for `count` more."""
+    """Raise LimitError unless this server's queue, the user's share of it, and the host's --limits file
+    (`pending`, `gpus`) have room for `count` more."""
+    asked = checked.gpu_request
+    limits.check_request(context.lock_dir, checked.owner.user, 0 if asked.share_bytes else asked.ngpus,
+                         context.locks.queue, count=count)
     waiting, mine = context.ledger.waiting(context.server_id, checked.owner.user, checked.owner.verified)
-    limits = context.limits
-    if waiting + count > limits.max_queued:
-        raise LimitError(f"this server's queue has room for {max(0, limits.max_queued - waiting)} more requests, "
-                         f"and the array has {count} elements (--max-queued {limits.max_queued}): nothing was "
+    server = context.limits
+    if waiting + count > server.max_queued:
+        raise LimitError(f"this server's queue has room for {max(0, server.max_queued - waiting)} more requests, "
+                         f"and the array has {count} elements (--max-queued {server.max_queued}): nothing was "
                          "submitted")
-    if mine + count > limits.max_queued_per_user:
+    if mine + count > server.max_queued_per_user:
         raise LimitError(f"{checked.owner.label} has {mine} requests waiting on this server, and the array's {count} "
-                         f"elements would pass the limit per user of {limits.max_queued_per_user} "
+                         f"elements would pass the limit per user of {server.max_queued_per_user} "
                          "(--max-queued-per-user): nothing was submitted")
 
 
