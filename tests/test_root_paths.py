@@ -367,21 +367,23 @@ def test_root_processes_carry_no_job_id_on_their_command_line_and_hidepid_is_ask
         waiting = alice.root.submit(lambda _: None, None)
         wait_until(lambda: waiting.status().state is rpycdl.JobState.PENDING, what="her job to wait")
 
-        def root_command_lines() -> list[str]:
-            lines = []
+        def root_processes() -> list[tuple[str, str]]:
+            found = []
             for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
                     uid = os.stat(f"/proc/{pid}").st_uid
                 except OSError:
                     continue
                 if uid == 0 and "rpycdl" in cmdline:
-                    lines.append(cmdline)
-            return lines
+                    found.append((name, cmdline))
+            return found
 
         # the waiting job heads its line: its supervisor is started ahead of its turn (DISPATCH_AHEAD)
-        lines = wait_until(lambda: (found := root_command_lines()) and any(
-            "rpycdl.server.supervisor" in line for line in found) and found, what="her job's supervisor")
+        processes = wait_until(lambda: (found := root_processes()) and any(
+            name == "rpycdl-superv" for name, _ in found) and found, what="her job's supervisor")
+        lines = [line for _, line in processes]
         assert not [line for line in lines if waiting.id in line or str(site.state) in line], lines
         open_gate(str(gate))
         assert holder.result() is None and waiting.wait(60).state is rpycdl.JobState.SUCCEEDED

@@ -115,13 +115,16 @@ def test_servers_of_one_lock_directory_must_share_a_policy(cluster, server, lock
 
 
 def _supervisors(lock_dir: str) -> list[int]:
+    """The live supervisors that hold files of `lock_dir` open (its policy's claim among them)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            line = (entry / "cmdline").read_bytes()
+            if (entry / "comm").read_text().strip() != "rpycdl-superv":
+                continue
+            held = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
         except OSError:
             continue
-        if b"rpycdl.server.supervisor" in line and lock_dir.encode() in (entry / "environ").read_bytes() + line:
+        if any(path.startswith(lock_dir + os.sep) for path in held):
             found.append(int(entry.name))
     return found
 

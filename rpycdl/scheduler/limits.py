@@ -15,12 +15,14 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import fairshare, lockdir, tomlfiles
-from rpycdl.scheduler.holders import Records
 from rpycdl.scheduler.ledger import Ledger
+
+if TYPE_CHECKING:  # holders needs fasteners, which a client-only install lacks (the CLI reaches this module)
+    from rpycdl.scheduler.holders import Records
 
 IN_FORCE = "limits.json"
 """The lock directory's copy of the limits in force: {"source": the file, "limits": Limits.to_dict()}."""

@@ -23,7 +23,14 @@ from rpycdl.defaults import (
     RELEASE_BEFORE_REPLY,
     SAVE_SOCKET_VARIABLE,
 )
-from rpycdl.errors import ContainerError, JobCancelledError, JobTimeoutError, LimitError, QueueTimeoutError
+from rpycdl.errors import (
+    ContainerError,
+    JobCancelledError,
+    JobTimeoutError,
+    LimitError,
+    QueueTimeoutError,
+    RpycdlError,
+)
 from rpycdl.gpu import caps, watchdog
 from rpycdl.gpu.inventory import FakeInventory
 from rpycdl.gpu.watchdog import GPUWatch
@@ -373,14 +380,14 @@ class JobFlow:
 
     def _keep(self) -> None:
         """Keep the outcome of a job that ran to its end (a detached job's result file, flushed to disk) once its
-        GPUs are back, so that the next job does not wait for the disk; one that cannot be kept (a full disk)
-        fails the job."""
+        GPUs are back, so that the next job does not wait for the disk; one that cannot be kept (a full disk, its
+        sealing key gone) fails the job."""
         record, result = self.record, self.result
         if result is None or result.ending is not runner.Ending.FINISHED or record.state.finished:
             return
         try:
             record.result_bytes = self.link.keep(result.outcome)
-        except LimitError as exc:
+        except RpycdlError as exc:
             record.state, record.error, record.error_type = JobState.FAILED, str(exc), type(exc).__name__
 
 
