@@ -149,6 +149,9 @@ ATTEMPT_VARIABLE = "RPYCDL_ATTEMPT"
 MAX_RETRIES = 100
 """Most times a detached job may be requeued after an end that is not its own (submit's `retries=`)."""
 
+PRIORITY_LOWEST, PRIORITY_HIGHEST = -10, 10
+"""The priorities a request may ask (`priority=`; 0 unless asked; higher goes first: rpycdl.scheduler.priorities)."""
+
 SAVE_SOCKET_VARIABLE = "RPYCDL_SAVE_SOCKET"
 """Set in a job (but a container's): the socket on which the process that owns it takes rpycdl.save_artifact's
 requests."""

@@ -77,7 +77,7 @@ class GPULockManager:
                  sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
         self.scheduling = scheduling or Scheduling()
-        for sub in ("", "gpus", "held", "queue", "rows", "listeners"):
+        for sub in ("", "gpus", "held", "queue", "rows", "listeners", "ranked"):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
         if lockdir.writable():  # a reader (a monitor) takes no lock: it only probes
@@ -236,7 +236,8 @@ class GPULockManager:
                 if placed[key] > (need.at_once() if ahead is None else ahead) and (
                         entry.get("deadline") is None or entry["deadline"] > now):
                     index = places[ticket]
-                    others = waiters[:index] + ([] if self.scheduling.policy == FCFS else waiters[index + 1:])
+                    others = waiters[:index] + [other for other in waiters[index + 1:] if self.scheduling.policy
+                                                != FCFS or (other.get("priority") or 0) > (entry.get("priority") or 0)]
                     decision = self._decide(ticket, need, entry, others)[0]
                     if not decision.uuids:  # a row over its owner's limits holds nobody back: not counted
                         blocked[key] = blocked.get(key, 0) + (not decision.reason)
@@ -310,9 +311,8 @@ class GPULockManager:
         """Under the queue lock: grant to `ticket` if the host's policy lets it go now (policies.decide: after
         every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
         and how many competing requests are ahead."""
-        policy = self.scheduling.policy
-        waiters = [waiter for waiter in self._queue.waiters(before=ticket if policy == FCFS else None)
-                   if waiter["ticket"] != ticket]  # behind it too, for a backfill's plan or fair share's order
+        policy = self.scheduling.policy  # behind it too, for a backfill's plan or fair share's order:
+        waiters = self._queue.competing(ticket, info.get("priority") or 0, everyone=policy != FCFS)
         decision, taken, sizes = self._decide(ticket, need, info, waiters)
         if not decision.uuids:
             return None, decision.ahead

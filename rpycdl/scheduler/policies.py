@@ -3,7 +3,9 @@
 of when each waiting request would start if every job ran for its declared timeout. Nothing is locked or
 read here: rpycdl.scheduler.locks gathers the queue and the grants, asks `decide`, and locks what it names.
 
-Every policy grants in one order (`order`: tickets, or for fair share the accounts' usage, then tickets). A
+Every policy grants in one order (`order`: by priority first, higher first; then tickets, or for fair share the
+accounts' usage, then tickets: a request of a higher priority goes before those of lower ones that came first, the
+documented exception to first come, first served, as `priority=` asks, within its owner's ceiling). A
 request is granted when it can be at once after every request ahead of it that competes for the same GPUs
 was served or has reserved the GPUs it waits for (a waiting request reserves all of its candidates), so no
 request overtakes one ahead. Under fcfs-backfill a request that declared a timeout may also go first onto
@@ -86,6 +88,7 @@ class Want:
         seconds: its declared timeout, the longest it holds its GPUs once granted; None if it declared none.
         account: the user it counts against under fair share and limits.
         gpus: the GPUs it counts for against its owner's limits (a share's fraction); None: ngpus.
+        priority: its priority (rpycdl.scheduler.priorities): a higher one goes first under every policy.
     """
 
     ticket: int
@@ -95,6 +98,7 @@ class Want:
     seconds: float | None = None
     account: str = ""
     gpus: float | None = None
+    priority: int = 0
 
     @property
     def counts(self) -> float:
@@ -142,13 +146,13 @@ class Decision:
 
 
 def order(wants: Sequence[Want], policy: str, usage: Mapping[str, float] | None = None) -> list[Want]:
-    """The requests in the order the policy grants them: by ticket; under fair share by their account's
-    `usage` (weighted, decayed GPU-seconds: rpycdl.scheduler.fairshare; 0 for an account not in it), then
-    by ticket, so one account's requests keep their arrival order."""
+    """The requests in the order the policy grants them: by priority, higher first, then by ticket; under fair share
+    by priority, then by their account's `usage` (weighted, decayed GPU-seconds: rpycdl.scheduler.fairshare; 0 for an
+    account not in it), then by ticket, so one account's requests of one priority keep their arrival order."""
     if policy == FAIR:
         usage = usage or {}
-        return sorted(wants, key=lambda want: (usage.get(want.account, 0.0), want.ticket))
-    return sorted(wants, key=lambda want: want.ticket)
+        return sorted(wants, key=lambda want: (-want.priority, usage.get(want.account, 0.0), want.ticket))
+    return sorted(wants, key=lambda want: (-want.priority, want.ticket))
 
 
 def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: Rules, *,

@@ -19,7 +19,8 @@ of a detached job the row is (1, then one more each time `retries=` requeues it:
 (gone with its job's row, by a trigger); version 10 job arrays
 (rpycdl.scheduler.arrays): `jobs.array_id` and `jobs.array_index` (NULL for a job of no array) with their index,
 and `arrays(array_id, user, user_verified, name, size, max_running, submitted, server_id, kind)`, one row per
-array, which goes with its last element's row (a trigger).
+array, which goes with its last element's row (a trigger); version 11 `jobs.priority`, its priority among the waiting
+(rpycdl.scheduler.priorities; 0 for the jobs before).
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ MIGRATIONS = [
         DELETE FROM arrays WHERE array_id = old.array_id
             AND NOT EXISTS (SELECT 1 FROM jobs WHERE array_id = old.array_id);
     END;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
     """,
 ]
 """One SQL script per schema version: a database at version N runs MIGRATIONS[N:]. Never edit one."""

@@ -55,7 +55,8 @@ class JobCalls:
     def exposed_submit(self, payload: bytes, *args: Any, **kwargs: Any) -> bytes:
         """Submit a detached job: a payload made by codec.encode_payload (everything in band); options
         (request.SUBMIT_OPTIONS, positionally or by name): ngpus, gpus, gpu_memory, timeout, queue_timeout,
-        name, working_dir, seal (its result's: security.results), memory, cpus, after, retries, retry_on_failure.
+        name, working_dir, seal (its result's: security.results), memory, cpus, after, retries, retry_on_failure,
+        priority.
         Answers the job's row once its supervisor owns it."""
         def submit() -> dict[str, Any]:
             request.check_size(payload, "payload", self.context.limits.max_payload)

@@ -102,7 +102,7 @@ class JobFlow:
                          request.gpu_request.share_bytes, owner_pid=me[0], owner_start=me[1],
                          user=request.owner.user, user_verified=request.owner.verified, name=request.name,
                          detached=request.detached, kind=request.kind, service=context.name,
-                         server=f"{context.host}:{context.port}", request=request.summary())
+                         server=f"{context.host}:{context.port}", request=request.summary(), priority=request.priority)
 
     def run(self) -> bytes:
         """Queue, lock the GPUs, run, release. Returns the outcome bytes (wire.codec); raises
@@ -388,9 +388,11 @@ def need_of(context: ServerContext, record: JobRecord) -> Need:
 
 
 def queue_info(context: ServerContext, record: JobRecord, request: JobRequest) -> dict[str, Any]:
-    """What the queue and the GPUs' holders show of a job; `account`, the user its GPU time counts against."""
+    """What the queue and the GPUs' holders show of a job; `account`, the user its GPU time counts against; its
+    `priority` (rpycdl.scheduler.priorities)."""
     return {"job_id": record.job_id, "client": record.client, "server": context.name,
-            "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user}
+            "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user,
+            "priority": record.priority}
 
 
 def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str = "") -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rpycdl.defaults import MIN_JOB_MEMORY
 from rpycdl.errors import InvalidRequestError, LimitError
+from rpycdl.scheduler import priorities
 from rpycdl.scheduler.shares import GPURequest, parse_request
 from rpycdl.security.accounts import Account
 from rpycdl.security.auth import Identity
@@ -25,16 +26,17 @@ MAX_TIMEOUT = 366 * 24 * 3600.0
 """The longest timeout or queue_timeout a request may give, in seconds."""
 
 CALL_OPTIONS = ("ngpus", "stdout", "stderr", "timeout", "queue_timeout", "on_state", "gpus", "gpu_memory",
-                "working_dir", "memory", "cpus")
+                "working_dir", "memory", "cpus", "priority")
 """The options of `run` and `run_buffers` after their fixed arguments, in the order rpycdl clients
 send them positionally (they may also come by name); `working_dir` is the content hash of a working
-directory sent before (exposed_put_working_dir); `memory` and `cpus` are the host memory and CPU cores it may use."""
+directory sent before (exposed_put_working_dir); `memory` and `cpus` are the host memory and CPU cores it may use;
+`priority` its place among the waiting (rpycdl.scheduler.priorities)."""
 
 CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
 """The options of `run_container` after the image and the command, likewise."""
 
 SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal", "memory",
-                  "cpus", "after", "retries", "retry_on_failure")
+                  "cpus", "after", "retries", "retry_on_failure", "priority")
 """The options of `submit` and `submit_command` after the payload or the command; `seal` is the client's seal
 of the job's result (rpycdl.security.results.Seal.sent), or None; `after` its dependencies
 (rpycdl.scheduler.dependencies: "ok:JOB[,JOB]"); `retries` and `retry_on_failure` when it is requeued
@@ -44,7 +46,7 @@ SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "que
 """The options of `submit_container` after the image and the command."""
 
 SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "idle_timeout", "on_state", "working_dir",
-                   "memory", "cpus")
+                   "memory", "cpus", "priority")
 """The options of `session_open`."""
 
 SESSION_CALL_OPTIONS = ("stdout", "stderr", "timeout")
@@ -103,6 +105,7 @@ class JobRequest:
         after: a detached job's dependencies, resolved to ids ("ok:ID[,ID]": rpycdl.server.held), or None.
         retries, retry_on_failure: how many times a detached job may be requeued, and whether also after an end of
             its own (rpycdl.scheduler.attempts).
+        priority: its priority among the waiting requests (rpycdl.scheduler.priorities), within its owner's ceiling.
     """
 
     gpu_request: GPURequest
@@ -126,6 +129,7 @@ class JobRequest:
     after: str | None = None
     retries: int = 0
     retry_on_failure: bool = False
+    priority: int = 0
 
     @property
     def kind(self) -> str:
@@ -241,7 +245,7 @@ def check_cpus(value: Any) -> float | None:
 
 def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = None, gpus: Any = None,
           gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, working_dir: Any = None,
-          memory: Any = None, cpus: Any = None, **job: Any) -> JobRequest:
+          memory: Any = None, cpus: Any = None, priority: Any = None, **job: Any) -> JobRequest:
     """Check what a request asks for against this server, and make it a JobRequest.
 
     Args:
@@ -251,13 +255,18 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         timeout, queue_timeout: seconds, as the client gave them.
         working_dir: the content hash of a working directory in the server's cache that `owner` sent, or None.
         memory, cpus: the host memory and CPU cores it asks for, as the client gave them (check_memory, check_cpus).
+        priority: its priority, as the client gave it (rpycdl.scheduler.priorities: checked, and against `owner`'s
+            ceiling).
         job: what to run and where its output goes: `body` and `buffers` (and `command`), or
             `container`; `output`; `detached` and `name`.
 
     Raises:
         InvalidRequestError: anything it could never run.
         NotAllowedError: its owner may not run jobs here, or has no account (security.accounts).
+        LimitError: a priority above its owner's ceiling.
     """
+    rank = priorities.check(priority)
+    priorities.allow(context.lock_dir, owner.user, rank, admin=owner.admin, label=owner.label)
     sizes = [gpu.memory_total for gpu in context.gpus]
     if working_dir is not None and (not isinstance(working_dir, str)
                                     or not context.working_dirs.has(working_dir, owner.label)):
@@ -267,7 +276,7 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
                       timeout=check_seconds(timeout, "timeout"),
                       queue_timeout=check_seconds(queue_timeout, "queue_timeout"), working_dir=working_dir,
                       account=context.accounts.account(owner), memory=check_memory(memory, context),
-                      cpus=check_cpus(cpus), **job)
+                      cpus=check_cpus(cpus), priority=rank, **job)
 
 
 def writer(stream: Any) -> Callable[[str], None]:
