@@ -50,7 +50,7 @@ from typing import Any
 
 from rpycdl.defaults import DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import QueueTimeoutError
-from rpycdl.scheduler import limits, lockdir, planning, policies, policyfiles, procs
+from rpycdl.scheduler import limits, lockdir, planning, policies, policyfiles, preemption, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.planning import Range
@@ -77,7 +77,7 @@ class GPULockManager:
                  sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
         self.scheduling = scheduling or Scheduling()
-        for sub in ("", "gpus", "held", "queue", "rows", "listeners", "ranked"):
+        for sub in ("", "gpus", "held", "queue", "rows", "listeners", "ranked", preemption.MARKS):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
         if lockdir.writable():  # a reader (a monitor) takes no lock: it only probes
@@ -314,7 +314,8 @@ class GPULockManager:
         policy = self.scheduling.policy  # behind it too, for a backfill's plan or fair share's order:
         waiters = self._queue.competing(ticket, info.get("priority") or 0, everyone=policy != FCFS)
         decision, taken, sizes = self._decide(ticket, need, info, waiters)
-        if not decision.uuids:
+        if not decision.uuids:  # lower-priority jobs that hold what it needs may be preempted (--preempt)
+            preemption.consider(self.root, self.scheduling, self._holders.records, info, need.entry(), decision)
             return None, decision.ahead
         # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
         # what is taken of them is still what was probed above.

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpycdl.defaults import MAX_PREEMPT_GRACE, PREEMPT_GRACE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler import planning
 from rpycdl.scheduler.fairshare import FairShare
@@ -36,6 +37,9 @@ from rpycdl.scheduler.planning import Room
 
 FCFS, BACKFILL, FAIR = "fcfs", "fcfs-backfill", "fair"
 POLICIES = (FCFS, BACKFILL, FAIR)
+OFF, REQUEUE, CANCEL = "off", "requeue", "cancel"
+PREEMPTS = (OFF, REQUEUE, CANCEL)
+"""--preempt: never; a preempted detached job requeued (an attached one, a session: PreemptedError); every one ended."""
 
 PLAN_MAX = 32
 """Requests ahead a backfill plans at most: behind more of them (that share GPUs with it), nothing backfills."""
@@ -43,37 +47,46 @@ PLAN_MAX = 32
 
 @dataclass(frozen=True)
 class Scheduling:
-    """A host's scheduling: its policy (POLICIES), where shares go (planning.PLACEMENTS) and, under fair
-    share, its settings. Every server and supervisor sharing a lock directory has the same (GPULockManager's
-    claim refuses another)."""
+    """A host's scheduling: its policy (POLICIES), where shares go (planning.PLACEMENTS), under fair share its
+    settings, and its preemption (PREEMPTS: off, requeue or cancel, with the grace a preempted job has between its
+    SIGTERM and its SIGKILL: rpycdl.scheduler.preemption). Every server and supervisor sharing a lock directory has
+    the same (GPULockManager's claim refuses another)."""
 
     policy: str = FCFS
     placement: str = planning.PACK
     fair_share: FairShare = field(default_factory=FairShare)
+    preempt: str = OFF
+    preempt_grace: float = PREEMPT_GRACE
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise InvalidRequestError(f"unknown policy {self.policy!r}: {', '.join(POLICIES)}")
         if self.placement not in planning.PLACEMENTS:
             raise InvalidRequestError(f"unknown placement {self.placement!r}: {', '.join(planning.PLACEMENTS)}")
+        if self.preempt not in PREEMPTS or not 0 <= self.preempt_grace <= MAX_PREEMPT_GRACE:
+            raise InvalidRequestError(f"--preempt {self.preempt} --preempt-grace {self.preempt_grace:g}: "
+                                      f"{', '.join(PREEMPTS)}, and a grace of 0 to {MAX_PREEMPT_GRACE:g} s")
 
     def words(self) -> str:
         """As an operator gives it: '--policy fair --placement pack (half-life=86400s;weights=none)'."""
         fair = f" ({self.fair_share.fingerprint()})" if self.policy == FAIR else ""
-        return f"--policy {self.policy} --placement {self.placement}{fair}"
+        preempt = f" --preempt {self.preempt} --preempt-grace {self.preempt_grace:g}s" if self.preempt != OFF else ""
+        return f"--policy {self.policy} --placement {self.placement}{fair}{preempt}"
 
     def key(self) -> str:
         """A file name that is the same for the same scheduling, and only for it."""
         fair = hashlib.sha256(self.fair_share.fingerprint().encode()).hexdigest()[:12] if self.policy == FAIR else ""
-        return "+".join(part for part in (self.policy, self.placement, fair) if part)
+        preempt = f"preempt-{self.preempt}-{self.preempt_grace:g}" if self.preempt != OFF else ""
+        return "+".join(part for part in (self.policy, self.placement, fair, preempt) if part)
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "placement": self.placement, "half_life": self.fair_share.half_life,
-                "weights": dict(self.fair_share.weights)}
+                "weights": dict(self.fair_share.weights), "preempt": self.preempt, "preempt_grace": self.preempt_grace}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Scheduling:
-        return cls(data["policy"], data["placement"], FairShare(data["half_life"], data["weights"]))
+        return cls(data["policy"], data["placement"], FairShare(data["half_life"], data["weights"]),
+                   data.get("preempt", OFF), data.get("preempt_grace", PREEMPT_GRACE))
 
 
 @dataclass(frozen=True)

@@ -320,7 +320,8 @@ def _ended(record: JobRecord) -> RpycdlError:
     """The error a job's result raises when it left no outcome of its own."""
     from rpycdl import errors
 
-    kind = getattr(errors, ENDED.get(record.state, record.error_type), None)
+    preempted = record.error_type == errors.PreemptedError.__name__  # a cancel of its own kind
+    kind = getattr(errors, record.error_type if preempted else ENDED.get(record.state, record.error_type), None)
     if not (isinstance(kind, type) and issubclass(kind, RpycdlError)):
         kind = JobLostError if record.state is JobState.LOST else RpycdlError
     return kind(f"job {record.job_id} {record.state.value}: {record.error}")

@@ -30,9 +30,10 @@ from rpycdl.gpu.watchdog import GPUWatch
 from rpycdl.scheduler import attempts, limits, procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
+from rpycdl.scheduler.policies import OFF
 from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.security.fence import Fence
-from rpycdl.server import child, draining, fencing, jobdirs, outcomes, runner, saves, status
+from rpycdl.server import child, draining, fencing, jobdirs, outcomes, preempting, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
@@ -92,6 +93,7 @@ class JobFlow:
         self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare), its saves' socket (saves)
         self._saver: saves.Saver | None = None
         self._waiting_since: float | None = None
+        self._preempt: preempting.Watch | None = None  # its grant's preemption (--preempt), once it runs
         self._quota = jobdirs.OutputQuota(context, self.record.job_id)  # shared by its Stops: measured once a second
 
     @staticmethod
@@ -123,13 +125,15 @@ class JobFlow:
             raise
         finally:
             record.ended = time.time()
-            if self.result is None or len(self.result.outcome) > RELEASE_BEFORE_REPLY:
+            preempted = self._preempt is not None and self._preempt.mark is not None  # its end tells its error
+            if self.result is None or preempted or len(self.result.outcome) > RELEASE_BEFORE_REPLY:
                 self._end()  # a large reply may take long to send: the GPUs do not wait for it
             else:  # the outcome is known: the client gets it while the job process is reaped
                 self.link.defer(self._end)
         if self.result.ending is runner.Ending.FINISHED:
             return self.result.outcome
-        raise outcomes.ERRORS[self.result.ending](f"job {record.job_id}: {self.result.reason}")
+        error = preempting.error(record, outcomes.ERRORS[self.result.ending])
+        raise error(f"job {record.job_id}: {self.result.reason}")
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -232,10 +236,15 @@ class JobFlow:
         assert grant is not None
         watch = GPUWatch(ctx.inventory, {gpu.uuid: gpu for gpu in ctx.gpus},
                          {uuid: grant.share_bytes for uuid in grant.uuids}, ctx.shares.allowance)
+        preempt = self._preempt = preempting.Watch(ctx.lock_dir, job_id, grant.ticket) \
+            if ctx.scheduling.preempt != OFF else None
 
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
             if ctx.ledger.cancel_requested(job_id):
                 return runner.Ending.CANCELLED, "the job was cancelled"
+            preempted = preempt.check(pid) if preempt is not None else None
+            if preempted is not None:
+                return preempted
             if draining.overdue():
                 return runner.Ending.CANCELLED, f"the job was cancelled: {draining.REASON}"
             over = self._quota.over()
@@ -354,7 +363,10 @@ class JobFlow:
             record.error_type = outcomes.ERRORS[result.ending].__name__
         else:
             outcomes.judge(record, result.outcome, self.request.command is not None)
-        if ran and self._retry is not None and self._retry(record, attempts.cause(
+        preempted = preempting.settle(self.context, record, self._preempt, result)  # its end as a preemption's
+        if preempted is not None:
+            self.result = preempted[0]
+        if ran and self._retry is not None and self._retry(record, preempted[1] if preempted else attempts.cause(
                 record, result.ending is runner.Ending.CRASHED, self._signaled)):  # type: ignore[union-attr]
             if self._saver is not None:  # its row waits again; its directories stay for the next attempt
                 self._saver.close()

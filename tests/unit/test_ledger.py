@@ -521,7 +521,7 @@ def test_a_version_1_ledger_gains_the_refusals_artifacts_gpus_drops_and_seals_an
     assert ledger.ledger_id == "the-old-ledgers-id"
     assert ledger.get(record.job_id) == record and ledger.count() == 1
     with ledger._db() as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 11
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 12
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'refusals'").fetchone() == ("refusals",)
         plan = " ".join(row[-1] for row in db.execute(
             "EXPLAIN QUERY PLAN SELECT count(*) FROM jobs WHERE state = 'PENDING' AND server_id = 'x'"))
