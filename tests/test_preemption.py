@@ -16,6 +16,7 @@ from helpers import Background, gate_job, open_gate, scrape, server_process, wai
 from rpycdl import JobState
 from rpycdl.errors import PreemptedError
 from rpycdl.scheduler.ledger import Ledger
+from rpycdl.site.local import one_account, start
 
 GRACE = 2.0
 FLAGS = ("--preempt", "requeue", "--preempt-grace", f"{GRACE:g}s")
@@ -98,7 +99,7 @@ def test_a_higher_priority_job_starts_within_the_grace_and_the_preempted_one_res
     assert counted == {"requeued": 1, "ended": 0}, counted
 
 
-def test_an_attached_job_preempted_gets_preempted_error(server, connect, tmp_path):
+def test_an_attached_job_and_a_session_preempted_get_preempted_error(server, connect, tmp_path):
     port = server("pytorch", "fake:1", "--limits", _limits(tmp_path), *FLAGS)
     alice = _alice(connect, port)
     gate = str(tmp_path / "gate")
@@ -108,6 +109,27 @@ def test_an_attached_job_preempted_gets_preempted_error(server, connect, tmp_pat
     assert urgent.result(120) == "urgent"
     with pytest.raises(PreemptedError, match="preempted by job " + urgent.id):
         attached.result(60)
+    ran = []
+    with pytest.raises(PreemptedError) as raised, _alice(connect, port).root.session() as session:
+        assert session.run(lambda x: x, 1) == 1  # then it holds its GPU between its calls
+        ran.append(alice.root.submit(lambda x: x, "urgent again", priority=5))
+        assert ran[0].result(120) == "urgent again"
+        session.run(lambda x: x, 2)
+    assert "preempted by job " + ran[0].id in str(raised.value)
+
+
+def test_under_preempt_cancel_a_detached_job_preempted_ends_with_preempted_error(server, connect, tmp_path,
+                                                                                   lock_dir):
+    port = server("pytorch", "fake:1", "--limits", _limits(tmp_path), "--preempt", "cancel", "--preempt-grace", "2s")
+    alice = _alice(connect, port)
+    victim = alice.root.submit(gate_job(str(tmp_path / "gate")), "victim", retries=3)
+    _running(victim)
+    urgent = alice.root.submit(lambda x: x, "urgent", priority=5)
+    assert urgent.result(120) == "urgent"
+    with pytest.raises(PreemptedError, match="preempted by job " + urgent.id):
+        victim.result(60)
+    assert victim.status().state is JobState.CANCELLED and _ledger(lock_dir).get(victim.id).attempt == 1
+    assert [row["outcome"] for row in _ledger(lock_dir).preemptions(victim.id)] == ["ended"]
 
 
 def test_a_job_never_preempts_one_of_its_own_priority(server, connect, tmp_path, lock_dir):
@@ -146,3 +168,12 @@ def test_kill_9_of_the_server_and_its_restart_during_a_preemption_loses_no_job(c
     saved, attempt = again.job(victim.id).result(120)
     assert saved.startswith("step ") and attempt == 2
     assert [row["by_job"] for row in _ledger(lock_dir).preemptions(victim.id)] == [urgent.id]
+
+
+def test_every_server_of_a_lock_directory_must_preempt_alike(server, lock_dir):
+    server("pytorch", "fake:1", *FLAGS)
+    other = start(["serve", "--service", "pytorch", "--gpus", "fake:1", "--lock-dir", lock_dir, "--port", "0",
+                   "--registry", "none", *one_account(), "--preempt", "cancel"])
+    assert other.popen.wait(60) != 0
+    assert any("--preempt requeue --preempt-grace 2s" in line and "--preempt cancel" in line
+               for line in other.lines), other.lines

@@ -236,8 +236,8 @@ class JobFlow:
         assert grant is not None
         watch = GPUWatch(ctx.inventory, {gpu.uuid: gpu for gpu in ctx.gpus},
                          {uuid: grant.share_bytes for uuid in grant.uuids}, ctx.shares.allowance)
-        preempt = self._preempt = preempting.Watch(ctx.lock_dir, job_id, grant.ticket) \
-            if ctx.scheduling.preempt != OFF else None
+        preempt = self._preempt = self._preempt or (preempting.Watch(ctx.lock_dir, job_id, grant.ticket)
+                                                    if ctx.scheduling.preempt != OFF else None)  # a session's: one
 
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
             if ctx.ledger.cancel_requested(job_id):

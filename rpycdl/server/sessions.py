@@ -243,8 +243,8 @@ class SessionCalls:
         session = self._session
         if session is None or not session.open_now:
             why = f": it ended ({session.record.state.value}: {session.record.error})" if session else ""
-            raise InvalidRequestError(f"this connection has no open session{why}; open one with "
-                                      "conn.root.session()")
+            kind = InvalidRequestError if session is None else preempting.error(session.record, InvalidRequestError)
+            raise kind(f"this connection has no open session{why}; open one with conn.root.session()")
         return session
 
     def _session_ended(self) -> None:
