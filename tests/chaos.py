@@ -1574,8 +1574,8 @@ class ChaosResult:
     def died_of_others(self) -> list[str]:
         """No job that ran died of a kill that was not its own: one that ended before the clients' last kill,
         other than SUCCEEDED, TIMED_OUT or preempted (--preempt: PreemptedError), had one of its own processes killed
-        (job process, keeper, connection
-        process, supervisor, children, client); a kill of a shared process (SHARED_KILLS) ends none."""
+        (job process, keeper, connection process, supervisor, children, client); a kill of a shared process
+        (SHARED_KILLS) ends none."""
         own = {k.job for k in self.kill_log if k.job}
         clients = {k.pid for k in self.kill_log if k.kind in ("client", "session_client")}
         found = []
