@@ -99,6 +99,27 @@ def test_a_higher_priority_job_starts_within_the_grace_and_the_preempted_one_res
     assert counted == {"requeued": 1, "ended": 0}, counted
 
 
+def test_a_preempted_job_requeued_goes_back_to_its_place_before_the_jobs_that_came_after_it(server, connect,
+                                                                                              tmp_path, lock_dir):
+    port = server("pytorch", "fake:1", "--limits", _limits(tmp_path), *FLAGS)
+    alice = _alice(connect, port)
+    ready, gate = str(tmp_path / "ready"), str(tmp_path / "gate")
+    victim = alice.root.submit(RESUMABLE, ready)
+    _running(victim)
+    wait_until(lambda: os.path.exists(ready), 60, "the job to set its handler")
+    later = [alice.root.submit(lambda x: x, f"later {index}") for index in range(2)]
+    urgent = alice.root.submit(gate_job(gate), "urgent", priority=5)  # holds the GPU until the victim is requeued
+    _running(urgent)
+    wait_until(lambda: victim.refresh()["attempt"] == 2 and victim.status().ahead is not None, 60,
+               "the preempted job to be back in line")
+    open_gate(gate)
+    assert [job.result(120) for job in [urgent, *later]] == ["urgent", "later 0", "later 1"]
+    assert victim.result(120)[1] == 2
+    ledger = _ledger(lock_dir)
+    starts = sorted([victim, *later], key=lambda job: ledger.get(job.id).started)
+    assert starts == [victim, *later], [(job.id, ledger.get(job.id).started) for job in starts]
+
+
 def test_an_attached_job_and_a_session_preempted_get_preempted_error(server, connect, tmp_path):
     port = server("pytorch", "fake:1", "--limits", _limits(tmp_path), *FLAGS)
     alice = _alice(connect, port)

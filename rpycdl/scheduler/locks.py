@@ -55,7 +55,7 @@ from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.planning import Range
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
-from rpycdl.scheduler.queuedir import Need, Place, QueueDir
+from rpycdl.scheduler.queuedir import Need, Place, QueueDir, in_line
 from rpycdl.states import need_text
 
 TICKET, GRANT = 0, 1  # lines of the counters file
@@ -237,7 +237,7 @@ class GPULockManager:
                         entry.get("deadline") is None or entry["deadline"] > now):
                     index = places[ticket]
                     others = waiters[:index] + [other for other in waiters[index + 1:] if self.scheduling.policy
-                                                != FCFS or (other.get("priority") or 0) > (entry.get("priority") or 0)]
+                                                != FCFS or in_line(other) < in_line(entry)]
                     decision = self._decide(ticket, need, entry, others)[0]
                     if not decision.uuids:  # a row over its owner's limits holds nobody back: not counted
                         blocked[key] = blocked.get(key, 0) + (not decision.reason)
@@ -311,8 +311,8 @@ class GPULockManager:
         """Under the queue lock: grant to `ticket` if the host's policy lets it go now (policies.decide: after
         every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
         and how many competing requests are ahead."""
-        policy = self.scheduling.policy  # behind it too, for a backfill's plan or fair share's order:
-        waiters = self._queue.competing(ticket, info.get("priority") or 0, everyone=policy != FCFS)
+        policy, info = self.scheduling.policy, self._queue.placed(ticket, info)  # a requeued row's place, if any
+        waiters = self._queue.competing(ticket, in_line({**info, "ticket": ticket}), everyone=policy != FCFS)
         decision, taken, sizes = self._decide(ticket, need, info, waiters)
         if not decision.uuids:  # lower-priority jobs that hold what it needs may be preempted (--preempt)
             preemption.consider(self.root, self.scheduling, self._holders.records, info, need.entry(), decision)

@@ -102,6 +102,7 @@ class Want:
         account: the user it counts against under fair share and limits.
         gpus: the GPUs it counts for against its owner's limits (a share's fraction); None: ngpus.
         priority: its priority (rpycdl.scheduler.priorities): a higher one goes first under every policy.
+        place: the ticket whose place in line it has, if not its own: a preempted job's, requeued (None: `ticket`).
     """
 
     ticket: int
@@ -112,6 +113,7 @@ class Want:
     account: str = ""
     gpus: float | None = None
     priority: int = 0
+    place: int | None = None
 
     @property
     def counts(self) -> float:
@@ -159,13 +161,14 @@ class Decision:
 
 
 def order(wants: Sequence[Want], policy: str, usage: Mapping[str, float] | None = None) -> list[Want]:
-    """The requests in the order the policy grants them: by priority, higher first, then by ticket; under fair share
+    """The requests in the order the policy grants them: by priority, higher first, then by ticket (the `place` of a
+    requeued preempted job: the ticket it had); under fair share
     by priority, then by their account's `usage` (weighted, decayed GPU-seconds: rpycdl.scheduler.fairshare; 0 for an
     account not in it), then by ticket, so one account's requests of one priority keep their arrival order."""
     if policy == FAIR:
         usage = usage or {}
-        return sorted(wants, key=lambda want: (-want.priority, usage.get(want.account, 0.0), want.ticket))
-    return sorted(wants, key=lambda want: (-want.priority, want.ticket))
+        return sorted(wants, key=lambda want: (-want.priority, usage.get(want.account, 0.0), want.place or want.ticket))
+    return sorted(wants, key=lambda want: (-want.priority, want.place or want.ticket))
 
 
 def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: Rules, *,

@@ -8,9 +8,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-COLUMNS = ("job_id", "attempt", "by_job", "by_user", "priority", "victim_priority", "at", "ended", "outcome")
+COLUMNS = ("job_id", "attempt", "by_job", "by_user", "priority", "victim_priority", "at", "ended", "outcome", "ticket")
 """The preemptions table's columns: the job preempted and its attempt, the job that preempted it (and its user), their
-priorities, when it was decided and when the job preempted let go of its GPUs, and "requeued" or "ended"."""
+priorities, when it was decided and when the job preempted let go of its GPUs, "requeued" or "ended", and the ticket
+of the preempted attempt (its place in line, which a requeued job takes again: rpycdl.server.retries)."""
 
 
 class PreemptionsLedger:

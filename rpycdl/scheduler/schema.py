@@ -21,8 +21,8 @@ of a detached job the row is (1, then one more each time `retries=` requeues it:
 and `arrays(array_id, user, user_verified, name, size, max_running, submitted, server_id, kind)`, one row per
 array, which goes with its last element's row (a trigger); version 11 `jobs.priority`, its priority among the waiting
 (rpycdl.scheduler.priorities; 0 for the jobs before); version 12 `preemptions(job_id, attempt, by_job, by_user,
-priority, victim_priority, at, ended, outcome)`, who preempted whom and when (rpycdl.scheduler.preemptions), gone with
-the job's row (a trigger).
+priority, victim_priority, at, ended, outcome, ticket)`, who preempted whom and when (rpycdl.scheduler.preemptions),
+gone with the job's row (a trigger).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ MIGRATIONS = [
     """
     CREATE TABLE preemptions (job_id TEXT NOT NULL, attempt INTEGER NOT NULL, by_job TEXT NOT NULL,
                               by_user TEXT NOT NULL, priority INTEGER NOT NULL, victim_priority INTEGER NOT NULL,
-                              at REAL NOT NULL, ended REAL NOT NULL, outcome TEXT NOT NULL,
+                              at REAL NOT NULL, ended REAL NOT NULL, outcome TEXT NOT NULL, ticket INTEGER NOT NULL,
                               PRIMARY KEY (job_id, attempt)) WITHOUT ROWID;
     CREATE INDEX preemptions_by ON preemptions (by_job);
     CREATE TRIGGER jobs_preemptions_deleted AFTER DELETE ON jobs BEGIN

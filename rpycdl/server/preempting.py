@@ -28,7 +28,7 @@ class Watch:
     """The preemption of one grant of a job: its mark (none yet: None), read at each `check`."""
 
     def __init__(self, lock_dir: str | Path, job_id: str, ticket: int) -> None:
-        self._root, self._job_id, self._ticket = Path(lock_dir), job_id, ticket
+        self._root, self._job_id, self.ticket = Path(lock_dir), job_id, ticket
         self.mark: dict[str, Any] | None = None
         self._deadline = 0.0
 
@@ -37,7 +37,7 @@ class Watch:
         it); once the mark's grace has passed, the job must stop now (the runner kills it)."""
         if self.mark is None:
             mark = preemption.mark_of(self._root, self._job_id)
-            if mark is None or mark.get("ticket") != self._ticket:
+            if mark is None or mark.get("ticket") != self.ticket:
                 return None
             self.mark, self._deadline = mark, time.monotonic() + float(mark.get("grace") or 0)
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -69,7 +69,7 @@ def settle(context: ServerContext, record: JobRecord, watch: Watch | None,
         "job_id": record.job_id, "attempt": record.attempt, "by_job": mark.get("by", ""),
         "by_user": mark.get("by_user", ""), "priority": mark.get("priority", 0),
         "victim_priority": mark.get("victim_priority", 0), "at": mark.get("at", time.time()), "ended": time.time(),
-        "outcome": "requeued" if requeue else "ended"})
+        "outcome": "requeued" if requeue else "ended", "ticket": watch.ticket})
     return Result(Ending.CANCELLED, reason=record.error), attempts.PREEMPTED if requeue else None
 
 
