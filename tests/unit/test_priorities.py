@@ -10,6 +10,7 @@ from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import limits, priorities
 from rpycdl.scheduler.planning import Room
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Want, decide, order
+from rpycdl.scheduler.queuedir import QueueDir, in_line
 
 GPUS = ("GPU-0",)
 
@@ -68,3 +69,19 @@ def test_a_later_request_of_a_higher_priority_is_granted_before_the_earlier_ones
     rooms = {"GPU-0": Room(True, 16)}
     assert decide(rooms, waiting, urgent, Rules(policy)).uuids == GPUS
     assert all(not decide(rooms, waiting, want, Rules(policy)).uuids for want in earlier)
+
+
+def test_a_requeued_job_is_ordered_at_its_place_among_its_priority_and_marked_for_fcfs(tmp_path):
+    wants = [Want(5, 1, 0, GPUS), Want(9, 1, 0, GPUS, place=3), Want(7, 1, 0, GPUS, priority=1)]
+    assert [want.ticket for want in order(wants, FCFS)] == [7, 9, 5]  # priority first, then place or ticket
+    queue = QueueDir(tmp_path)
+    for folder in ("queue", "rows", "ranked"):
+        (tmp_path / folder).mkdir()
+    for ticket, extra in ((5, {}), (9, {"place": 3}), (11, {"priority": 2}), (12, {})):
+        queue.write(ticket, {"job_id": f"job{ticket}", "row": True, **extra})
+    assert sorted(path.name for path in (tmp_path / "ranked").iterdir()) == [f"{9:016d}", f"{11:016d}"]
+    assert [entry["ticket"] for entry in queue.competing(5, in_line({"ticket": 5}), everyone=False)] == [9, 11]
+    assert [entry["ticket"] for entry in queue.competing(12, in_line({"ticket": 12}), everyone=False)] == [5, 9, 11]
+    assert queue.placed(9, {"job_id": "job9"})["place"] == 3 and "place" not in queue.placed(5, {})
+    queue.remove(9)
+    assert sorted(path.name for path in (tmp_path / "ranked").iterdir()) == [f"{11:016d}"]
