@@ -1,8 +1,9 @@
 """rpycdl: run Python functions on shared GPU servers over RPyC, first come, first served.
 
 The public API: `connect` (and the Connection it returns), `job` (a detached job's handle, found by
-id or name), job states, every exception a user can see, `output_dir`, `save_artifact` and `attempt` inside a job,
-and `simulate_memory` for jobs on simulated GPUs. Everything else is reached through its sub-package."""
+id or name), job states, every exception a user can see, `output_dir`, `save_artifact`, `attempt`, `on_preempt` and
+`preempting` inside a job, and `simulate_memory` for jobs on simulated GPUs. Everything else is reached through its
+sub-package."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from rpycdl.errors import (
     NoInventoryError,
     NotAllowedError,
     OutputLimitError,
+    PreemptedError,
     QueueTimeoutError,
     RemoteError,
     ResultIntegrityError,
@@ -44,6 +46,7 @@ from rpycdl.errors import (
     VersionMismatchError,
 )
 from rpycdl.gpu.inventory import simulate_memory
+from rpycdl.gpu.preempt import on_preempt, preempting
 from rpycdl.states import JobState
 
 if TYPE_CHECKING:
@@ -71,10 +74,11 @@ __all__ = [
     "HostMemoryExceededError", "InvalidRequestError", "Job",
     "JobCancelledError", "JobCrashedError", "JobLostError", "JobNotFinishedError",
     "JobState", "JobStatus", "JobTimeoutError", "LedgerError", "LimitError", "NoInventoryError", "NotAllowedError",
-    "OutputLimitError", "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError",
+    "OutputLimitError", "PreemptedError", "QueueTimeoutError", "RemoteError", "ResultIntegrityError", "RpycdlError",
     "ServerStoppingError", "Session", "UnverifiableResultError",
     "UploadTimeoutError", "VersionMismatchError",
-    "__version__", "array_index", "attempt", "connect", "job", "output_dir", "save_artifact", "simulate_memory",
+    "__version__", "array_index", "attempt", "connect", "job", "on_preempt", "output_dir", "preempting",
+    "save_artifact", "simulate_memory",
 ]
 
 

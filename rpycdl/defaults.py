@@ -149,6 +149,15 @@ ATTEMPT_VARIABLE = "RPYCDL_ATTEMPT"
 MAX_RETRIES = 100
 """Most times a detached job may be requeued after an end that is not its own (submit's `retries=`)."""
 
+PREEMPT_GRACE = 30.0
+"""Seconds a preempted job has between its SIGTERM (rpycdl.on_preempt's handler runs) and its SIGKILL
+(--preempt-grace)."""
+MAX_PREEMPT_GRACE = 3600.0
+"""The longest --preempt-grace."""
+
+PRIORITY_LOWEST, PRIORITY_HIGHEST = -10, 10
+"""The priorities a request may ask (`priority=`; 0 unless asked; higher goes first: rpycdl.scheduler.priorities)."""
+
 SAVE_SOCKET_VARIABLE = "RPYCDL_SAVE_SOCKET"
 """Set in a job (but a container's): the socket on which the process that owns it takes rpycdl.save_artifact's
 requests."""

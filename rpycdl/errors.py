@@ -86,6 +86,12 @@ class IdleReclaimedError(RpycdlError):
     get them (a detached job with retries left is requeued instead); ask with idle_reclaim=False to keep them."""
 
 
+class PreemptedError(JobCancelledError):
+    """A job was preempted: a waiting job of a higher priority needed its GPUs (`rpycdl serve --preempt`). An attached
+    job or a session ends so; a detached one too under `--preempt cancel` (under `--preempt requeue` it is requeued,
+    and resumes from what it saved: rpycdl.on_preempt, rpycdl.attempt())."""
+
+
 class JobCrashedError(RpycdlError):
     """The job process ended without a result (killed by a signal, or exited early)."""
 

@@ -364,8 +364,9 @@ def make_job() -> Callable[[dict[str, Any]], str]:
             os.environ["CHAOS_REPORTED"] = job_id
             with open("/proc/self/stat", "rb") as stat:
                 fields = stat.read().rpartition(b")")[2].split()
-            try:  # a job runs once: a second run finds its mark
-                os.close(os.open(os.path.join(args["reports"], f"{job_id}.ran"), os.O_CREAT | os.O_EXCL))
+            try:  # a job's attempt runs once (a preemption requeues a detached job): a second run finds its mark
+                attempt = os.environ.get("RPYCDL_ATTEMPT", "1")
+                os.close(os.open(os.path.join(args["reports"], f"{job_id}.{attempt}.ran"), os.O_CREAT | os.O_EXCL))
             except FileExistsError:
                 open(os.path.join(args["reports"], f"{job_id}.twice"), "w").close()
             report = {"job_id": job_id, "pid": os.getpid(), "ppid": int(fields[1]), "pgrp": int(fields[2]),
@@ -1572,15 +1573,16 @@ class ChaosResult:
 
     def died_of_others(self) -> list[str]:
         """No job that ran died of a kill that was not its own: one that ended before the clients' last kill,
-        other than SUCCEEDED or TIMED_OUT, had one of its own processes killed (job process, keeper, connection
-        process, supervisor, children, client); a kill of a shared process (SHARED_KILLS) ends none."""
+        other than SUCCEEDED, TIMED_OUT or preempted (--preempt: PreemptedError), had one of its own processes killed
+        (job process, keeper, connection process, supervisor, children, client); a kill of a shared process
+        (SHARED_KILLS) ends none."""
         own = {k.job for k in self.kill_log if k.job}
         clients = {k.pid for k in self.kill_log if k.kind in ("client", "session_client")}
         found = []
         for job, client in sorted(self.clients.items()):
             row = self.records.get(job, {})
             if row.get("state") in ("FAILED", "CANCELLED", "LOST") and (row.get("ended") or 0) < self.stopped \
-                    and job not in own and client not in clients:
+                    and job not in own and client not in clients and row.get("error_type") != "PreemptedError":
                 found.append(f"job {job} ({row['state']}: {row.get('error_type')}: {row.get('error')}; "
                              f"{self._story(job)})")
         shared = {kind: self.kills[kind] for kind in SHARED_KILLS}

@@ -46,6 +46,25 @@ def test_no_overcommit_and_no_leak_under_chaos(cluster, tmp_path, policy):
     _judge(run_chaos(cluster, tmp_path / "chaos", POLICIES[policy]))
 
 
+PRIORITIZED = tuple({**request, "priority": priority} for request in REQUESTS for priority in (-1, 0, 0, 3))
+"""Requests of three priorities, so that those of 3 preempt those below."""
+
+
+@pytest.mark.slow
+def test_no_overcommit_and_no_leak_under_chaos_with_preemption(cluster, tmp_path):
+    """The chaos under fcfs, its requests of priorities -1, 0 and 3, with --preempt requeue and a grace of 1 s (the
+    jobs' children that ignore SIGTERM are killed at its end): promises 1 and 3 hold, no detached job is lost or runs
+    an attempt twice, and jobs were preempted (the ledger's preemptions)."""
+    limits = tmp_path / "limits.toml"
+    limits.write_text("[default]\npriority = 3\n")
+    settings = ChaosSettings(duration=18.0, requests=PRIORITIZED, server_args=(
+        "--preempt", "requeue", "--preempt-grace", "1s", "--limits", str(limits)))
+    _judge(run_chaos(cluster, tmp_path / "chaos", settings))
+    preempted = Ledger(os.path.join(cluster.lock_dir, "state")).preemptions()
+    assert preempted, "no job was preempted: the run did not test preemption"
+    print(f"{len(preempted)} preemption(s): {sum(row['outcome'] == 'requeued' for row in preempted)} requeued")
+
+
 @pytest.mark.slow
 def test_under_chaos_with_isolation_every_job_is_its_owners(team, accounts, passable_dir):
     """The same chaos, the servers started as root with a user map (jobs run as their owners' accounts, issue 26),

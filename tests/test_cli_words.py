@@ -96,7 +96,7 @@ def test_the_columns_of_jobs_and_status_never_run_together(host, tmp_path):
     wide = rpycdl_cli("jobs", "--all", "--long", *flags, env=as_user)  # with what they used (or "-")
     assert wide.returncode == 0, wide.stderr
     columns_apart(wide.stdout.splitlines())
-    assert wide.stdout.split()[9:14] == ["MEM", "CPU", "PROCS", "TRY", "INFO"]
+    assert wide.stdout.split()[9:15] == ["PRIO", "MEM", "CPU", "PROCS", "TRY", "INFO"]
     status = rpycdl_cli("status", *flags)
     assert status.returncode == 0, status.stderr
     table = [line for line in status.stdout.splitlines() if line.startswith("  ") and not line.startswith("   ")]

@@ -110,7 +110,7 @@ def report_unreached(args: argparse.Namespace, results: list[tuple[tuple[str, in
 
 
 def size_flags(parser: argparse.ArgumentParser) -> None:
-    """--ngpus, --gpus or --gpu-memory, and --memory and --cpus: what a job asks for (run and submit)."""
+    """--ngpus, --gpus or --gpu-memory, --memory, --cpus and --priority: what a job asks for (run and submit)."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
     size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
@@ -121,6 +121,10 @@ def size_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus", type=float, default=None, metavar="N",
                         help="CPU cores the job may use, such as 4 or 0.5, where the server fences jobs (default: the "
                              "server's --job-cpus)")
+    parser.add_argument("--priority", type=int, default=0, metavar="N",
+                        help="from -10 to 10 (default: 0): a waiting job of a higher priority goes before those of "
+                             "lower ones; above 0 only up to your ceiling, the `priority` of the server's --limits "
+                             "file (docs: sharing)")
 
 
 def working_dir_flag(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +146,7 @@ def exit_code(exc: RpycdlError) -> int:
 
 FLAGS = {"ngpus": "--ngpus", "gpus": "--gpus", "gpu_memory": "--gpu-memory", "timeout": "--timeout",
          "queue_timeout": "--queue-timeout", "working_dir": "--working-dir", "name": "--name", "memory": "--memory",
-         "cpus": "--cpus"}
+         "cpus": "--cpus", "priority": "--priority"}
 """The flag of each request argument that a server's refusal may name (shares, request: as `gpu_memory='6GiB'`)."""
 
 _ARGUMENT = re.compile(r"(?<![\w.-])(" + "|".join(FLAGS) + r")=('[^']*'|\"[^\"]*\"|[^\s,;:()]+)?")

@@ -199,15 +199,16 @@ def _submit(args: argparse.Namespace) -> int:
                                   "cannot wait for others or be requeued yet")
     if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
         raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
-    if args.image and (args.memory is not None or args.cpus is not None):
-        raise InvalidRequestError("--memory and --cpus go without --image: a container job is not fenced by rpycdl")
+    if args.image and (args.memory is not None or args.cpus is not None or args.priority):
+        raise InvalidRequestError("--memory, --cpus and --priority go without --image: a container job is not fenced "
+                                  "by rpycdl, and waits at the default priority")
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
     with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
                  tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
         options = {"gpus": args.gpus, "gpu_memory": args.gpu_memory, "name": args.name, "timeout": args.timeout,
                    "queue_timeout": args.queue_timeout, "working_dir": args.working_dir, "exists": args.exists,
                    "memory": args.memory, "cpus": args.cpus, "after": args.after, "retries": args.retries,
-                   "retry_on_failure": args.retry_on_failure}
+                   "retry_on_failure": args.retry_on_failure, "priority": args.priority}
         if args.array is not None:
             return arrays.submit(args, conn, options)
         if args.image:
@@ -245,9 +246,9 @@ def _jobs(args: argparse.Namespace) -> int:
 
 def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
     """Jobs as a table (rows as conn.root.jobs() gives them: times as datetimes): id, name, state, owner,
-    service, what they asked for, when, how long they waited and ran, with `long` what they used (peak
-    memory, CPU time, most processes at once), and why they ended (or, waiting, what they wait behind); a WHY column
-    where a waiting job's owner's limits hold it back (its `reason`)."""
+    service, what they asked for, when, how long they waited and ran, with `long` their priority and what they used
+    (peak memory, CPU time, most processes at once), and why they ended (or, waiting, what they wait behind); a WHY
+    column where a waiting job's owner's limits hold it back (its `reason`)."""
     cells, why = [], any(row.get("reason") for row in rows)
     for row in rows:
         started, ended = row["started"], row["ended"]
@@ -261,10 +262,10 @@ def format_jobs(rows: list[dict[str, Any]], long: bool = False) -> str:
         cells.append([row["job_id"], row.get("name") or "-", row["state"], user, row["service"],
                       need_text(row["ngpus"], row["share_bytes"]),
                       row["submitted"].strftime("%Y-%m-%d %H:%M"), waited, ran,
-                      *([*usage_cells(row), _attempt(row)] if long else []),
+                      *([str(row.get("priority") or 0), *usage_cells(row), _attempt(row)] if long else []),
                       *([row.get("reason") or "-"] if why else []), info])
     header = ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN",
-              *(["MEM", "CPU", "PROCS", "TRY"] if long else []), *(["WHY"] if why else []), "INFO"]
+              *(["PRIO", "MEM", "CPU", "PROCS", "TRY"] if long else []), *(["WHY"] if why else []), "INFO"]
     widest = [None, 24, None, 24, 16] + [None] * (len(header) - 6 - why) + [80] * why + [100]
     return "\n".join(table(header, cells, widest=widest) + ([] if rows else ["(no jobs)"]))
 

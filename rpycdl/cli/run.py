@@ -73,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
         try:
             code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                       timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state,
-                                      working_dir=args.working_dir, memory=args.memory, cpus=args.cpus)
+                                      working_dir=args.working_dir, memory=args.memory, cpus=args.cpus,
+                                      priority=args.priority)
         except (RpycdlError, OSError, EOFError):
             raise
         except Exception as exc:  # the job raised (not the command: its exit code comes back): it failed

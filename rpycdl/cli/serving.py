@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from rpycdl import registry
-from rpycdl.cli import reclaiming
+from rpycdl.cli import reclaiming, scheduling
 from rpycdl.cli.common import EXIT_FAILED, EXIT_USAGE, Command, os_error
 from rpycdl.defaults import (
     DRAIN_TIMEOUT,
@@ -49,9 +49,6 @@ from rpycdl.defaults import (
     state_dir,
 )
 from rpycdl.errors import InvalidRequestError, RpycdlError, require_extra
-from rpycdl.scheduler.fairshare import FairShare, read_settings
-from rpycdl.scheduler.planning import PACK, PLACEMENTS
-from rpycdl.scheduler.policies import FAIR, FCFS, POLICIES, Scheduling
 from rpycdl.security.accounts import Accounts
 from rpycdl.units import format_duration, format_size, parse_duration, parse_size
 
@@ -186,37 +183,6 @@ def _add_limit_flags(serve: argparse.ArgumentParser) -> None:
                             "%(default)s; 0 cancels them at once)")
 
 
-def _add_scheduling_flags(serve: argparse.ArgumentParser) -> None:
-    """How the host's GPUs are handed out: the same on every server of the lock directory."""
-    serve.add_argument("--policy", default=FCFS, choices=POLICIES,
-                       help="who goes next: fcfs, first come, first served; fcfs-backfill, a request that declared a "
-                            "timeout may go first onto free GPUs if that delays nobody ahead; fair, the user who used "
-                            "the fewest GPU-seconds lately (see --fair-share) (default: %(default)s)")
-    serve.add_argument("--placement", default=PACK, choices=PLACEMENTS,
-                       help="where a share of a GPU goes: pack, the fullest GPU with room; spread, the emptiest; "
-                            "least-busy, the one whose measured SM and memory-bandwidth use is lowest (NVML) "
-                            "(default: %(default)s)")
-    serve.add_argument("--fair-share", default=None, metavar="FILE",
-                       help="with --policy fair: a TOML file of half_life (default 1d) and [weights] (user = number, "
-                            "default 1)")
-    serve.add_argument("--limits", default=None, metavar="FILE", type=os.path.abspath,
-                       help="per-user and per-group limits, for every server of the lock directory: a TOML file of "
-                            "[default], [users.NAME] and [groups.NAME] (members = [...]) tables of gpus (held at "
-                            "once), pending (waiting at once), gpu_hours_day, gpu_hours_week; a job over its owner's "
-                            "limit waits while others go first. Read again on SIGHUP or change (docs/limits.md)")
-
-
-def _scheduling(args: argparse.Namespace) -> Scheduling:
-    """The host's scheduling from the flags (a bad --fair-share file is a start failure)."""
-    if args.fair_share is not None and args.policy != FAIR:
-        raise InvalidRequestError("--fair-share is for --policy fair")
-    try:
-        fair = read_settings(args.fair_share) if args.fair_share else FairShare()
-    except InvalidRequestError as exc:
-        raise RpycdlError(str(exc)) from None
-    return Scheduling(args.policy, args.placement, fair)
-
-
 def _add_isolation_flags(serve: argparse.ArgumentParser) -> None:
     """Whose account runs each job (rpycdl.security.accounts)."""
     serve.add_argument("--user-map", default=None, metavar="FILE",
@@ -301,9 +267,9 @@ def _add_serve(command: Command) -> None:
     serve.add_argument("--tls-cert", default=None, metavar="FILE",
                        help="this server's certificate (rpycdl certs server): require mutual TLS")
     serve.add_argument("--tls-key", default=None, metavar="FILE", help="its key (mode 600)")
-    serve.add_argument("--tls-ca", default=None, metavar="FILE", help="the team's CA certificate: clients must "
-                       "present a certificate it signed")
-    _add_scheduling_flags(serve)
+    serve.add_argument("--tls-ca", default=None, metavar="FILE",
+                       help="the team's CA certificate: clients must present a certificate it signed")
+    scheduling.add_flags(serve)
     _add_isolation_flags(serve)
 
 
@@ -351,7 +317,7 @@ def _serve(args: argparse.Namespace) -> int:
                           insecure=args.insecure, version=args.version,
                           secret_file=args.secret_file, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           tls_ca=args.tls_ca, limits=limits, shares=shares, artifact_store=args.artifacts or "",
-                          artifact_endpoint=args.artifacts_endpoint, scheduling=_scheduling(args),
+                          artifact_endpoint=args.artifacts_endpoint, scheduling=scheduling.scheduling(args),
                           accounts=_accounts(args), preload=_preload(args.preload), limits_file=args.limits)
     if args.registry != "none":
         registry.resolve(args.registry)  # a registry host that does not resolve: one line now, not a traceback later

@@ -223,6 +223,7 @@ class ArrayCalls:
     _working_dir: Callable[[str | os.PathLike[str] | None], str | None]
     _named: Callable[..., Any]
     _retries_sent: Callable[[Any, Any], tuple[Any, Any]]
+    _priority_sent: Callable[[Any], Any]
 
     def submit_array(self, fn: Callable[..., Any], args_list: list[Any], ngpus: int | None = None, *,
                      gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
@@ -230,7 +231,7 @@ class ArrayCalls:
                      memory: str | int | None = None, cpus: float | None = None,
                      max_running: int | None = None, working_dir: str | os.PathLike[str] | None = None,
                      after: str | None = None, retries: int = 0, retry_on_failure: bool = False,
-                     exists: str = "error") -> ArrayJob:
+                     exists: str = "error", priority: int = 0) -> ArrayJob:
         """Submit `fn(args)` for every item of `args_list` as an array of detached jobs, in one request: each
         element a job of its own (its id, its place in line, its name `name[i]`), its index in
         $RPYCDL_ARRAY_INDEX (rpycdl.array_index()). `max_running` bounds how many run at once. Options as submit's:
@@ -242,6 +243,7 @@ class ArrayCalls:
                 element whose dependency can never be met ends FAILED with DependencyError, never having run.
             retries, retry_on_failure: each element is requeued on its own, as a job of submit's
                 (rpycdl.attempt() in it says its attempt).
+            priority: every element's, as submit's.
             exists: with `name`, what to do if you have an array of that name already: "error" (the default: a
                 second unfinished one is refused), "return" (that array, unfinished or not: nothing is submitted),
                 "replace" (cancel it, wait for its end, then submit).
@@ -265,7 +267,8 @@ class ArrayCalls:
             self._check_size(len(payload) + sum(map(len, parts)))
             return self._array_submitted("submit_array", payload, parts, ngpus, gpus, gpu_memory, timeout,
                                          queue_timeout, name, memory, cpus, max_running, self._working_dir(working_dir),
-                                         after, *self._retries_sent(retries, retry_on_failure))
+                                         after, *self._retries_sent(retries, retry_on_failure),
+                                         self._priority_sent(priority))
 
         return self._named(name, exists, submit, self.array)
 
@@ -275,7 +278,7 @@ class ArrayCalls:
                              memory: str | int | None = None, cpus: float | None = None,
                              max_running: int | None = None, working_dir: str | os.PathLike[str] | None = None,
                              after: str | None = None, retries: int = 0, retry_on_failure: bool = False,
-                             exists: str = "error") -> ArrayJob:
+                             exists: str = "error", priority: int = 0) -> ArrayJob:
         """Submit a command per element (each an argv), as submit_array does, with its options; each element's
         result is its exit code (it fails unless that is 0)."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
@@ -283,7 +286,8 @@ class ArrayCalls:
         argvs = tuple(tuple(str(part) for part in command) for command in commands)
         return self._named(name, exists, lambda: self._array_submitted(
             "submit_command_array", argvs, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, memory, cpus,
-            max_running, self._working_dir(working_dir), after, *self._retries_sent(retries, retry_on_failure)),
+            max_running, self._working_dir(working_dir), after, *self._retries_sent(retries, retry_on_failure),
+            self._priority_sent(priority)),
             self.array)
 
     def _array_submitted(self, call: str, *args: Any) -> ArrayJob:
@@ -291,8 +295,8 @@ class ArrayCalls:
         up to the last given (a server from before working_dir, after and retries on arrays takes them only)."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         secret, _ = credentials.result_secret()
-        *before, memory, cpus, max_running, working_dir, after, retries, on_failure = args
-        options = [memory, cpus, max_running, working_dir, after, retries, on_failure]
+        *before, memory, cpus, max_running, working_dir, after, retries, on_failure, priority = args
+        options = [memory, cpus, max_running, working_dir, after, retries, on_failure, priority]
         while len(options) > 3 and options[-1] is None:
             options.pop()
         seal = results.new_seal(secret).sent()

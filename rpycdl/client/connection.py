@@ -20,7 +20,7 @@ from rpycdl.artifacts import workdir
 from rpycdl.artifacts.manifest import Manifests
 from rpycdl.client import channel, failures
 from rpycdl.client.arrays import ArrayCalls
-from rpycdl.client.detached import DetachedCalls, given, idle_sent
+from rpycdl.client.detached import DetachedCalls, given, idle_sent, priority_sent
 from rpycdl.client.displays import GPUStatus, client_row
 from rpycdl.client.notices import Notices
 from rpycdl.client.session import Receiver, Session, sink
@@ -74,7 +74,8 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
                  timeout: float | None = None, queue_timeout: float | None = None,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
                  on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None,
-                 memory: str | int | None = None, cpus: float | None = None, idle_reclaim: bool = True) -> Any:
+                 memory: str | int | None = None, cpus: float | None = None, idle_reclaim: bool = True,
+                 priority: int = 0) -> Any:
         """Run `fn(args)` on the server with `ngpus` GPUs of its own, or a share of one GPU, and
         return its value. While it waits for its GPUs, a line on stderr says what it waits for, and one
         when it starts, where a person looks, unless the connection is quiet (rpycdl.client.notices).
@@ -99,6 +100,7 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
             memory, cpus: host memory ("16GiB") and CPU cores (4, 0.5) the job may use where the server fences
                 jobs; past it, HostMemoryExceededError (default: its --job-memory, --job-cpus).
             idle_reclaim: False keeps the GPUs however idle (else --idle-reclaim: IdleReclaimedError), if allowed.
+            priority: -10 to 10 (default 0): a higher one waits before lower ones; above 0 within your ceiling.
 
         Raises:
             The job's own exception (its type where it can be rebuilt here, else RemoteError) from the job's
@@ -119,7 +121,8 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
         received: list[Any] = []
         digest = self._working_dir(working_dir)
         try:
-            asked = (*options, gpus, gpu_memory, digest, *given(memory, cpus, idle_sent(idle_reclaim)))  # old: none
+            asked = (*options, gpus, gpu_memory, digest, *given(memory, cpus, idle_sent(idle_reclaim),
+                                                                    priority_sent(priority)))  # old: none
             outcome = self._run_buffers(payload, layout, buffers, received, asked)
             if outcome is None:  # a server from before run_buffers: everything in band
                 outcome = self._connection.call("run", codec.encode_payload(fn, args) if buffers else payload,
@@ -195,7 +198,8 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
     def session(self, ngpus: int | None = None, *, gpus: float | None = None, gpu_memory: str | int | None = None,
                 timeout: float | None = None, idle_timeout: float | None = None, queue_timeout: float | None = None,
                 on_state: StateCallback | None = None, working_dir: str | os.PathLike[str] | None = None,
-                memory: str | int | None = None, cpus: float | None = None, idle_reclaim: bool = True) -> Session:
+                memory: str | int | None = None, cpus: float | None = None, idle_reclaim: bool = True,
+                priority: int = 0) -> Session:
         """A session: it waits in line for `ngpus` GPUs (or a share: `gpus`, `gpu_memory`) like any job, then
         holds them and one process on the server, in which `run()` calls one after another, so that what a
         call leaves in module globals is there for the next. Opened by `with` (or open()), ended by leaving
@@ -203,8 +207,8 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
         after `timeout` seconds in all, or by a cancel (rpycdl cancel ID).
 
         Args:
-            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir, memory, cpus: as for run_code (the
-                waiting line, the memory and the CPUs are the session's).
+            ngpus, gpus, gpu_memory, queue_timeout, on_state, working_dir, memory, cpus, priority: as for run_code
+                (the waiting line, the memory and the CPUs are the session's).
             timeout: seconds the session may last; idle_timeout: seconds it may wait for its next call.
             idle_reclaim: False keeps its GPUs however long they show no utilization (run_code's idle_reclaim).
         """
@@ -212,7 +216,8 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
         options = {"ngpus": 1 if ngpus is None and gpus is None and gpu_memory is None else ngpus, "gpus": gpus,
                    "gpu_memory": gpu_memory, "timeout": timeout, "idle_timeout": idle_timeout,
                    "queue_timeout": queue_timeout, "working_dir": self._working_dir(working_dir), "memory": memory,
-                   "cpus": cpus, "idle_reclaim": idle_sent(idle_reclaim)}
+                   "cpus": cpus, "idle_reclaim": idle_sent(idle_reclaim),
+                   "priority": priority_sent(priority)}
         return Session(self, {name: value for name, value in options.items() if value is not None},
                        Notices(on_state, self._connection.quiet, "session"))
 

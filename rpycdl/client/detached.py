@@ -28,19 +28,27 @@ EXISTS = ("error", "return", "replace")
 Handle = TypeVar("Handle", Job, ArrayJob)
 
 
+def priority_sent(priority: Any) -> Any:
+    """`priority=` as sent: None for its default, 0 (a server before priorities takes none); anything else as it is,
+    for the server to check."""
+    return None if priority == 0 and not isinstance(priority, bool) else priority
+
+
 class DetachedCalls:
     """`conn.root`'s calls about detached jobs and the ledger."""
 
     _connection: Connection
     _check_size: Callable[[int], None]
     _working_dir: Callable[[str | os.PathLike[str] | None], str | None]
+    _priority_sent = staticmethod(priority_sent)
 
     def submit(self, fn: Callable[..., Any] | bytes, args: Any = None, ngpus: int | None = None, *,
                gpus: float | None = None, gpu_memory: str | int | None = None, name: str | None = None,
                timeout: float | None = None, queue_timeout: float | None = None,
                working_dir: str | os.PathLike[str] | None = None, exists: str = "error",
                memory: str | int | None = None, cpus: float | None = None, after: str | None = None,
-               retries: int = 0, retry_on_failure: bool = False, idle_reclaim: bool = True) -> Job:
+               retries: int = 0, retry_on_failure: bool = False, idle_reclaim: bool = True,
+               priority: int = 0) -> Job:
         """Submit `fn(args)` as a detached job: it takes its place in the same first-come-first-served
         queue as run_code, and runs to its end whatever happens to this client or to the server
         process that accepted it. Returns its handle once the server has recorded it.
@@ -64,6 +72,7 @@ class DetachedCalls:
             retry_on_failure: also requeue it when it raised (a command: exited with another code than 0).
             idle_reclaim: False keeps its GPUs however long they show no utilization (run_code's idle_reclaim); a job
                 whose GPUs a server reclaims is requeued if it has retries left, else ends with IdleReclaimedError.
+            priority: as for run_code: from -10 to 10, higher goes first, above 0 within your ceiling.
 
         Raises:
             InvalidRequestError: a request it could never run, or a name you use already (exists="error"), or
@@ -80,7 +89,8 @@ class DetachedCalls:
             digest = self._working_dir(working_dir)
             return self._submitted("submit", payload, ngpus, gpus, gpu_memory, timeout, queue_timeout, name, digest,
                                    fence=(memory, cpus, after, *self._retries_sent(retries, retry_on_failure),
-                                          idle_sent(idle_reclaim)))
+                                          idle_sent(idle_reclaim),
+                                          priority_sent(priority)))
 
         return self._named(name, exists, submit)
 
@@ -89,14 +99,16 @@ class DetachedCalls:
                        queue_timeout: float | None = None, working_dir: str | os.PathLike[str] | None = None,
                        exists: str = "error", memory: str | int | None = None, cpus: float | None = None,
                        after: str | None = None, retries: int = 0, retry_on_failure: bool = False,
-                       idle_reclaim: bool = True) -> Job:
+                       idle_reclaim: bool = True,
+                       priority: int = 0) -> Job:
         """Submit a command (an argv, run on the server in its working directory) as a detached job; it
         fails unless it exits with 0, and its result is its exit code. Options as for submit."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         return self._named(name, exists, lambda: self._submitted(
             "submit_command", list(command), ngpus, gpus, gpu_memory, timeout, queue_timeout, name,
             self._working_dir(working_dir),
-            fence=(memory, cpus, after, *self._retries_sent(retries, retry_on_failure), idle_sent(idle_reclaim))))
+            fence=(memory, cpus, after, *self._retries_sent(retries, retry_on_failure), idle_sent(idle_reclaim),
+                   priority_sent(priority))))
 
     def submit_container(self, image: str, command: list[str], ngpus: int = 1, *, env: dict[str, str] | None = None,
                          workdir: str | None = None, mounts: list[dict[str, Any]] | None = None,
@@ -153,8 +165,9 @@ class DetachedCalls:
     def _submitted(self, name: str, *args: Any, fence: tuple[Any, ...] = ()) -> Job:
         """Call the submit `name` with `args` and a fresh seal of the job's result (security.results: made
         with this client's result key), then its `fence` (memory, cpus, after, retries, retry_on_failure,
-        idle_reclaim) up to the last given; the job's handle. A server that predates seals refuses the option: the
-        job is submitted again without, and its result is then read unverified only (result(verify=False))."""
+        idle_reclaim, priority) up to the last given; the job's handle. A server that predates seals refuses the
+        option: the job is submitted again without, and its result is then read unverified only
+        (result(verify=False))."""
         __tracebackhide__ = True  # noqa: F841 - IPython and pytest leave this frame out of what they show
         secret, _ = credentials.result_secret()
         fenced = given(*fence)  # servers before fencing, or before dependencies

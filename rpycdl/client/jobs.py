@@ -47,7 +47,8 @@ class JobStatus:
     a command's or container's exit code; and when this was read from the server (`read_at`). A job held by its
     dependencies (submit's `after=`), with no place in line yet, says what it waits for (`after`: "ok:ID"). A job
     whose owner's limits hold it back (the server's --limits file) says why (`reason`: "alice holds 4 GPUs, the
-    limit of users.alice.gpus = 4"); others go first meanwhile."""
+    limit of users.alice.gpus = 4"); others go first meanwhile. `priority` is the one it asked (priority=: a higher one
+    goes first; 0 unless asked)."""
 
     state: JobState
     ahead: int | None = None
@@ -58,18 +59,20 @@ class JobStatus:
     queued: int | None = field(default=None, compare=False)
     after: str | None = field(default=None, compare=False)
     reason: str = field(default="", compare=False)
+    priority: int = field(default=0, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.state.finished
 
     def __str__(self) -> str:
+        rank = f", priority {self.priority}" if self.priority else ""
         if self.state is JobState.PENDING and self.reason:
-            return f"PENDING ({self.reason})"
+            return f"PENDING ({self.reason}{rank})"
         if self.state is JobState.PENDING and self.ahead is not None:
-            return f"PENDING ({waiting_behind(self.ahead, self.holders)})"
+            return f"PENDING ({waiting_behind(self.ahead, self.holders)}{rank})"
         if self.state is JobState.PENDING and self.after:
-            return f"PENDING (after {self.after})"
+            return f"PENDING (after {self.after}{rank})"
         return f"{self.state.value}: {self.error}" if self.error else self.state.value
 
     def __repr__(self) -> str:
@@ -82,6 +85,8 @@ class JobStatus:
             fields.append(f"after={self.after!r}")
         if self.reason:
             fields.append(f"reason={self.reason!r}")
+        if self.priority:
+            fields.append(f"priority={self.priority}")
         if self.error:
             fields.append(f"error={self.error!r}")
         if self.exit_code is not None:
@@ -365,4 +370,4 @@ def _status(info: dict[str, Any], read_at: datetime | None = None) -> JobStatus:
                      None if info.get("holders") is None else tuple(info["holders"]), read_at,
                      info.get("queued", info.get("ahead")),
                      (info.get("request") or {}).get("after") if info["state"] == JobState.PENDING.value else None,
-                     info.get("reason") or "")
+                     info.get("reason") or "", info.get("priority") or 0)

@@ -130,6 +130,14 @@ class HostCollector(Collector):
             for reason in DROPS:
                 dropped.add_metric([service, reason], counts.get((service, reason), 0))
         yield dropped
+        preempted = CounterMetricFamily("rpycdl_preemptions", "Jobs preempted by a job of a higher priority "
+                                        "(--preempt), by what became of them (requeued, ended), since the ledger was "
+                                        "made",
+                                        labels=["outcome"])
+        counts = self.ledger.preemption_counts()
+        for outcome in ("requeued", "ended"):
+            preempted.add_metric([outcome], counts.get(outcome, 0))
+        yield preempted
         scheduling = host_scheduling(self.locks.root)
         policy = InfoMetricFamily("rpycdl_scheduling", "The scheduling policy and placement of the host's live servers "
                                   "(absent while none lives)")

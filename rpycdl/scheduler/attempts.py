@@ -32,6 +32,8 @@ LOST = "lost"
 """An attempt's supervisor died while it ran (the sweep's LOST)."""
 RECLAIMED = "reclaimed"
 """An attempt's GPUs were idle past the server's --idle-reclaim, and it was stopped (rpycdl.server.reclaim)."""
+PREEMPTED = "preempted"
+"""An attempt was preempted under --preempt requeue (rpycdl.server.preempting): requeued whatever its retries=."""
 
 Retry = Callable[[JobRecord, "str | None"], bool]
 """Given a detached job's row as its attempt ended and why (cause): whether it requeued the job (its row waits
@@ -80,11 +82,16 @@ def cause(record: JobRecord, crashed: bool, signaled: bool) -> str | None:
     return KILLED if (record.exit_code or 0) < 0 else FAILED
 
 
-def retryable(record: JobRecord, cause: str | None) -> bool:
-    """Whether an attempt of the job of `record` that ended for `cause` (KILLED, FAILED, LOST; None: any other
-    end) requeues it: retries left, and no cancel asked."""
+def retryable(record: JobRecord, cause: str | None, preempted: int = 0) -> bool:
+    """Whether an attempt of the job of `record` that ended for `cause` (KILLED, FAILED, LOST, PREEMPTED; None: any
+    other end) requeues it: no cancel asked, and a preemption, or retries left (the `preempted` attempts before, which
+    a preemption requeued, not counted)."""
     asked = record.request.get("retries") or 0
-    if cause is None or record.cancel_requested or record.attempt > asked:
+    if cause is None or record.cancel_requested:
+        return False
+    if cause == PREEMPTED:
+        return True
+    if record.attempt - preempted > asked:
         return False
     return cause != FAILED or bool(record.request.get("retry_on_failure"))
 

@@ -67,6 +67,7 @@ class JobRecord:
     attempt: int = 1  # which attempt of it this row is: 1, then one more each time retries= requeued it
     array_id: str | None = None  # the array it is an element of (rpycdl.scheduler.arrays), or None
     array_index: int | None = None  # its index in that array
+    priority: int = 0  # its priority among the waiting (rpycdl.scheduler.priorities): higher goes first
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON-able values, its state as its string (lists and dicts shared, not copied)."""

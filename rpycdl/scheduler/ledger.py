@@ -36,6 +36,7 @@ from rpycdl.errors import InvalidRequestError, LedgerError
 from rpycdl.scheduler.attempts import AttemptsLedger
 from rpycdl.scheduler.jobrecord import COLUMNS, JobRecord, from_row, new_job_id, to_row
 from rpycdl.scheduler.lockdir import shared_dir, shared_file
+from rpycdl.scheduler.preemptions import PreemptionsLedger
 from rpycdl.scheduler.schema import ARTIFACT_STATES, DROPS, LIVE, MIGRATIONS, REFUSALS, migrate
 from rpycdl.scheduler.tallies import TalliesLedger
 from rpycdl.states import UNFINISHED, JobState
@@ -50,7 +51,7 @@ _UPSERT = (f"INSERT INTO jobs ({', '.join(_WRITTEN)}) VALUES ({', '.join(':' + c
            f"WHERE jobs.{LIVE}")
 
 
-class Ledger(AttemptsLedger, TalliesLedger):
+class Ledger(AttemptsLedger, TalliesLedger, PreemptionsLedger):
     """The job ledger of one state directory: <state_dir>/ledger.sqlite3. The threads of a process may
     share one, and a child of os.fork() goes on using it (with a connection of its own)."""
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rpycdl.defaults import PRIORITY_HIGHEST
 from rpycdl.errors import InvalidRequestError, LimitError
 from rpycdl.scheduler import fairshare, lockdir, tomlfiles
 from rpycdl.scheduler.ledger import Ledger
@@ -38,16 +39,18 @@ WINDOWS = {"gpu_hours_day": (DAY, "day"), "gpu_hours_week": (WEEK, "week")}
 @dataclass(frozen=True)
 class Limit:
     """One table of the file: GPUs held at once (a share counts as its fraction), jobs waiting at once, GPU-hours in
-    a rolling day and week, jobs kept from --idle-reclaim at once; None: no limit (keep_idle: 0)."""
+    a rolling day and week, jobs kept from --idle-reclaim at once; None: no limit (keep_idle: 0). `priority` is no limit
+    of use but the highest priority its users may ask (rpycdl.scheduler.priorities; None: 0)."""
 
     gpus: float | None = None
     pending: int | None = None
     gpu_hours_day: float | None = None
     gpu_hours_week: float | None = None
     keep_idle: int | None = None  # jobs kept from --idle-reclaim at once (idle_reclaim=False): rpycdl.server.reclaim
+    priority: int | None = None
 
 
-WHOLE = ("pending", "keep_idle")
+WHOLE = ("pending", "keep_idle", "priority")
 """The keys that take whole numbers."""
 KEYS = tuple(Limit.__dataclass_fields__)
 
@@ -157,9 +160,11 @@ def _limit(table: Any, where: str, source: str) -> Limit:
     for key, value in table.items():
         whole = key in WHOLE
         kinds = int if whole else (int, float)
-        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 <= value < math.inf:
+        top = PRIORITY_HIGHEST if key == "priority" else math.inf
+        if isinstance(value, bool) or not isinstance(value, kinds) or not 0 <= value <= top or value == math.inf:
             kind = "a whole number" if whole else "a number"
-            raise InvalidRequestError(f"{source}: {where}.{key} must be {kind}, 0 or more, not {value!r}")
+            most = f" up to {top}" if top < math.inf else " or more"
+            raise InvalidRequestError(f"{source}: {where}.{key} must be {kind}, 0{most}, not {value!r}")
     return Limit(**{key: int(value) if key in WHOLE else float(value) for key, value in table.items()})
 
 

@@ -50,12 +50,12 @@ from typing import Any
 
 from rpycdl.defaults import DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import QueueTimeoutError
-from rpycdl.scheduler import limits, lockdir, planning, policies, policyfiles, procs
+from rpycdl.scheduler import limits, lockdir, planning, policies, policyfiles, preemption, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.planning import Range
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
-from rpycdl.scheduler.queuedir import Need, Place, QueueDir
+from rpycdl.scheduler.queuedir import Need, Place, QueueDir, in_line
 from rpycdl.states import need_text
 
 TICKET, GRANT = 0, 1  # lines of the counters file
@@ -77,7 +77,7 @@ class GPULockManager:
                  sleep_poll: float = WAIT_FALLBACK_POLL) -> None:
         self.root = Path(lock_dir)
         self.scheduling = scheduling or Scheduling()
-        for sub in ("", "gpus", "held", "queue", "rows", "listeners"):
+        for sub in ("", "gpus", "held", "queue", "rows", "listeners", "ranked", preemption.MARKS):
             lockdir.shared_dir(self.root / sub)
         lockdir.shared_file(self.root / "counters")
         if lockdir.writable():  # a reader (a monitor) takes no lock: it only probes
@@ -236,7 +236,8 @@ class GPULockManager:
                 if placed[key] > (need.at_once() if ahead is None else ahead) and (
                         entry.get("deadline") is None or entry["deadline"] > now):
                     index = places[ticket]
-                    others = waiters[:index] + ([] if self.scheduling.policy == FCFS else waiters[index + 1:])
+                    others = waiters[:index] + [other for other in waiters[index + 1:] if self.scheduling.policy
+                                                != FCFS or in_line(other) < in_line(entry)]
                     decision = self._decide(ticket, need, entry, others)[0]
                     if not decision.uuids:  # a row over its owner's limits holds nobody back: not counted
                         blocked[key] = blocked.get(key, 0) + (not decision.reason)
@@ -310,11 +311,11 @@ class GPULockManager:
         """Under the queue lock: grant to `ticket` if the host's policy lets it go now (policies.decide: after
         every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
         and how many competing requests are ahead."""
-        policy = self.scheduling.policy
-        waiters = [waiter for waiter in self._queue.waiters(before=ticket if policy == FCFS else None)
-                   if waiter["ticket"] != ticket]  # behind it too, for a backfill's plan or fair share's order
+        policy, info = self.scheduling.policy, self._queue.placed(ticket, info)  # a requeued row's place, if any
+        waiters = self._queue.competing(ticket, in_line({**info, "ticket": ticket}), everyone=policy != FCFS)
         decision, taken, sizes = self._decide(ticket, need, info, waiters)
-        if not decision.uuids:
+        if not decision.uuids:  # lower-priority jobs that hold what it needs may be preempted (--preempt)
+            preemption.consider(self.root, self.scheduling, self._holders.records, info, need.entry(), decision)
             return None, decision.ahead
         # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
         # what is taken of them is still what was probed above.

@@ -3,7 +3,9 @@
 of when each waiting request would start if every job ran for its declared timeout. Nothing is locked or
 read here: rpycdl.scheduler.locks gathers the queue and the grants, asks `decide`, and locks what it names.
 
-Every policy grants in one order (`order`: tickets, or for fair share the accounts' usage, then tickets). A
+Every policy grants in one order (`order`: by priority first, higher first; then tickets, or for fair share the
+accounts' usage, then tickets: a request of a higher priority goes before those of lower ones that came first, the
+documented exception to first come, first served, as `priority=` asks, within its owner's ceiling). A
 request is granted when it can be at once after every request ahead of it that competes for the same GPUs
 was served or has reserved the GPUs it waits for (a waiting request reserves all of its candidates), so no
 request overtakes one ahead. Under fcfs-backfill a request that declared a timeout may also go first onto
@@ -26,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpycdl.defaults import MAX_PREEMPT_GRACE, PREEMPT_GRACE
 from rpycdl.errors import InvalidRequestError
 from rpycdl.scheduler import planning
 from rpycdl.scheduler.fairshare import FairShare
@@ -34,6 +37,9 @@ from rpycdl.scheduler.planning import Room
 
 FCFS, BACKFILL, FAIR = "fcfs", "fcfs-backfill", "fair"
 POLICIES = (FCFS, BACKFILL, FAIR)
+OFF, REQUEUE, CANCEL = "off", "requeue", "cancel"
+PREEMPTS = (OFF, REQUEUE, CANCEL)
+"""--preempt: never; a preempted detached job requeued (an attached one, a session: PreemptedError); every one ended."""
 
 PLAN_MAX = 32
 """Requests ahead a backfill plans at most: behind more of them (that share GPUs with it), nothing backfills."""
@@ -41,37 +47,46 @@ PLAN_MAX = 32
 
 @dataclass(frozen=True)
 class Scheduling:
-    """A host's scheduling: its policy (POLICIES), where shares go (planning.PLACEMENTS) and, under fair
-    share, its settings. Every server and supervisor sharing a lock directory has the same (GPULockManager's
-    claim refuses another)."""
+    """A host's scheduling: its policy (POLICIES), where shares go (planning.PLACEMENTS), under fair share its
+    settings, and its preemption (PREEMPTS: off, requeue or cancel, with the grace a preempted job has between its
+    SIGTERM and its SIGKILL: rpycdl.scheduler.preemption). Every server and supervisor sharing a lock directory has
+    the same (GPULockManager's claim refuses another)."""
 
     policy: str = FCFS
     placement: str = planning.PACK
     fair_share: FairShare = field(default_factory=FairShare)
+    preempt: str = OFF
+    preempt_grace: float = PREEMPT_GRACE
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise InvalidRequestError(f"unknown policy {self.policy!r}: {', '.join(POLICIES)}")
         if self.placement not in planning.PLACEMENTS:
             raise InvalidRequestError(f"unknown placement {self.placement!r}: {', '.join(planning.PLACEMENTS)}")
+        if self.preempt not in PREEMPTS or not 0 <= self.preempt_grace <= MAX_PREEMPT_GRACE:
+            raise InvalidRequestError(f"--preempt {self.preempt} --preempt-grace {self.preempt_grace:g}: "
+                                      f"{', '.join(PREEMPTS)}, and a grace of 0 to {MAX_PREEMPT_GRACE:g} s")
 
     def words(self) -> str:
         """As an operator gives it: '--policy fair --placement pack (half-life=86400s;weights=none)'."""
         fair = f" ({self.fair_share.fingerprint()})" if self.policy == FAIR else ""
-        return f"--policy {self.policy} --placement {self.placement}{fair}"
+        preempt = f" --preempt {self.preempt} --preempt-grace {self.preempt_grace:g}s" if self.preempt != OFF else ""
+        return f"--policy {self.policy} --placement {self.placement}{fair}{preempt}"
 
     def key(self) -> str:
         """A file name that is the same for the same scheduling, and only for it."""
         fair = hashlib.sha256(self.fair_share.fingerprint().encode()).hexdigest()[:12] if self.policy == FAIR else ""
-        return "+".join(part for part in (self.policy, self.placement, fair) if part)
+        preempt = f"preempt-{self.preempt}-{self.preempt_grace:g}" if self.preempt != OFF else ""
+        return "+".join(part for part in (self.policy, self.placement, fair, preempt) if part)
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "placement": self.placement, "half_life": self.fair_share.half_life,
-                "weights": dict(self.fair_share.weights)}
+                "weights": dict(self.fair_share.weights), "preempt": self.preempt, "preempt_grace": self.preempt_grace}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Scheduling:
-        return cls(data["policy"], data["placement"], FairShare(data["half_life"], data["weights"]))
+        return cls(data["policy"], data["placement"], FairShare(data["half_life"], data["weights"]),
+                   data.get("preempt", OFF), data.get("preempt_grace", PREEMPT_GRACE))
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,8 @@ class Want:
         seconds: its declared timeout, the longest it holds its GPUs once granted; None if it declared none.
         account: the user it counts against under fair share and limits.
         gpus: the GPUs it counts for against its owner's limits (a share's fraction); None: ngpus.
+        priority: its priority (rpycdl.scheduler.priorities): a higher one goes first under every policy.
+        place: the ticket whose place in line it has, if not its own: a preempted job's, requeued (None: `ticket`).
     """
 
     ticket: int
@@ -95,6 +112,8 @@ class Want:
     seconds: float | None = None
     account: str = ""
     gpus: float | None = None
+    priority: int = 0
+    place: int | None = None
 
     @property
     def counts(self) -> float:
@@ -142,13 +161,14 @@ class Decision:
 
 
 def order(wants: Sequence[Want], policy: str, usage: Mapping[str, float] | None = None) -> list[Want]:
-    """The requests in the order the policy grants them: by ticket; under fair share by their account's
-    `usage` (weighted, decayed GPU-seconds: rpycdl.scheduler.fairshare; 0 for an account not in it), then
-    by ticket, so one account's requests keep their arrival order."""
+    """The requests in the order the policy grants them: by priority, higher first, then by ticket (the `place` of a
+    requeued preempted job: the ticket it had); under fair share
+    by priority, then by their account's `usage` (weighted, decayed GPU-seconds: rpycdl.scheduler.fairshare; 0 for an
+    account not in it), then by ticket, so one account's requests of one priority keep their arrival order."""
     if policy == FAIR:
         usage = usage or {}
-        return sorted(wants, key=lambda want: (usage.get(want.account, 0.0), want.ticket))
-    return sorted(wants, key=lambda want: want.ticket)
+        return sorted(wants, key=lambda want: (-want.priority, usage.get(want.account, 0.0), want.place or want.ticket))
+    return sorted(wants, key=lambda want: (-want.priority, want.place or want.ticket))
 
 
 def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: Rules, *,

@@ -17,6 +17,7 @@ from rpycdl.scheduler import fairshare, limits, lockdir, policies
 from rpycdl.scheduler.fairshare import FairShare
 from rpycdl.scheduler.holders import Records
 from rpycdl.scheduler.policies import BACKFILL, FAIR, Board, Hold, Rules, Scheduling, Want
+from rpycdl.scheduler.queuedir import in_line
 
 
 def claim(root: Path, scheduling: Scheduling) -> None:
@@ -64,7 +65,7 @@ def want(ticket: int, entry: Mapping[str, Any], info: Mapping[str, Any]) -> Want
     sizes = [size for uuid, size in entry.get("sizes_mib", {}).items() if uuid in entry["candidates"]]
     share = entry["share_mib"] / max(sizes) if entry["share_mib"] and sizes else None
     return Want(ticket, entry["ngpus"], entry["share_mib"], tuple(entry["candidates"]), entry.get("seconds"),
-                info.get("account", ""), share)
+                info.get("account", ""), share, info.get("priority") or 0, info.get("place"))
 
 
 def board(records: Records, sizes: Mapping[str, int], now: float) -> Board:
@@ -88,13 +89,13 @@ def usage(root: Path, records: Records, settings: FairShare, now: float) -> dict
 
 def in_order(root: Path, scheduling: Scheduling, queue: list[dict[str, Any]], records: Records,
              plan: bool = False) -> list[dict[str, Any]]:
-    """The waiting requests (in ticket order) in the order the policy grants them: with each one's `usage` (its
-    account's, weighted) under fair share; with `plan`, under backfill, the `planned_start` of each of the
-    first PLAN_MAX (None: unknown), the first one's being the start its place reserves."""
+    """The waiting requests (in ticket order) in the order the policy grants them (higher priorities first): with
+    each one's `usage` (its account's, weighted) under fair share; with `plan`, under backfill, the `planned_start`
+    of each of the first PLAN_MAX (None: unknown), the first one's being the start its place reserves."""
     policy, now = scheduling.policy, time.time()
     queue = with_reasons(root, queue, records, now)
-    if policy != FAIR and not (plan and policy == BACKFILL):
-        return queue  # the tickets' order, nothing to add
+    if policy != FAIR and not (plan and policy == BACKFILL):  # the tickets' order within each priority
+        return sorted(queue, key=in_line)
     used = usage(root, records, scheduling.fair_share, now) if policy == FAIR else None
     wants = {waiter["ticket"]: want(waiter["ticket"], waiter, waiter) for waiter in queue}
     ordered = policies.order(list(wants.values()), policy, used)

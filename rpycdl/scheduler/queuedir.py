@@ -7,7 +7,10 @@ A queued detached job's entry is a row (rows/<ticket>.json, marked `row`): it ha
 process until it is granted or dropped. A dispatcher claims it by making its FIFO (queue/<ticket>.fifo:
 open_fifo) and hands the descriptor to the supervisor it starts; a FIFO nobody reads any more is a claim that
 lapsed (claimed). Rows have a directory of their own so that waking the waiters, at each grant and release,
-lists only the processes' entries, however many rows wait. Methods that change the
+lists only the processes' entries, however many rows wait. An entry that may go before earlier tickets (a priority
+above 0, or the `place` of a preempted job requeued: the ticket it had) has a mark beside (ranked/<ticket>, empty), so
+that a request under first come, first served, which reads only the entries before its own ticket, also finds the
+later ones that go first (ranked) without listing the queue. Methods that change the
 queue are called under queue.lock, which the lock manager holds.
 """
 
@@ -85,6 +88,12 @@ class Need:
                    {uuid: mib * MiB for uuid, mib in entry.get("sizes_mib", {}).items()}, entry.get("seconds"))
 
 
+def in_line(entry: Mapping[str, Any]) -> tuple[int, int]:
+    """Where a waiting request's entry (or a request's info with its ticket) stands in line, less first: by priority,
+    higher first, then by its place (a requeued preempted job's earlier ticket), else its ticket."""
+    return -(entry.get("priority") or 0), entry.get("place") or entry["ticket"]
+
+
 @dataclass(frozen=True)
 class Place:
     """A request's place in line: its ticket, and the descriptor of its wake-up FIFO, which keeps the
@@ -102,6 +111,7 @@ class QueueDir:
         self._queue = root / "queue"
         self._rows = root / "rows"
         self._listeners = root / "listeners"
+        self._ranked = root / "ranked"
         # The entries found before a ticket, by the ticket: none can appear later, since a ticket is taken and its
         # entry written under one hold of queue.lock, so a waiter looks again only at those (a request at the head
         # of a long queue never lists it again).
@@ -126,8 +136,44 @@ class QueueDir:
                 listed = [(name, base) for name, base in listed if name < bound]
         if before is not None:
             self._ahead = {before: listed}
+        return self._live(sorted(listed), prune)
+
+    def competing(self, ticket: int, mine: tuple[int, int], everyone: bool) -> list[dict[str, Any]]:
+        """The live waiting requests a request of `ticket` whose place is `mine` (in_line) is ordered among (under the
+        queue lock): `everyone` (a policy that orders by more than tickets), else those before it and those after it
+        that go first (all, for a priority below 0: those of 0 after it go first)."""
+        before = None if everyone or mine[0] > 0 else ticket
+        found = [waiter for waiter in self.waiters(before=before) if waiter["ticket"] != ticket]
+        return found if before is None else found + self.ranked(ticket, mine)
+
+    def placed(self, ticket: int, info: dict[str, Any]) -> dict[str, Any]:
+        """A request's `info` with the `place` its entry (a requeued row's: its ticket before) gives it, if any."""
+        if "place" in info:
+            return info
+        for folder in (self._rows, self._queue):
+            path = f"{folder}/{ticket:016d}.json"
+            entry = _ENTRIES.get(path) or (lockdir.read_json(Path(path)) if os.path.lexists(path) else None)
+            if entry is not None and entry.get("place"):
+                return {**info, "place": entry["place"]}
+        return info
+
+    def ranked(self, after: int, mine: tuple[int, int], prune: bool = True) -> list[dict[str, Any]]:
+        """The live waiting requests after ticket `after` that go before a place `mine` (in_line; those marked in
+        ranked/), in ticket order; with `prune`, as waiters."""
+        listed = []
+        for mark in sorted(name for name in lockdir.names(self._ranked, "", "") if name > f"{after:016d}"):
+            found = [(f"{mark}.json", f"{folder}/") for folder in (self._queue, self._rows)
+                     if os.path.lexists(f"{folder}/{mark}.json")]
+            if not found and prune:  # its entry's maker died between the two
+                (self._ranked / mark).unlink(missing_ok=True)
+            listed += found
+        return [info for info in self._live(listed, prune) if in_line(info) < mine]
+
+    def _live(self, listed: list[tuple[str, str]], prune: bool) -> list[dict[str, Any]]:
+        """The entries of `listed` (name, folder/) that live: rows, and those whose process lives; with `prune`,
+        removes the others."""
         waiters = []
-        for name, base in sorted(listed):
+        for name, base in listed:
             entry = base + name
             info = _ENTRIES.get(entry) or lockdir.read_json(Path(entry))
             if info is None or (not info.get("row") and not lockdir.fifo_has_reader(Path(entry[:-5] + ".fifo"))):
@@ -146,6 +192,9 @@ class QueueDir:
         shown = {key: value for key, value in entry.items() if key not in HELD_ONLY}
         path = (self._rows if entry.get("row") else self._queue) / f"{ticket:016d}.json"
         text = json.dumps({**shown, "ticket": ticket, "since": time.time()})
+        if (entry.get("priority") or 0) > 0 or entry.get("place"):  # marked first: a reader finds the mark, then the
+            # entry, or neither
+            lockdir.shared_file(self._ranked / f"{ticket:016d}", b"")
         if entry.get("row"):  # made once under the queue lock, which waiters' pruning holds: lockdir.new_file
             lockdir.new_file(path, text.encode())
         else:
@@ -159,7 +208,7 @@ class QueueDir:
     def remove(self, ticket: int) -> None:
         """Under the queue lock: the ticket's entry and FIFO go."""
         for path in (self._queue / f"{ticket:016d}.json", self._rows / f"{ticket:016d}.json",
-                     self._queue / f"{ticket:016d}.fifo"):
+                     self._queue / f"{ticket:016d}.fifo", self._ranked / f"{ticket:016d}"):
             path.unlink(missing_ok=True)
 
     def exists(self, ticket: int) -> bool:

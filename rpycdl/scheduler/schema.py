@@ -19,7 +19,10 @@ of a detached job the row is (1, then one more each time `retries=` requeues it:
 (gone with its job's row, by a trigger); version 10 job arrays
 (rpycdl.scheduler.arrays): `jobs.array_id` and `jobs.array_index` (NULL for a job of no array) with their index,
 and `arrays(array_id, user, user_verified, name, size, max_running, submitted, server_id, kind)`, one row per
-array, which goes with its last element's row (a trigger).
+array, which goes with its last element's row (a trigger); version 11 `jobs.priority`, its priority among the waiting
+(rpycdl.scheduler.priorities; 0 for the jobs before); version 12 `preemptions(job_id, attempt, by_job, by_user,
+priority, victim_priority, at, ended, outcome, ticket)`, who preempted whom and when (rpycdl.scheduler.preemptions),
+gone with the job's row (a trigger).
 """
 
 from __future__ import annotations
@@ -115,6 +118,19 @@ MIGRATIONS = [
     CREATE TRIGGER jobs_array_deleted AFTER DELETE ON jobs WHEN old.array_id IS NOT NULL BEGIN
         DELETE FROM arrays WHERE array_id = old.array_id
             AND NOT EXISTS (SELECT 1 FROM jobs WHERE array_id = old.array_id);
+    END;
+    """,
+    """
+    ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
+    """,
+    """
+    CREATE TABLE preemptions (job_id TEXT NOT NULL, attempt INTEGER NOT NULL, by_job TEXT NOT NULL,
+                              by_user TEXT NOT NULL, priority INTEGER NOT NULL, victim_priority INTEGER NOT NULL,
+                              at REAL NOT NULL, ended REAL NOT NULL, outcome TEXT NOT NULL, ticket INTEGER NOT NULL,
+                              PRIMARY KEY (job_id, attempt)) WITHOUT ROWID;
+    CREATE INDEX preemptions_by ON preemptions (by_job);
+    CREATE TRIGGER jobs_preemptions_deleted AFTER DELETE ON jobs BEGIN
+        DELETE FROM preemptions WHERE job_id = old.job_id;
     END;
     """,
 ]

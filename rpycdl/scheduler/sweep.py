@@ -38,7 +38,8 @@ def end_orphaned(ledger: Ledger, files: JobFiles, queued: Callable[[], set[str]]
             why = f"its supervisor (pid {record.owner_pid}) died before the job ended: its outcome is unknown"
             lost = dataclasses.replace(record, state=state, error=record.error or why, error_type=error_type,
                                        ended=time.time())
-            if attempts.retryable(record, attempts.LOST) and ledger.requeue(lost):
+            spent = len(ledger.preemptions(record.job_id))  # those a preemption requeued spend none of its retries=
+            if attempts.retryable(record, attempts.LOST, spent) and ledger.requeue(lost):
                 ended.append(dataclasses.replace(record, state=JobState.PENDING, error=lost.error))
                 continue
         else:

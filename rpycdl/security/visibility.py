@@ -26,7 +26,7 @@ PUBLIC = frozenset({
     # its GPUs, how it runs (a call, command or container; whole or share), where, and its place in line
     "ngpus", "share_bytes", "share_mib", "gpus", "gpu_uuids", "candidates", "sizes_mib", "ranges", "kind",
     "detached", "service", "server", "server_id", "ahead", "position", "ticket", "sequence", "planned_start",
-    "usage", "backfilled", "leftover", "reason",
+    "usage", "backfilled", "leftover", "reason", "priority",
     # while it waits, the jobs holding the GPUs it waits for: each of them by these public fields only
     # (rpycdl.server.status.holders: gpu, uuid, job_id, user, share_bytes, since)
     "holders",

@@ -20,7 +20,7 @@ from rpycdl.server.context import ServerContext
 from rpycdl.wire import codec, netrefs
 
 ARRAY_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "seal", "memory", "cpus",
-                 "max_running", "working_dir", "after", "retries", "retry_on_failure")
+                 "max_running", "working_dir", "after", "retries", "retry_on_failure", "priority")
 """The options of `submit_array` and `submit_command_array` after what they run: submit's (request.SUBMIT_OPTIONS;
 `after` may also wait element by element, `ok:ID[*]`) and max_running, the ones arrays took first first."""
 

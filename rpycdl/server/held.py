@@ -196,12 +196,13 @@ def _reason(record: JobRecord, after: After, verdict: Verdict) -> str:
 
 
 def take_place(context: ServerContext, record: JobRecord, waits: Callable[[JobRecord], bool],
-               deadline_from: float | None = None) -> bool:
+               deadline_from: float | None = None, place: int | None = None) -> bool:
     """Give a job that waits with no place in line (held, requeued) its place: the entry its submit made ready
     (supervisor.hand_over; an array's element: its array's, rpycdl.server.arrays), unless it has one, or its row,
     read again under the queue lock, no longer `waits` or was cancelled, or its array has no room (its
-    max_running); with `deadline_from`, its queue deadline counts from then. A job whose entry cannot be read ends
-    FAILED. Returns whether it took its place."""
+    max_running); with `deadline_from`, its queue deadline counts from then; with `place`, it goes in line where
+    that ticket went (a preempted job's, requeued). A job whose entry cannot be read ends FAILED. Returns whether it
+    took its place."""
     job_id, array_id = record.job_id, record.array_id
     try:
         entry = context.files.spec(array_id or job_id)["queue"]
@@ -213,6 +214,8 @@ def take_place(context: ServerContext, record: JobRecord, waits: Callable[[JobRe
         info["array_index"] = record.array_index
     if deadline_from is not None:
         info["deadline"] = None if timeout is None else deadline_from + timeout
+    if place is not None:
+        info["place"] = place
 
     def still_waits() -> bool:
         now = context.ledger.get(job_id)

@@ -55,7 +55,8 @@ class JobCalls:
     def exposed_submit(self, payload: bytes, *args: Any, **kwargs: Any) -> bytes:
         """Submit a detached job: a payload made by codec.encode_payload (everything in band); options
         (request.SUBMIT_OPTIONS, positionally or by name): ngpus, gpus, gpu_memory, timeout, queue_timeout,
-        name, working_dir, seal (its result's: security.results), memory, cpus, after, retries, retry_on_failure.
+        name, working_dir, seal (its result's: security.results), memory, cpus, after, retries, retry_on_failure,
+        priority.
         Answers the job's row once its supervisor owns it."""
         def submit() -> dict[str, Any]:
             request.check_size(payload, "payload", self.context.limits.max_payload)
@@ -319,7 +320,8 @@ def _ended(record: JobRecord) -> RpycdlError:
     """The error a job's result raises when it left no outcome of its own."""
     from rpycdl import errors
 
-    kind = getattr(errors, ENDED.get(record.state, record.error_type), None)
+    preempted = record.error_type == errors.PreemptedError.__name__  # a cancel of its own kind
+    kind = getattr(errors, record.error_type if preempted else ENDED.get(record.state, record.error_type), None)
     if not (isinstance(kind, type) and issubclass(kind, RpycdlError)):
         kind = JobLostError if record.state is JobState.LOST else RpycdlError
     return kind(f"job {record.job_id} {record.state.value}: {record.error}")

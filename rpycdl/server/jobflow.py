@@ -37,9 +37,10 @@ from rpycdl.gpu.watchdog import GPUWatch
 from rpycdl.scheduler import attempts, limits, procs
 from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.ledger import JobRecord, new_job_id
+from rpycdl.scheduler.policies import OFF
 from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.security.fence import Fence
-from rpycdl.server import child, draining, fencing, jobdirs, outcomes, reclaim, runner, saves, status
+from rpycdl.server import child, draining, fencing, jobdirs, outcomes, preempting, reclaim, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
@@ -99,6 +100,7 @@ class JobFlow:
         self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare), its saves' socket (saves)
         self._saver: saves.Saver | None = None
         self._waiting_since: float | None = None
+        self._preempt: preempting.Watch | None = None  # its grant's preemption (--preempt), once it runs
         self._quota = jobdirs.OutputQuota(context, self.record.job_id)  # shared by its Stops: measured once a second
         self._idle: reclaim.Reclaim | None = None  # its GPUs' idle time (--idle-reclaim), over a session's calls too
         self.say = request.output.stderr  # where the server warns the job (a session's: as its client can hear)
@@ -111,7 +113,7 @@ class JobFlow:
                          request.gpu_request.share_bytes, owner_pid=me[0], owner_start=me[1],
                          user=request.owner.user, user_verified=request.owner.verified, name=request.name,
                          detached=request.detached, kind=request.kind, service=context.name,
-                         server=f"{context.host}:{context.port}", request=request.summary())
+                         server=f"{context.host}:{context.port}", request=request.summary(), priority=request.priority)
 
     def run(self) -> bytes:
         """Queue, lock the GPUs, run, release. Returns the outcome bytes (wire.codec); raises
@@ -132,13 +134,15 @@ class JobFlow:
             raise
         finally:
             record.ended = time.time()
-            if self.result is None or len(self.result.outcome) > RELEASE_BEFORE_REPLY:
+            preempted = self._preempt is not None and self._preempt.mark is not None  # its end tells its error
+            if self.result is None or preempted or len(self.result.outcome) > RELEASE_BEFORE_REPLY:
                 self._end()  # a large reply may take long to send: the GPUs do not wait for it
             else:  # the outcome is known: the client gets it while the job process is reaped
                 self.link.defer(self._end)
         if self.result.ending is runner.Ending.FINISHED:
             return self.result.outcome
-        raise outcomes.ERRORS[self.result.ending](f"job {record.job_id}: {self.result.reason}")
+        error = preempting.error(record, outcomes.ERRORS[self.result.ending])
+        raise error(f"job {record.job_id}: {self.result.reason}")
 
     # -- waiting ------------------------------------------------------------------------
 
@@ -242,10 +246,15 @@ class JobFlow:
         idle = self._idle = self._idle or reclaim.watch(self)
         watch = GPUWatch(ctx.inventory, {gpu.uuid: gpu for gpu in ctx.gpus},
                          {uuid: grant.share_bytes for uuid in grant.uuids}, ctx.shares.allowance)
+        preempt = self._preempt = self._preempt or (preempting.Watch(ctx.lock_dir, job_id, grant.ticket)
+                                                    if ctx.scheduling.preempt != OFF else None)  # a session's: one
 
         def stop(pid: int) -> tuple[runner.Ending, str] | None:
             if ctx.ledger.cancel_requested(job_id):
                 return runner.Ending.CANCELLED, "the job was cancelled"
+            preempted = preempt.check(pid) if preempt is not None else None
+            if preempted is not None:
+                return preempted
             if draining.overdue():
                 return runner.Ending.CANCELLED, f"the job was cancelled: {draining.REASON}"
             over = self._quota.over()
@@ -364,7 +373,10 @@ class JobFlow:
             record.error_type = outcomes.ERRORS[result.ending].__name__
         else:
             outcomes.judge(record, result.outcome, self.request.command is not None)
-        if ran and self._retry is not None and self._retry(record, attempts.cause(
+        preempted = preempting.settle(self.context, record, self._preempt, result)  # its end as a preemption's
+        if preempted is not None:
+            self.result = preempted[0]
+        if ran and self._retry is not None and self._retry(record, preempted[1] if preempted else attempts.cause(
                 record, result.ending is runner.Ending.CRASHED, self._signaled)):  # type: ignore[union-attr]
             if self._saver is not None:  # its row waits again; its directories stay for the next attempt
                 self._saver.close()
@@ -398,9 +410,11 @@ def need_of(context: ServerContext, record: JobRecord) -> Need:
 
 
 def queue_info(context: ServerContext, record: JobRecord, request: JobRequest) -> dict[str, Any]:
-    """What the queue and the GPUs' holders show of a job; `account`, the user its GPU time counts against."""
+    """What the queue and the GPUs' holders show of a job; `account`, the user its GPU time counts against; its
+    `priority` (rpycdl.scheduler.priorities)."""
     return {"job_id": record.job_id, "client": record.client, "server": context.name,
-            "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user}
+            "server_id": context.server_id, "user": request.owner.label, "account": request.owner.user,
+            "priority": record.priority}
 
 
 def check_queue_limits(context: ServerContext, request: JobRequest, job_id: str = "") -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rpycdl.defaults import MIN_JOB_MEMORY
 from rpycdl.errors import InvalidRequestError, LimitError
+from rpycdl.scheduler import priorities
 from rpycdl.scheduler.shares import GPURequest, parse_request
 from rpycdl.security.accounts import Account
 from rpycdl.security.auth import Identity
@@ -26,17 +27,18 @@ MAX_TIMEOUT = 366 * 24 * 3600.0
 """The longest timeout or queue_timeout a request may give, in seconds."""
 
 CALL_OPTIONS = ("ngpus", "stdout", "stderr", "timeout", "queue_timeout", "on_state", "gpus", "gpu_memory",
-                "working_dir", "memory", "cpus", "idle_reclaim")
+                "working_dir", "memory", "cpus", "idle_reclaim", "priority")
 """The options of `run` and `run_buffers` after their fixed arguments, in the order rpycdl clients
 send them positionally (they may also come by name); `working_dir` is the content hash of a working
 directory sent before (exposed_put_working_dir); `memory` and `cpus` are the host memory and CPU cores it may use;
-`idle_reclaim=False` keeps its GPUs from --idle-reclaim (rpycdl.server.reclaim)."""
+`idle_reclaim=False` keeps its GPUs from --idle-reclaim (rpycdl.server.reclaim); `priority` its place among the
+waiting (rpycdl.scheduler.priorities)."""
 
 CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "stdout", "stderr", "timeout", "queue_timeout", "on_state")
 """The options of `run_container` after the image and the command, likewise."""
 
 SUBMIT_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "name", "working_dir", "seal", "memory",
-                  "cpus", "after", "retries", "retry_on_failure", "idle_reclaim")
+                  "cpus", "after", "retries", "retry_on_failure", "idle_reclaim", "priority")
 """The options of `submit` and `submit_command` after the payload or the command; `seal` is the client's seal
 of the job's result (rpycdl.security.results.Seal.sent), or None; `after` its dependencies
 (rpycdl.scheduler.dependencies: "ok:JOB[,JOB]"); `retries` and `retry_on_failure` when it is requeued
@@ -46,7 +48,7 @@ SUBMIT_CONTAINER_OPTIONS = ("ngpus", "env", "workdir", "mounts", "timeout", "que
 """The options of `submit_container` after the image and the command."""
 
 SESSION_OPTIONS = ("ngpus", "gpus", "gpu_memory", "timeout", "queue_timeout", "idle_timeout", "on_state", "working_dir",
-                   "memory", "cpus", "idle_reclaim")
+                   "memory", "cpus", "idle_reclaim", "priority")
 """The options of `session_open`."""
 
 SESSION_CALL_OPTIONS = ("stdout", "stderr", "timeout")
@@ -106,6 +108,7 @@ class JobRequest:
         retries, retry_on_failure: how many times a detached job may be requeued, and whether also after an end of
             its own (rpycdl.scheduler.attempts).
         keep_idle: it asked idle_reclaim=False: its GPUs are not reclaimed however idle (rpycdl.server.reclaim).
+        priority: its priority among the waiting requests (rpycdl.scheduler.priorities), within its owner's ceiling.
     """
 
     gpu_request: GPURequest
@@ -130,6 +133,7 @@ class JobRequest:
     retries: int = 0
     retry_on_failure: bool = False
     keep_idle: bool = False
+    priority: int = 0
 
     @property
     def kind(self) -> str:
@@ -247,7 +251,8 @@ def check_cpus(value: Any) -> float | None:
 
 def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = None, gpus: Any = None,
           gpu_memory: Any = None, timeout: Any = None, queue_timeout: Any = None, working_dir: Any = None,
-          memory: Any = None, cpus: Any = None, idle_reclaim: Any = None, **job: Any) -> JobRequest:
+          memory: Any = None, cpus: Any = None, idle_reclaim: Any = None, priority: Any = None,
+          **job: Any) -> JobRequest:
     """Check what a request asks for against this server, and make it a JobRequest.
 
     Args:
@@ -258,14 +263,18 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
         working_dir: the content hash of a working directory in the server's cache that `owner` sent, or None.
         memory, cpus: the host memory and CPU cores it asks for, as the client gave them (check_memory, check_cpus).
         idle_reclaim: False to keep its GPUs however idle, within its owner's allowance (reclaim.check_keep).
+        priority: its priority, as the client gave it (rpycdl.scheduler.priorities: checked, and against `owner`'s
+            ceiling).
         job: what to run and where its output goes: `body` and `buffers` (and `command`), or
             `container`; `output`; `detached` and `name`.
 
     Raises:
         InvalidRequestError: anything it could never run.
         NotAllowedError: its owner may not run jobs here, or has no account (security.accounts).
-        LimitError: idle_reclaim=False over its owner's allowance.
+        LimitError: idle_reclaim=False over its owner's allowance, or a priority above its owner's ceiling.
     """
+    rank = priorities.check(priority)
+    priorities.allow(context.lock_dir, owner.user, rank, admin=owner.admin, label=owner.label)
     sizes = [gpu.memory_total for gpu in context.gpus]
     if working_dir is not None and (not isinstance(working_dir, str)
                                     or not context.working_dirs.has(working_dir, owner.label)):
@@ -275,7 +284,8 @@ def build(context: ServerContext, owner: Identity, client: str, *, ngpus: Any = 
                       timeout=check_seconds(timeout, "timeout"),
                       queue_timeout=check_seconds(queue_timeout, "queue_timeout"), working_dir=working_dir,
                       account=context.accounts.account(owner), memory=check_memory(memory, context),
-                      cpus=check_cpus(cpus), keep_idle=reclaim.check_keep(context, owner, idle_reclaim), **job)
+                      cpus=check_cpus(cpus), keep_idle=reclaim.check_keep(context, owner, idle_reclaim),
+                      priority=rank, **job)
 
 
 def writer(stream: Any) -> Callable[[str], None]:

@@ -54,9 +54,13 @@ def _holding(context: ServerContext) -> set[str]:
 
 def _enqueue(context: ServerContext, record: JobRecord) -> bool:
     """Give a requeued job its place in line again (held.take_place), its queue deadline counted from its requeue,
-    unless it has one or no longer waits so. Returns whether it did."""
+    unless it has one or no longer waits so: a preempted attempt's own place (its ticket), another's behind whatever
+    waits then. Returns whether it did."""
     since = [attempt["ended"] for attempt in context.ledger.attempts(record.job_id)][-1:] or [record.submitted]
-    if not held.take_place(context, record, lambda now: is_requeued(now) and now.attempt == record.attempt, since[0]):
+    place = next((row["ticket"] for row in context.ledger.preemptions(record.job_id)  # a preempted attempt's place
+                  if row["attempt"] == record.attempt - 1 and row["outcome"] == "requeued"), None)
+    if not held.take_place(context, record, lambda now: is_requeued(now) and now.attempt == record.attempt, since[0],
+                           place):
         return False
     log.info("job %s takes its place in line again: attempt %d", record.job_id, record.attempt)
     return True

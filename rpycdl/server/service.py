@@ -70,7 +70,8 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, ArrayCalls, WorkdirCall
 
     def exposed_run(self, payload: bytes, *args: Any, **kwargs: Any) -> bytes:
         """Run a payload made by codec.encode_payload; options (request.CALL_OPTIONS, positionally or
-        by name): ngpus, stdout, stderr, timeout, queue_timeout, on_state, gpus, gpu_memory.
+        by name): ngpus, stdout, stderr, timeout, queue_timeout, on_state, gpus, gpu_memory, working_dir, memory,
+        cpus, priority.
         Returns outcome bytes (see rpycdl.client)."""
         try:
             options = self.keep_sinks(request.named(request.CALL_OPTIONS, args, kwargs))
@@ -101,11 +102,11 @@ class GPUService(ConnectionLink, SessionCalls, JobCalls, ArrayCalls, WorkdirCall
     def exposed_run_code(self, fn: Any, args: Any = None, ngpus: Any = None, stdout: Any = None,
                          stderr: Any = None, **options: Any) -> Any:
         """The original servers' call: `fn` is dill bytes, `stdout`/`stderr` file-like objects;
-        options by name: timeout, queue_timeout, gpus, gpu_memory.
+        options by name: timeout, queue_timeout, gpus, gpu_memory, priority.
 
         Returns the job's value and raises its exception, as the original servers did."""
         try:
-            options = request.named(("timeout", "queue_timeout", "gpus", "gpu_memory"), (), options)
+            options = request.named(("timeout", "queue_timeout", "gpus", "gpu_memory", "priority"), (), options)
             self.keep_sinks({"stdout": stdout, "stderr": stderr})
             request.check_size(fn, "fn", self.context.limits.max_payload)
             codec.check_pickle(fn, "fn")

@@ -18,7 +18,7 @@ from typing import Any
 
 from rpycdl.defaults import SESSION_IDLE_TIMEOUT, SESSION_INTERRUPT_GRACE, SESSION_TICK
 from rpycdl.errors import InvalidRequestError, JobCancelledError, RpycdlError
-from rpycdl.server import jobdirs, reclaim, request, runner
+from rpycdl.server import jobdirs, preempting, reclaim, request, runner
 from rpycdl.server.context import ServerContext
 from rpycdl.server.jobcalls import refused
 from rpycdl.server.jobflow import JobFlow
@@ -101,7 +101,8 @@ class SessionFlow(JobFlow):
         if result.ending is runner.Ending.FINISHED:
             return result.outcome
         self._end_with(result)
-        raise ERRORS[result.ending](f"session {record.job_id}: {result.reason}")
+        ended = self.result or result  # a preemption's (rpycdl.server.preempting) when one ended it
+        raise preempting.error(record, ERRORS[result.ending])(f"session {record.job_id}: {ended.reason}")
 
     def interrupt(self) -> None:
         """Ctrl-C of the call under way: KeyboardInterrupt in it; if it has not stopped within
@@ -247,8 +248,8 @@ class SessionCalls:
             if reclaimed:
                 raise reclaimed
             why = f": it ended ({session.record.state.value}: {session.record.error})" if session else ""
-            raise InvalidRequestError(f"this connection has no open session{why}; open one with "
-                                      "conn.root.session()")
+            kind = InvalidRequestError if session is None else preempting.error(session.record, InvalidRequestError)
+            raise kind(f"this connection has no open session{why}; open one with conn.root.session()")
         return session
 
     def _session_ended(self) -> None:

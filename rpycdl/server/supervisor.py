@@ -338,7 +338,8 @@ def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place:
             record.log_bytes = log.size
 
     def retry(ended: JobRecord, cause: str | None) -> bool:
-        if attempts.retryable(ended, cause) and context.ledger.requeue(ended):
+        preempted = len(context.ledger.preemptions(ended.job_id))  # those requeued spend none of its retries=
+        if attempts.retryable(ended, cause, preempted) and context.ledger.requeue(ended):
             requeued.append(cause)
         return bool(requeued)
 

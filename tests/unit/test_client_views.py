@@ -82,10 +82,10 @@ def test_what_an_ended_job_used_is_shown_where_measured_and_a_dash_where_not():
                                                                                             "exit_code")}
     header, *lines = format_jobs([used, unmeasured, reduced], long=True).splitlines()
     assert header.split() == ["ID", "NAME", "STATE", "USER", "SERVICE", "GPUS", "SUBMITTED", "WAITED", "RAN",
-                              "MEM", "CPU", "PROCS", "TRY", "INFO"]
-    assert lines[0].split()[-8:] == ["1m", "3.5", "GiB", "1h02m", "17", "1", "exit", "0"]
-    assert lines[1].split()[-7:] == ["1m", "-", "-", "-", "1", "exit", "0"]
-    assert lines[2].split()[-5:] == ["1m", "-", "-", "-", "1"]  # another's job: its usage is not shown to them
+                              "PRIO", "MEM", "CPU", "PROCS", "TRY", "INFO"]
+    assert lines[0].split()[-9:] == ["1m", "0", "3.5", "GiB", "1h02m", "17", "1", "exit", "0"]
+    assert lines[1].split()[-8:] == ["1m", "0", "-", "-", "-", "1", "exit", "0"]
+    assert lines[2].split()[-6:] == ["1m", "0", "-", "-", "-", "1"]  # another's job: its usage is not shown to them
     retried = format_jobs([ended_row(attempt=2, request={"retries": 3})], long=True).splitlines()[1]
     assert retried.split()[-3:] == ["2/4", "exit", "0"]  # its second attempt of four at most
     assert lines[1].index(" - ") == lines[0].index("3.5 GiB") - 1  # the columns line up

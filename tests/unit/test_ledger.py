@@ -55,7 +55,7 @@ def test_a_row_keeps_every_field(ledger):
         request={"timeout": 60.0, "command": ["python", "-c", "print('é')"], "env": {"A": None}},
         log_bytes=77, result_bytes=88, cancel_requested=False, gpus=0.5, result_nonce="ab" * 16,
         result_key_id="cd" * 8, peak_memory=3 * 1024**3 + 1, cpu_seconds=12.25, max_procs=17, attempt=3,
-        array_id="a1b2c3d4e5f6", array_index=7)
+        array_id="a1b2c3d4e5f6", array_index=7, priority=-3)
     defaults = JobRecord(job_id="x", server_id="", client="", ngpus=0)
     unset = [f.name for f in dataclasses.fields(JobRecord)
              if getattr(record, f.name) == getattr(defaults, f.name) and f.name != "cancel_requested"]
@@ -514,14 +514,14 @@ def test_a_version_1_ledger_gains_the_refusals_artifacts_gpus_drops_and_seals_an
         db.execute("INSERT INTO meta VALUES ('ledger_id', 'the-old-ledgers-id')")
         row = {column: value for column, value in to_row(record).items()
                if column not in ("gpus", "cancel_requested", "result_nonce", "result_key_id", "peak_memory",
-                                 "cpu_seconds", "max_procs", "attempt", "array_id", "array_index")}
+                                 "cpu_seconds", "max_procs", "attempt", "array_id", "array_index", "priority")}
         db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join(':' + column for column in row)})", row)
     db.close()
     ledger = Ledger(state)
     assert ledger.ledger_id == "the-old-ledgers-id"
     assert ledger.get(record.job_id) == record and ledger.count() == 1
     with ledger._db() as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 10
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 12
         assert db.execute("SELECT name FROM sqlite_master WHERE name = 'refusals'").fetchone() == ("refusals",)
         plan = " ".join(row[-1] for row in db.execute(
             "EXPLAIN QUERY PLAN SELECT count(*) FROM jobs WHERE state = 'PENDING' AND server_id = 'x'"))
@@ -555,7 +555,8 @@ def test_a_version_7_ledger_gains_the_measures_of_a_jobs_end_unmeasured_for_its_
         db.execute("INSERT INTO meta VALUES ('ledger_id', 'a-version-7-ledger')")
         for record in (old, live):
             row = {column: value for column, value in to_row(record).items()
-                   if column not in ("peak_memory", "cpu_seconds", "max_procs", "attempt", "array_id", "array_index")}
+                   if column not in ("peak_memory", "cpu_seconds", "max_procs", "attempt", "array_id", "array_index",
+                                     "priority")}
             db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join(':' + c for c in row)})", row)
     db.close()
     ledger = Ledger(state)
