@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import scrape, server_process, wait_until
+from helpers import cli_env, rpycdl_cli, scrape, server_process, wait_until
 
 from rpycdl import JobState
 from rpycdl.errors import IdleReclaimedError, LimitError
@@ -155,6 +155,24 @@ def test_idle_reclaim_false_is_refused_without_an_allowance(driver, server, conn
     port = _reclaiming(server)
     with pytest.raises(LimitError, match="keep_idle"):
         connect(port).root.run_code(lambda x: x, 0, idle_reclaim=False)
+
+
+def test_the_cli_keeps_idle_gpus_with_keep_idle_within_the_allowance(driver, server, connect, tmp_path):
+    """`rpycdl run/submit --keep-idle` is idle_reclaim=False: refused by name beyond the allowance (here none for bob,
+    one for alice), recorded in the job's request when allowed; refused with --array."""
+    port = _reclaiming(server, "--limits", _limits(tmp_path, "[users.alice]\nkeep_idle = 1\n"))
+    flags = ["--host", "127.0.0.1", "--port", str(port)]
+    bob, alice = (cli_env(LOGNAME=name, USER=name) for name in ("bob", "alice"))
+    refused = rpycdl_cli("run", "pytorch", "--keep-idle", *flags, "--", "true", env=bob)
+    assert refused.returncode != 0 and "keep_idle" in refused.stderr, refused.stderr
+    kept = rpycdl_cli("submit", "pytorch", "-q", "--keep-idle", *flags, "--", "true", env=alice)
+    assert kept.returncode == 0, kept.stderr
+    hers = connect(port)
+    hers.root.identify("alice")  # her job's request is hers alone to see
+    job = hers.root.job(kept.stdout.strip())
+    assert job.wait(60).state is JobState.SUCCEEDED and job.refresh()["request"]["idle_reclaim"] is False
+    arrays = rpycdl_cli("submit", "pytorch", "--keep-idle", "--array", "0-1", *flags, "--", "true")
+    assert arrays.returncode != 0 and "--keep-idle goes without --array" in arrays.stderr, arrays.stderr
 
 
 def test_a_detached_job_with_retries_is_requeued_and_its_attempt_counts(driver, server, connect):

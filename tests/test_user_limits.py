@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import gate_job, open_gate, server_process, wait_until
+from helpers import Background, gate_job, open_gate, server_process, wait_until
 
 from rpycdl import JobState
 from rpycdl.errors import LimitError
@@ -90,6 +90,31 @@ def test_gpu_hours_in_the_ledger_hold_a_job_back_and_a_reload_on_sighup_lets_it_
     os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
     os.kill(process.popen.pid, signal.SIGHUP)
     assert held.result(60) == "alice's"
+
+
+def test_a_waiting_call_is_told_again_as_why_it_waits_changes(cluster, server, connect, tmp_path):
+    """Item 5 with real servers: an attached call of alice's waits on her limit and is told so (its on_state, which
+    the waiting line shows); the limit raised on SIGHUP while both GPUs stay held, it is told again, waiting with no
+    reason now; then it runs."""
+    path = _limits(tmp_path, "[users.alice]\ngpus = 1\n")
+    port = server("pytorch", "fake:2", "--limits", path)
+    alice, bob = _users(connect, port)
+    gates = [str(tmp_path / "alice"), str(tmp_path / "bob")]
+    first, theirs = alice.root.submit(gate_job(gates[0]), 0), bob.root.submit(gate_job(gates[1]), 1)
+    wait_until(lambda: first.status().state is theirs.status().state is JobState.RUNNING, 30, "both GPUs held")
+    hers = connect(port)
+    hers.root.identify("alice")
+    second = Background(hers, lambda x: x, 2)
+    pending = lambda: [info for state, info in second.states if state == "pending"]  # noqa: E731
+    wait_until(lambda: any("the limit of users.alice.gpus = 1" in (info.get("reason") or "") for info in pending()),
+               30, "her call to be told it waits on her limit")
+    Path(path).write_text("[users.alice]\ngpus = 2\n")
+    os.kill(server_process(cluster, port).popen.pid, signal.SIGHUP)
+    wait_until(lambda: not pending()[-1].get("reason"), 30, "her call to be told it waits for a GPU alone")
+    for gate in gates:
+        open_gate(gate)
+    assert wait_until(lambda: second.done, 60, "her call to end") and second.value == 2
+    assert [state for state, _ in second.states][-1] == "running"
 
 
 def test_a_bad_limits_file_is_a_start_failure(tmp_path, lock_dir):

@@ -110,7 +110,8 @@ def report_unreached(args: argparse.Namespace, results: list[tuple[tuple[str, in
 
 
 def size_flags(parser: argparse.ArgumentParser) -> None:
-    """--ngpus, --gpus or --gpu-memory, --memory, --cpus and --priority: what a job asks for (run and submit)."""
+    """--ngpus, --gpus or --gpu-memory, --memory, --cpus, --priority and --keep-idle: what a job asks for (run and
+    submit)."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--ngpus", type=int, default=None, help="whole GPUs, -1 for all (default: 1)")
     size.add_argument("--gpus", type=float, default=None, help="a share of one GPU, such as 0.25")
@@ -125,6 +126,9 @@ def size_flags(parser: argparse.ArgumentParser) -> None:
                         help="from -10 to 10 (default: 0): a waiting job of a higher priority goes before those of "
                              "lower ones; above 0 only up to your ceiling, the `priority` of the server's --limits "
                              "file (docs: sharing)")
+    parser.add_argument("--keep-idle", action="store_true",
+                        help="keep the job's GPUs however long they show no utilization, where the server reclaims "
+                             "idle ones (--idle-reclaim): within your allowance, the `keep_idle` of its --limits file")
 
 
 def working_dir_flag(parser: argparse.ArgumentParser) -> None:

@@ -199,9 +199,11 @@ def _submit(args: argparse.Namespace) -> int:
                                   "cannot wait for others or be requeued yet")
     if args.image and args.gpus is not None or args.image and args.gpu_memory is not None:
         raise InvalidRequestError("a container gets whole GPUs: use --ngpus with --image")
-    if args.image and (args.memory is not None or args.cpus is not None or args.priority):
-        raise InvalidRequestError("--memory, --cpus and --priority go without --image: a container job is not fenced "
-                                  "by rpycdl, and waits at the default priority")
+    if args.image and (args.memory is not None or args.cpus is not None or args.priority or args.keep_idle):
+        raise InvalidRequestError("--memory, --cpus, --priority and --keep-idle go without --image: a container job is "
+                                  "not fenced by rpycdl, waits at the default priority, and is not reclaimed idle")
+    if args.array is not None and args.keep_idle:
+        raise InvalidRequestError("--keep-idle goes without --array: an array's elements do not keep idle GPUs")
     target = {"host": args.host, "port": args.port} if args.host else {"service": args.service}
     with connect(**target, registry_address=args.registry, secret_file=args.secret_file, tls_cert=args.tls_cert,
                  tls_key=args.tls_key, tls_ca=args.tls_ca) as conn:
@@ -211,6 +213,7 @@ def _submit(args: argparse.Namespace) -> int:
                    "retry_on_failure": args.retry_on_failure, "priority": args.priority}
         if args.array is not None:
             return arrays.submit(args, conn, options)
+        options["idle_reclaim"] = not args.keep_idle
         if args.image:
             submitted = conn.root.submit_container(args.image, args.argv, 1 if args.ngpus is None else args.ngpus,
                                                    env=env or None, workdir=args.workdir, name=args.name,

@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
             code = conn.root.run_code(run_command, argv, args.ngpus, gpus=args.gpus, gpu_memory=args.gpu_memory,
                                       timeout=args.timeout, queue_timeout=args.queue_timeout, on_state=on_state,
                                       working_dir=args.working_dir, memory=args.memory, cpus=args.cpus,
-                                      priority=args.priority)
+                                      priority=args.priority, idle_reclaim=not args.keep_idle)
         except (RpycdlError, OSError, EOFError):
             raise
         except Exception as exc:  # the job raised (not the command: its exit code comes back): it failed

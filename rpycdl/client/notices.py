@@ -1,6 +1,7 @@
 """What a person looking at a client sees while its calls wait: one line when a call starts waiting for its
-GPUs, one when it starts running, a progress bar while a download runs; where a person looks (a terminal, a
-Jupyter notebook), and nothing in batch use (output to a file or a pipe, `quiet=True`, or $RPYCDL_QUIET=1)."""
+GPUs (said again as its place in line, or why its owner's limits hold it back, changes), one when it starts
+running, a progress bar while a download runs; where a person looks (a terminal, a Jupyter notebook), and nothing
+in batch use (output to a file or a pipe, `quiet=True`, or $RPYCDL_QUIET=1)."""
 
 from __future__ import annotations
 
@@ -32,17 +33,14 @@ def looking(quiet: bool | None) -> bool:
         return not quiet
     if os.environ.get(QUIET_VARIABLE, "") not in ("", "0"):
         return False
-    try:
-        return in_notebook() or sys.stderr.isatty()
-    except (AttributeError, ValueError):  # no stderr, or a closed one
-        return False
+    return in_notebook() or _is_terminal()
 
 
 class Notices:
     """A call's on_state: keeps the job's id, says on stderr when the call starts waiting ('waiting for 1 GPU: 1
-    job ahead; GPU 0 held by job 3f2a of alice since 10:02') and, after a wait, when it starts ('running on GPU 0
-    after 8.1 s'), if a person looks; and hands the state on to the caller's own on_state, its info as the
-    client gives rows (displays.client_row).
+    job ahead; GPU 0 held by job 3f2a of alice since 10:02'), again as its place in line or why its owner's limits
+    hold it back change, and, after a wait, when it starts ('running on GPU 0 after 8.1 s'), if a person looks; and
+    hands the state on to the caller's own on_state, its info as the client gives rows (displays.client_row).
 
     Attributes:
         job_id: the job's id, once the server told it.
@@ -53,6 +51,7 @@ class Notices:
         self._say = looking(quiet)
         self._what = what
         self._waiting_since: float | None = None
+        self._waiting = ""  # the waiting line said last
         self.job_id: str | None = None
 
     @property
@@ -73,22 +72,46 @@ class Notices:
             self._on_state(state, info)
 
     def _tell(self, state: str, info: dict[str, Any]) -> None:
-        if state == "pending" and self._waiting_since is None:
-            self._waiting_since = time.monotonic()
-            need = need_text(info.get("ngpus", 1), info.get("share_bytes", 0))
-            ahead = info.get("ahead")
-            jobs = "" if ahead is None else f": {ahead} job{'' if ahead == 1 else 's'} ahead"
-            held = held_by(info.get("holders") or [])
-            say(f"{self._what} {self.job_id} waiting for {need}{jobs}{'; ' + held if held else ''}")
+        if state == "pending":
+            line = self._waiting_line(info)
+            if self._waiting_since is None:
+                self._waiting_since = time.monotonic()
+                say(line)
+            elif line != self._waiting:  # its place in line, or why it waits, changed
+                say(line, again=True)
+            self._waiting = line
         elif state == "running" and self._waiting_since is not None:
             gpus = info.get("gpus") or []
             where = f"GPU{'s' if len(gpus) > 1 else ''} {', '.join(map(str, gpus))}" if gpus else "its GPUs"
             say(f"{self._what} {self.job_id} running on {where} after {time.monotonic() - self._waiting_since:.1f} s")
 
 
-def say(line: str) -> None:
-    """One line for the person looking, on stderr at once."""
+    def _waiting_line(self, info: dict[str, Any]) -> str:
+        """'job 3f2a waiting for 1 GPU: 2 jobs ahead; GPU 0 held by job 1c0e of bob since 10:02', and why its owner's
+        limits hold it back, when they do ('; held back: alice holds 4 GPUs, the limit of users.alice.gpus = 4')."""
+        need = need_text(info.get("ngpus", 1), info.get("share_bytes", 0))
+        ahead = info.get("ahead")
+        jobs = "" if ahead is None else f": {ahead} job{'' if ahead == 1 else 's'} ahead"
+        held = held_by(info.get("holders") or [])
+        reason = info.get("reason")
+        return (f"{self._what} {self.job_id} waiting for {need}{jobs}{'; ' + held if held else ''}"
+                f"{'; held back: ' + reason if reason else ''}")
+
+
+def say(line: str, again: bool = False) -> None:
+    """One line for the person looking, on stderr at once; `again`: it replaces the last one said (in a terminal,
+    over it; elsewhere, a notebook's stream, below it)."""
+    if again and _is_terminal():
+        print(f"\033[F\033[Krpycdl: {line}", file=sys.stderr, flush=True)  # the line above, cleared, written anew
+        return
     print(f"rpycdl: {line}", file=sys.stderr, flush=True)
+
+
+def _is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # no stderr, or a closed one
+        return False
 
 
 @contextlib.contextmanager

@@ -113,7 +113,8 @@ class GPULockManager:
 
     def acquire(self, need: Need, info: dict[str, Any], *, place: Place | None = None,
                 queue_timeout: float | None = None, waited: float = 0.0, wake_fds: Sequence[int] = (),
-                on_wake: Callable[[], None] | None = None, on_position: Callable[[int], None] | None = None) -> Grant:
+                on_wake: Callable[[], None] | None = None, on_position: Callable[[int, str], None] | None = None,
+                ) -> Grant:
         """Wait in line for what `need` asks for, and lock it.
 
         Args:
@@ -128,7 +129,7 @@ class GPULockManager:
             waited: seconds of queue_timeout the request spent waiting already (a detached job's, as a row).
             wake_fds: other file descriptors that end a sleep when readable.
             on_wake: called after each sleep; it may raise to give up waiting (cancel).
-            on_position: called with the number of requests ahead whenever it changes.
+            on_position: called with how many are ahead, and why its owner's limits hold it back, as either changes.
 
         Raises:
             InvalidRequestError: an impossible request.
@@ -140,7 +141,7 @@ class GPULockManager:
                 ticket = self._next(TICKET)
             else:
                 ticket, fifo_fd = place.ticket, place.fifo_fd
-            grant, position = self._try_grant(ticket, need, info)
+            grant, standing = self._try_grant(ticket, need, info)
             if grant is None and place is None:
                 fifo_fd = self._enqueue(ticket, need, info)
         try:
@@ -148,7 +149,7 @@ class GPULockManager:
                 if place is not None:
                     self.wake_all()
                 return grant
-            return self._wait(ticket, need, info, position, fifo_fd, queue_timeout=queue_timeout, waited=waited,
+            return self._wait(ticket, need, info, standing, fifo_fd, queue_timeout=queue_timeout, waited=waited,
                               wake_fds=wake_fds, on_wake=on_wake, on_position=on_position)
         finally:
             if self._queue.exists(ticket):  # gave up
@@ -268,19 +269,19 @@ class GPULockManager:
         """The ids of the jobs waiting as rows (claimed or not); no lock."""
         return self._queue.rows()
 
-    def _wait(self, ticket: int, need: Need, info: dict[str, Any], position: int, fifo_fd: int, *,
+    def _wait(self, ticket: int, need: Need, info: dict[str, Any], standing: policies.Decision, fifo_fd: int, *,
               queue_timeout: float | None, waited: float, wake_fds: Sequence[int],
-              on_wake: Callable[[], None] | None, on_position: Callable[[int], None] | None) -> Grant:
+              on_wake: Callable[[], None] | None, on_position: Callable[[int, str], None] | None) -> Grant:
         """Sleep until woken (or a re-check is due), try again, until granted (acquire's loop)."""
         deadline = None if queue_timeout is None else time.monotonic() + queue_timeout - waited
-        last_position = -1
+        told: tuple[int, str] | None = None
         while True:
-            if on_position is not None and position != last_position:
-                last_position = position
-                on_position(position)
+            if on_position is not None and (standing.ahead, standing.reason) != told:
+                told = standing.ahead, standing.reason
+                on_position(*told)
             # Requests behind others are woken by the grants ahead of them, so they re-check
             # less often (a request ahead that died silently is noticed within 2 s).
-            timeout = self._sleep_poll if position == 0 else self._sleep_poll * 4
+            timeout = self._sleep_poll if standing.ahead == 0 else self._sleep_poll * 4
             if self._holders.killing:
                 timeout = min(timeout, LINGER_POLL)
             if deadline is not None:
@@ -288,7 +289,7 @@ class GPULockManager:
                 if remaining <= 0:
                     raise QueueTimeoutError(
                         f"waited {queue_timeout:g} s for {need_text(need.ngpus, need.share_bytes)} and they did "
-                        f"not come free ({position} request(s) were still ahead)")
+                        f"not come free ({standing.ahead} request(s) were still ahead)")
                 timeout = min(timeout, remaining)
             readable, _, _ = select.select([fifo_fd, *wake_fds], [], [], timeout)
             if fifo_fd in readable:
@@ -296,7 +297,7 @@ class GPULockManager:
             if on_wake is not None:
                 on_wake()
             with self._locked():
-                grant, position = self._try_grant(ticket, need, info)
+                grant, standing = self._try_grant(ticket, need, info)
             if grant is not None:
                 self.wake_all()  # the next request may be able to go now
                 return grant
@@ -307,29 +308,29 @@ class GPULockManager:
         self._queue.write(ticket, {**info, **need.entry()})
         return fifo_fd
 
-    def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, int]:
+    def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, policies.Decision]:
         """Under the queue lock: grant to `ticket` if the host's policy lets it go now (policies.decide: after
         every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
-        and how many competing requests are ahead."""
+        and the decision (how many competing requests are ahead, why its owner's limits hold it back)."""
         policy, info = self.scheduling.policy, self._queue.placed(ticket, info)  # a requeued row's place, if any
         waiters = self._queue.competing(ticket, in_line({**info, "ticket": ticket}), everyone=policy != FCFS)
         decision, taken, sizes = self._decide(ticket, need, info, waiters)
         if not decision.uuids:  # lower-priority jobs that hold what it needs may be preempted (--preempt)
             preemption.consider(self.root, self.scheduling, self._holders.records, info, need.entry(), decision)
-            return None, decision.ahead
+            return None, decision
         # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
         # what is taken of them is still what was probed above.
         mine, now = need.entry(), time.time()
         uuids = list(decision.uuids)
         ranges, locked = self._holders.lock(uuids, mine["share_mib"], sizes, taken, ticket)
         if not locked:  # cannot happen under the queue lock, but never double-book
-            return None, decision.ahead
+            return None, decision
         gpus = mine["share_mib"] / sizes[uuids[0]] if mine["share_mib"] else len(uuids)
         grant = Grant(tuple(uuids), ticket, self._next(GRANT), need.share_bytes, ranges, gpus)
         self._holders.write(grant, {**info, "seconds": need.seconds, "gpus": gpus / len(uuids),
                                     "backfilled": decision.backfilled}, now)
         self._queue.remove(ticket)
-        return grant, decision.ahead
+        return grant, decision
 
     def _decide(self, ticket: int, need: Need, info: dict[str, Any],
                 waiters: list[dict[str, Any]]) -> tuple[policies.Decision, dict[str, list[Range]], dict[str, int]]:

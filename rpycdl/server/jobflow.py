@@ -185,7 +185,8 @@ class JobFlow:
         self._tell("running", gpus=[self._gpu(uuid).index for uuid in grant.uuids], uuids=list(grant.uuids),
                    share_bytes=grant.share_bytes)
 
-    def _on_position(self, ahead: int) -> None:
+    def _on_position(self, ahead: int, reason: str) -> None:
+        """Its place in line, or why its owner's limits hold it back, changed: the client is told (its waiting line)."""
         if self._waiting_since is None:  # it has to wait: within the limits? make it visible to `jobs` and `cancel`
             if self._place is None:  # a detached job's place was checked when it was submitted
                 check_queue_limits(self.context, self.request, self.record.job_id)
@@ -193,7 +194,7 @@ class JobFlow:
             self.context.ledger.save(self.record)
         if self.request.output.on_state is not None:  # the GPUs' holders are read only for a client listening
             self._tell("pending", ahead=ahead, holders=status.holders(self.context), ngpus=self.record.ngpus,
-                       share_bytes=self.record.share_bytes)
+                       share_bytes=self.record.share_bytes, reason=reason)
 
     def _on_wake(self) -> None:
         """Between waits: the client still there? the payload loadable (once it has waited

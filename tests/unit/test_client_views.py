@@ -5,6 +5,7 @@ sent with a call."""
 
 from __future__ import annotations
 
+import json
 import linecache
 import sys
 import traceback
@@ -14,7 +15,7 @@ from rpycdl.cli.jobs import format_jobs
 from rpycdl.client import failures
 from rpycdl.client.displays import GPUStatus, JobList, client_row, cpu_text
 from rpycdl.client.jobs import Job, JobStatus
-from rpycdl.client.notices import looking
+from rpycdl.client.notices import Notices, looking
 from rpycdl.errors import InvalidRequestError
 from rpycdl.states import JobState, held_by, need_text, waiting_behind
 from rpycdl.wire import codec, tracebacks
@@ -106,6 +107,23 @@ def test_a_person_looks_at_a_terminal_or_a_notebook_unless_told_otherwise(monkey
     assert looking(None) is sys.stderr.isatty()  # pytest's captured stderr is no terminal
     monkeypatch.setenv("RPYCDL_QUIET", "1")
     assert looking(None) is False and looking(False) is True
+
+
+def test_the_waiting_line_is_said_again_when_the_place_in_line_or_why_it_waits_changes(capsys):
+    """Item 5 of issue 38: once per change of its place or its reason (not per notice), with the reason when there
+    is one; below the last line where stderr is no terminal (a notebook's stream, pytest's capture)."""
+    notices = Notices(None, quiet=False)
+    base = {"job_id": "3f2a", "ngpus": 1, "holders": HOLDERS[:1]}
+    reason = "alice holds 4 GPUs, the limit of users.alice.gpus = 4"
+    for ahead, why in ((2, ""), (2, ""), (1, ""), (1, reason), (1, reason), (0, "")):
+        notices("pending", json.loads(json.dumps({**base, "ahead": ahead, "reason": why})))
+    notices("running", {"job_id": "3f2a", "gpus": [0]})
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": ", 2)[2].split(";")[0] for line in lines[:-1]] == [  # the holder counts as ahead
+        "3 jobs ahead", "2 jobs ahead", "2 jobs ahead", "1 job ahead"], lines
+    assert lines[2].endswith(f"; held back: {reason}") and "held back" not in lines[3], lines
+    assert lines[0].startswith("rpycdl: job 3f2a waiting for 1 GPU: 3 jobs ahead; GPU 0 held by job 3f2a of alice")
+    assert "running on GPU 0 after" in lines[-1]
 
 
 def _script_function():
