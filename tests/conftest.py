@@ -17,6 +17,7 @@ from hypothesis import settings
 
 import rpycdl
 from rpycdl import cli
+from rpycdl.scheduler import lockdir
 from rpycdl.site.local import LocalCluster, start
 
 settings.register_profile("ci", max_examples=100)  # hypothesis' own default: the full count
@@ -38,6 +39,18 @@ def no_credentials_file(tmp_path, monkeypatch) -> None:
     """Tests never read the credentials file of whoever runs them, nor the working directories it sent."""
     monkeypatch.setenv("RPYCDL_CONFIG", str(tmp_path / "no-credentials.toml"))
     monkeypatch.setenv("RPYCDL_MANIFESTS", str(tmp_path / "manifests"))
+
+
+@pytest.fixture(autouse=True)
+def shared_modes_again() -> Iterator[None]:
+    """Each test starts with this process's modes for the lock and state directories as it found them: one that
+    builds a root server's context in the test process (ServerContext: lockdir.use_private_modes, a umask of 077)
+    would leave every later test of the process making private directories that other accounts cannot enter."""
+    modes, mask = dict(lockdir._MODES), os.umask(0o022)
+    os.umask(mask)
+    yield
+    lockdir._MODES.update(modes)
+    os.umask(mask)
 
 
 @pytest.fixture(scope="session")

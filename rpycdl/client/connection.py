@@ -83,17 +83,14 @@ class RemoteRoot(DetachedCalls, ArrayCalls):
         Args:
             fn, args: a callable (serialised here with dill), or dill bytes of one; the one argument it gets.
             ngpus: whole GPUs to lock, or -1 for all of the server's (default 1).
-            gpus: instead of ngpus, a share of one GPU (0.25: a quarter of its memory), or a whole
-                number of GPUs.
-            gpu_memory: instead of ngpus, a share of one GPU by memory ("6GiB", or bytes). A share
-                is rounded up to the server's unit; the job is held to it (rpycdl.gpu.caps and the
-                server's watchdog, which raises GPUMemoryExceededError).
+            gpus: instead of ngpus, a share of one GPU (0.25: a quarter of its memory), or a whole number of GPUs.
+            gpu_memory: instead of ngpus, a share of one GPU by memory ("6GiB", or bytes). A share is rounded up to
+                the server's unit; the job is held to it (rpycdl.gpu.caps, the watchdog: GPUMemoryExceededError).
             timeout, queue_timeout: seconds the job may run, and wait for its GPUs; JobTimeoutError, QueueTimeoutError.
             stdout, stderr: where the job's output goes, live (default: this process's).
-            on_state: called as on_state(state, info) when the job waits ("pending", with info["ahead"],
-                the jobs ahead of it: those holding the GPUs it waits for, info["holders"], and the waiting
-                requests before it; see JobStatus) and when it starts ("running", with info["gpus"]); times
-                as datetimes.
+            on_state: called as on_state(state, info) as the job waits ("pending": info["ahead"], the jobs holding
+                its GPUs and the requests before it, info["holders"], info["reason"]: its owner's limit, if one holds
+                it back; see JobStatus), and when it starts ("running": info["gpus"]); times as datetimes.
             working_dir: a local directory the job runs in on the server: packed here (leaving out
                 what its .rpycdlignore names), sent unless the server has it already (by content
                 hash), unpacked for this job alone; its current directory and first on its sys.path.
