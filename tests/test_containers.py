@@ -536,7 +536,8 @@ def test_up_starts_servers_with_the_hosts_scheduling_and_its_fair_share_file(cle
     _wait(lambda: _registered("JAX", address), "JAX to register")
     with rpycdl.connect("jax", registry_address=address) as conn:
         scheduling = conn.root.gpu_status()["server"]["scheduling"]
-    assert scheduling == {"policy": "fair", "placement": "spread", "half_life": 43200.0, "weights": {"alice": 2.0}}
+    assert scheduling == {"policy": "fair", "placement": "spread", "half_life": 43200.0, "weights": {"alice": 2.0},
+                          "preempt": "off", "preempt_grace": 30.0}
 
 
 def test_up_removes_what_it_created_when_a_start_fails(cleaned: Any, shared_locks: str) -> None:

@@ -51,7 +51,7 @@ from rpycdl.defaults import (
 from rpycdl.errors import LimitError, RpycdlError
 from rpycdl.scheduler import procs
 from rpycdl.security import cgroups
-from rpycdl.server import child, keeper, supervisor
+from rpycdl.server import child, container_watcher, keeper, supervisor
 from rpycdl.server.keeper import PID, STATUS
 
 READY = b"ready"  # the forkserver to the server, once its preload is imported
@@ -319,12 +319,14 @@ class _Server:
         self.supervisors -= ended
 
     def _sweep(self) -> None:
-        """Kill what this process adopted: what a job whose keeper died left (the keeper's own subtree while it
-        lives). Everything the jobs of the dead keepers started is in this process's subtree (it is a child
-        subreaper), so no scan of the whole of /proc is needed."""
+        """Kill what this process adopted: what a job whose keeper or supervisor died left (the keeper's own subtree
+        while it lives), but a job container's watcher, which removes its container once its supervisor died.
+        Everything the jobs of the dead keepers started is in this process's subtree (it is a child subreaper), so
+        no scan of the whole of /proc is needed."""
         for pid in procs.children(os.getpid()):
-            if pid not in self.keepers and pid not in self.supervisors:
-                procs.kill([pid, *procs.subtree(pid)])
+            if pid in self.keepers or pid in self.supervisors or procs.runs_module(pid, container_watcher.__name__):
+                continue
+            procs.kill([pid, *procs.subtree(pid)])
 
 
 def main(argv: list[str] | None = None) -> int:
