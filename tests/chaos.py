@@ -1309,7 +1309,8 @@ def job_files_leftovers(lock_dir: Path) -> list[str]:
                 pid, start = map(int, maker.read_text().split())
                 if alive(read_stat(pid), start):
                     continue  # being made; its row comes
-            found.append(f"{entry.name}/ without a row: {sorted(os.listdir(entry))}")
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile (a sweep's remove_unrecorded): none left
+                found.append(f"{entry.name}/ without a row: {sorted(os.listdir(entry))}")
         elif row is not None and row["state"] not in ("PENDING", "RUNNING"):
             found += [f"{entry.name}/{name} of a job {row['state']}" for name in ("work", "output")
                       if (entry / name).exists()]
