@@ -20,10 +20,6 @@ _OWN: set[int] = set()
 """The job processes and load checks this process forked and has not reaped yet; any other
 child it has was adopted (see adopted)."""
 
-_LET_GO: set[int] = set()
-"""Children of this process's own that live on their own (detached jobs' supervisors): neither
-waited for nor killed, reaped once they end."""
-
 log = logging.getLogger("rpycdl.runner")
 
 
@@ -31,7 +27,6 @@ def _forked() -> None:
     """In a forked child: nothing is its own yet, and it is not a subreaper (prctl is not inherited)."""
     global _subreaper
     _OWN.clear()
-    _LET_GO.clear()
     _subreaper = False
 
 
@@ -70,27 +65,10 @@ def reap(pid: int) -> int:
     return status
 
 
-def let_go(pid: int) -> None:
-    """Let a child of this process's own (orphans.fork) live on its own: it is reaped when it ends."""
-    _OWN.discard(pid)
-    _LET_GO.add(pid)
-
-
-def forget(pid: int) -> None:
-    """Forget a child let go (let_go) that someone else reaped (a server parent reaps every child it has)."""
-    _LET_GO.discard(pid)
-
-
 def adopted() -> list[int]:
     """Children of this process that it did not fork itself: what ended job processes left, adopted
-    by this process (a child subreaper). Children it let go that have ended are reaped meanwhile."""
-    for pid in list(_LET_GO):
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                _LET_GO.discard(pid)
-        except ChildProcessError:
-            _LET_GO.discard(pid)
-    return [pid for pid in procs.children(os.getpid()) if pid not in _OWN and pid not in _LET_GO]
+    by this process (a child subreaper)."""
+    return [pid for pid in procs.children(os.getpid()) if pid not in _OWN]
 
 
 def strays() -> list[int]:
