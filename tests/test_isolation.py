@@ -257,6 +257,54 @@ def test_a_job_of_another_user_reaches_nothing_of_alices_nor_of_the_servers(site
     assert Ledger(site.state).get(done.id).user == "alice"
 
 
+class _Spill:
+    """An argument whose unpickling appends the environment it finds to `path`: where a payload is loaded (a load
+    check while its job waits, then its job process), its owner's code runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return exec, (f"import os\nwith open({self.path!r}, 'a') as out: out.write(repr(dict(os.environ)) + '\\n')",)
+
+
+def _make_gated():
+    """A job that holds its GPU until its gate opens (made in a function: dill sends it by value)."""
+
+    def gated(gate: str) -> None:
+        import os
+        import time
+
+        while not os.path.exists(gate):
+            time.sleep(0.02)
+
+    return gated
+
+
+GATED = _make_gated()
+
+
+def test_a_detached_jobs_payload_is_unpickled_where_no_credential_is(site):
+    """A detached job that waits has its payload test-loaded by its supervisor meanwhile, then run: neither process
+    may carry the credentials the supervisor reads (its store's, for the job's uploads)."""
+    spills = site.base / "spills"
+    spills.mkdir(mode=0o777)
+    spills.chmod(0o777)
+    spill, gate = spills / "environ", spills / "open"
+    with site.connect("bob", site.port_b) as bob:
+        blocker = bob.root.submit(GATED, str(gate))
+        wait_until(lambda: blocker.status().state is rpycdl.JobState.RUNNING, what="bob's first job to hold the GPU")
+        waiting = bob.root.submit(lambda spilled: "loaded", _Spill(str(spill)))
+        wait_until(spill.exists, what="its payload's load check while it waits")
+        open_gate(str(gate))
+        assert waiting.result(timeout=60) == "loaded"
+    found = spill.read_text().splitlines()
+    assert len(found) == 2, found  # the load check's, then the job's
+    for environ in found:
+        for needle in (AWS_SECRET, "rpycdl-test-key-id"):
+            assert needle not in environ, f"{needle} where bob's payload was unpickled"
+
+
 def test_refusals_name_the_identity_and_what_to_do(site, tmp_path):
     with site.connect("root") as root:  # an admin certificate, whose account would be root
         with pytest.raises(rpycdl.NotAllowedError, match="jobs never run as root"):

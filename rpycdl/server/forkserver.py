@@ -144,7 +144,53 @@ class Launched:
             self._told = (*self._told[:2], -1)
 
 
-class ForkServer:
+class ForkServerLink:
+    """A connection to the forkserver of server `name` (runner.Launcher), which asks it for processes: one a process
+    of the server's account made to its address, connected at the first launch() (a detached job's supervisor,
+    which the forkserver forked and which must fork nothing itself once it holds the server's credentials); or
+    the one the server made as it started the forkserver (ForkServer), which every connection process inherits.
+    Should the forkserver die, the server starts another at the same address, and launch() reaches it."""
+
+    def __init__(self, name: str) -> None:
+        self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # connected by the first launch()
+
+    def launch(self, kind: str, fds: list[int]) -> Launched:
+        """A new process of `kind` ("job", "check" or "supervisor") with `fds` as its descriptors (closed here once
+        sent); the forkserver's reply is read when the Launched is first asked for its pid (Launched's LimitError).
+
+        Raises:
+            LimitError: the forkserver is gone.
+        """
+        ours, control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        message = [json.dumps({"kind": kind}).encode()]
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [control.fileno(), *fds]))]
+        try:
+            try:
+                try:
+                    self._socket.sendmsg(message, rights)
+                except OSError:  # not connected yet, or the forkserver it knew died: ask the one at the address
+                    self._socket.close()
+                    self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                    self._socket.connect(self.address)
+                    self._socket.sendmsg(message, rights)
+            finally:  # the forkserver holds them now (or nobody: the reply is empty)
+                control.close()
+                for fd in fds:
+                    os.close(fd)
+        except OSError as exc:
+            ours.close()
+            raise LimitError(f"this server could not start a process for the job (its forkserver: {exc}); try again "
+                             "later or use another server") from None
+        return Launched(ours)
+
+    def close(self) -> None:
+        """Close this process's connection (the forkserver leaves once every connection has closed, and its
+        jobs are gone)."""
+        self._socket.close()
+
+
+class ForkServer(ForkServerLink):
     """The server's handle on its forkserver: started with the server, inherited by its connection
     processes, which ask it for processes. Should it die, the server starts another at the same address
     (spawn()), and each process reaches the new one when it next asks."""
@@ -157,7 +203,7 @@ class ForkServer:
         Raises:
             RpycdlError: a module of the preload could not be imported (the message names it and says why).
         """
-        self.address = f"\0rpycdl-forkserver-{name}"  # abstract: nothing on disk; the forkserver checks the uid
+        super().__init__(name)
         self.preload = preload
         self.fence = fence  # False: its keepers make no cgroup (--no-fence)
         self.spawn()
@@ -169,6 +215,7 @@ class ForkServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(self.address)
         listener.listen()
+        self._socket.close()
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fds = [theirs.fileno(), listener.fileno()]
         self.process = subprocess.Popen([sys.executable, "-m", FORKSERVER_MODULE, *map(str, fds),
@@ -201,40 +248,6 @@ class ForkServer:
     def alive(self) -> bool:
         """Whether the forkserver still runs."""
         return procs.alive(*self._identity)
-
-    def launch(self, kind: str, fds: list[int]) -> Launched:
-        """A new process of `kind` ("job" or "check") with `fds` as its descriptors (closed here once sent);
-        the forkserver's reply is read when the Launched is first asked for its pid (Launched's LimitError).
-
-        Raises:
-            LimitError: the forkserver is gone.
-        """
-        ours, control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        message = [json.dumps({"kind": kind}).encode()]
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [control.fileno(), *fds]))]
-        try:
-            try:
-                try:
-                    self._socket.sendmsg(message, rights)
-                except OSError:  # the forkserver this process knew died: ask the one started in its place
-                    self._socket.close()
-                    self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                    self._socket.connect(self.address)
-                    self._socket.sendmsg(message, rights)
-            finally:  # the forkserver holds them now (or nobody: the reply is empty)
-                control.close()
-                for fd in fds:
-                    os.close(fd)
-        except OSError as exc:
-            ours.close()
-            raise LimitError(f"this server could not start a process for the job (its forkserver: {exc}); try again "
-                             "later or use another server") from None
-        return Launched(ours)
-
-    def close(self) -> None:
-        """Close this process's connection (the forkserver leaves once every connection has closed, and its
-        jobs are gone)."""
-        self._socket.close()
 
 
 # -- the forkserver's side ------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Processes forked here, and what they leave behind: a detached job's supervisor forks its job process
-itself (HERE, a runner.Launcher), and is a child subreaper, so what the job started (even what left its
-process group or its session) is its descendant, or is adopted by it when its parent dies; its children
-that it did not fork itself are such leftovers, killed when the job ends and reaped meanwhile. (A
-connection process's jobs come from the server's forkserver, which does the same for them.)"""
+"""Processes forked here, and what they leave behind: a detached job's supervisor forks its first job process
+itself (HERE, a runner.Launcher), before it holds anything but its job's own files, and is a child subreaper, so
+what the job started (even what left its process group or its session) is its descendant, or is adopted by it
+when its parent dies; its children that it did not fork itself are such leftovers, killed when the job ends and
+reaped meanwhile. (A connection process's jobs, and a supervisor's other processes, come from the server's
+forkserver, which does the same for them.)"""
 
 from __future__ import annotations
 
@@ -124,8 +125,9 @@ class Forked:
 
 
 class _Here:
-    """Forks job processes and load checks from this process (runner.Launcher): a detached job's supervisor,
-    which does so before it reads anything but its job's own files."""
+    """Forks job processes and load checks from this process (runner.Launcher): a detached job's supervisor, its
+    first job process, before it reads anything but its job's own files (later ones, and its load checks, come
+    from its server's forkserver: rpycdl.server.forkserver.ForkServerLink)."""
 
     def launch(self, kind: str, fds: list[int]) -> Forked:
         parent = os.getpid()

@@ -43,7 +43,7 @@ from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security import results
 from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
-from rpycdl.server import child, elements, jobdirs, orphans, request, runner
+from rpycdl.server import child, elements, forkserver, jobdirs, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
 from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
 from rpycdl.server.keeper import PID
@@ -256,6 +256,9 @@ class Supervised:
 
 
 def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
+    """The context of the server that accepted the job, as its spec tells it. Its launcher is that server's
+    forkserver: once this process holds the credentials, every process it needs (a load check, a job process)
+    comes from there, clean, never from a fork of this one."""
     server = spec["server"]
     return ServerContext(name=server["name"], aliases=tuple(server["aliases"]),
                          inventory=load_inventory(server["inventory"]), lock_dir=server["lock_dir"],
@@ -266,7 +269,7 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          artifact_endpoint=server.get("artifact_endpoint"),
                          scheduling=Scheduling.from_dict(server["scheduling"]),
                          accounts=Accounts.from_dict(server["accounts"]) if "accounts" in server else Accounts(),
-                         ledger_checked=True)
+                         ledger_checked=True, launcher=forkserver.ForkServerLink(server["server_id"]))
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:
