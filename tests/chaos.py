@@ -22,7 +22,7 @@ import time
 import uuid
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,6 +88,16 @@ must have made to count (with every kind of REQUIRED_KILLS, and two shares seen 
 goes on past its least duration until it has (shortfall)."""
 
 
+def unhanded(settings: ChaosSettings, rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Why the run has not tested the handover of GPUs from an array's element to the next (rpycdl.server.handover),
+    as the ledger's `rows` tell: no element was run by a supervisor that had run another element of its array."""
+    owners = Counter((row["array_id"], row["owner_pid"]) for row in rows
+                     if row.get("array_id") and row.get("owner_pid") and row.get("started"))
+    handed = sum(count - 1 for count in owners.values())
+    return ["no array's element ran on GPUs its last element's supervisor handed it"] if settings.arrays and not \
+        handed else []
+
+
 def shortfall(jobs: int, kills: Counter[str], submitted: int, working_dirs: int, shared: bool,
               sessions: int, required: tuple[str, ...] = REQUIRED_KILLS) -> list[str]:
     """What a run has not done yet of what it must to count (`required`: the kinds of kill); empty once it has done
@@ -122,6 +132,8 @@ class ChaosSettings:
     isolation: Isolation | None = None  # jobs run as their owners' accounts (servers as root, a user map, TLS)
     queue_timeout: float = 3.0
     detached: float = 0.3  # the share of requests submitted as detached jobs
+    arrays: float = 0.3  # the share of those submitted as an array of `elements` (their GPUs handed element to element)
+    elements: tuple[int, int] = (2, 6)
     session: float = 0.12  # the share of requests that open a session instead (and make `calls` calls in it)
     calls: tuple[int, int] = (2, 4)
     working_dir: float = 0.3  # the share of requests that bring a working directory (one of WORKING_DIRS)
@@ -436,6 +448,12 @@ def _request(conn: Any, job: Callable[[dict[str, Any]], str], config: dict[str, 
             for _ in range(rng.randint(*config["calls"])):
                 session.run(job, _job_args(config, rng, user, session=True))
         return "session ok"
+    if roll < config["session"] + config["detached"] and rng.random() < config["arrays"]:
+        array = conn.root.submit_array(job, [_job_args(config, rng, user)
+                                             for _ in range(rng.randint(*config["elements"]))], **request)
+        for element in array:
+            (submitted / element.id).touch()  # its id came back: it must end recorded
+        return f"array {array.wait(config['queue_timeout'] + 10)}"
     if roll < config["session"] + config["detached"]:
         handle = conn.root.submit(job, _job_args(config, rng, user), **request)
         (submitted / handle.id).touch()  # its id came back: it must end recorded
@@ -1266,14 +1284,16 @@ def job_processes(reports: dict[str, Report], token: bytes) -> dict[str, list[st
     return found
 
 
-def ledger_rows(lock_dir: Path, where: str = "1", params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-    """Rows of the job ledger, read as an outsider (SQLite, read-only)."""
+def ledger_rows(lock_dir: Path, where: str = "1", params: tuple[Any, ...] = (), table: str = "jobs",
+                ) -> list[dict[str, Any]]:
+    """Rows of the job ledger (its `table`: jobs, or arrays), read as an outsider (SQLite, read-only)."""
     ledger = lock_dir / "state" / "ledger.sqlite3"
     if not ledger.exists():
         return []
     with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True, timeout=10)) as db:
         db.row_factory = sqlite3.Row
-        return [dict(row) for row in db.execute(f"SELECT * FROM jobs WHERE {where} ORDER BY job_id", params)]
+        key = "job_id" if table == "jobs" else "array_id"
+        return [dict(row) for row in db.execute(f"SELECT * FROM {table} WHERE {where} ORDER BY {key}", params)]
 
 
 LIVE = "state IN ('PENDING', 'RUNNING')"
@@ -1300,10 +1320,18 @@ def job_files_leftovers(lock_dir: Path) -> list[str]:
     mark of files made before a row (jobs/.unrecorded) whose maker is dead."""
     jobs = lock_dir / "state" / "jobs"
     rows = {row["job_id"]: row for row in ledger_rows(lock_dir)}  # read before the files they judge
+    arrays = {row["array_id"] for row in ledger_rows(lock_dir, table="arrays")}
+    unfinished = {row["array_id"] for row in rows.values() if row["state"] in ("PENDING", "RUNNING")}
     found = []
     for entry in sorted(jobs.iterdir()) if jobs.is_dir() else ():
         row = rows.get(entry.name)
-        if entry.name.isalnum() and row is None:
+        if entry.name in arrays:  # an array's own files: its spec stays, what its elements share goes with the last
+            if entry.name not in unfinished:
+                found += [f"{entry.name}/{name} of an array whose elements all ended" for name in (
+                    "payload", "result.key", "work") if (entry / name).exists()]
+                found += [f"{entry.name}/{name} of an array whose elements all ended, not emptied" for name in (
+                    "args", "args.index") if (entry / name).exists() and (entry / name).stat().st_size]
+        elif entry.name.isalnum() and row is None:
             maker = jobs / ".unrecorded" / entry.name
             with contextlib.suppress(OSError, ValueError):
                 pid, start = map(int, maker.read_text().split())
@@ -1577,7 +1605,7 @@ class ChaosResult:
         other than SUCCEEDED, TIMED_OUT or preempted (--preempt: PreemptedError), had one of its own processes killed
         (job process, keeper, connection process, supervisor, children, client); a kill of a shared process
         (SHARED_KILLS) ends none."""
-        own = {k.job for k in self.kill_log if k.job}
+        own = {k.job for k in self.kill_log if k.job} | self.supervised()
         clients = {k.pid for k in self.kill_log if k.kind in ("client", "session_client")}
         found = []
         for job, client in sorted(self.clients.items()):
@@ -1603,13 +1631,20 @@ class ChaosResult:
             found.append(f"isolation: {len(rows)} job(s) whose row names another user than their client: {rows[:10]}")
         return found
 
+    def supervised(self) -> set[str]:
+        """The jobs whose supervisor was killed: the one it ran as it was, and those its row says it owned (an array's
+        element whose end waited for the next element's start, or the next element it had been handed)."""
+        killed = {k.pid for k in self.kill_log if k.kind in ("supervisor", "double_keeper")}
+        return {k.job for k in self.kill_log if k.kind in ("supervisor", "double_keeper")} | {
+            job for job, row in self.records.items() if row.get("detached") and row.get("owner_pid") in killed}
+
     def lost(self) -> list[str]:
         """Promise 8: every detached job whose submit returned an id ended, once, recorded; LOST only if
         its supervisor was killed; a result kept for each that succeeded."""
         found = [f"promise 8: job {job} ran twice ({self._story(job)})" for job in self.twice]
         rows = self.records
         found += [f"promise 8: detached job {job} has no row in the ledger" for job in self.submitted - set(rows)]
-        supervised = {k.job for k in self.kill_log if k.kind in ("supervisor", "double_keeper")}
+        supervised = self.supervised()
         for job in sorted(self.submitted & set(rows)):
             row = rows[job]
             if row["state"] in ("PENDING", "RUNNING"):
@@ -1625,6 +1660,7 @@ class ChaosResult:
         """Why this run did not test what it should (too few jobs, kills or shares)."""
         missing = shortfall(self.jobs, self.kills, len(self.submitted), len(self.working_dirs),
                             bool(self.observer.get("shared_at_once")), self.sessions, self.settings.required_kills())
+        missing += unhanded(self.settings, self.records.values())
         if self.settings.isolation:
             owners = self.observer.get("owners", {})
             missing += [f"the observer checked the owner of no job {what}" for what in ("processes", "files")
@@ -1759,6 +1795,7 @@ class Chaos:
             "reports": str(run_dir / "reports"), "inboxes": [str(run_dir / "inbox-observer"),
                                                              str(run_dir / "inbox-killer")],
             "memory_var": MEMORY_VAR, "queue_timeout": settings.queue_timeout, "detached": settings.detached,
+            "arrays": settings.arrays, "elements": settings.elements,
             "session": settings.session, "calls": settings.calls, "hold": settings.hold,
             "identities": settings.identities(), "certs": settings.isolation.certs if settings.isolation else {},
             "working_dir": settings.working_dir, "child_kinds": child_kinds(settings),
@@ -1834,7 +1871,8 @@ class Chaos:
         jobs, working_dirs, sessions = (sum(name.endswith(suffix) for name in reports)
                                         for suffix in (".json", ".workdir", ".session"))
         return shortfall(jobs, self.killer.kills, len(os.listdir(self.run_dir / "submitted")), working_dirs,
-                         (self.run_dir / "observer.shared").exists(), sessions, self.settings.required_kills())
+                         (self.run_dir / "observer.shared").exists(), sessions, self.settings.required_kills()) + \
+            unhanded(self.settings, ledger_rows(self.lock_dir, "array_id IS NOT NULL"))
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:

@@ -155,6 +155,20 @@ class Holders:
             self.killing = True
         return bool(left)
 
+    def held(self, records: Records) -> dict[str, list[dict[str, Any]]]:
+        """Who holds which GPU, in grant order, as GPULockManager.snapshot() says it (a holder that died while its
+        job lingers: `leftover`), from the held/ `records`; no lock."""
+        held: dict[str, list[dict[str, Any]]] = {}
+        for uuid, entries in records.items():
+            for _, record in entries:
+                if self.holds(uuid, record):
+                    held.setdefault(uuid, []).append(record)
+                elif self.orphan_holds(record, kill=False):
+                    held.setdefault(uuid, []).append({**record, "leftover": True})
+        for found in held.values():
+            found.sort(key=lambda holder: holder["sequence"])
+        return held
+
     def orphans(self) -> list[tuple[Path, dict[str, Any]]]:
         """The records of grants whose locks nobody holds any more (their holder died). One whose holder (its
         `owner`) lives is none, whatever the lock file says: its lock file was replaced (only root can, in a tree

@@ -44,25 +44,25 @@ import functools
 import os
 import select
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from rpycdl.defaults import DISPATCH_LOOKAHEAD, KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
+from rpycdl.defaults import KILL_WAIT, LINGER_POLL, WAIT_FALLBACK_POLL
 from rpycdl.errors import QueueTimeoutError
 from rpycdl.scheduler import limits, lockdir, planning, policies, policyfiles, preemption, procs
 from rpycdl.scheduler.holders import Grant, Holders, Records, job_left
 from rpycdl.scheduler.load import read_load
 from rpycdl.scheduler.planning import Range
 from rpycdl.scheduler.policies import BACKFILL, FAIR, FCFS, Rules, Scheduling
-from rpycdl.scheduler.queuedir import Need, Place, QueueDir, in_line
+from rpycdl.scheduler.queuedir import GRANT, TICKET, Need, Place, QueueDir, in_line
+from rpycdl.scheduler.rowqueue import RowQueue
 from rpycdl.states import need_text
 
-TICKET, GRANT = 0, 1  # lines of the counters file
 _COUNTER_WIDTH = 20
 
 
-class GPULockManager:
+class GPULockManager(RowQueue):
     """Grants whole GPUs, or a share of one GPU, first come, first served, across every process
     sharing `lock_dir`.
 
@@ -176,99 +176,6 @@ class GPULockManager:
             self._queue.remove(ticket)
         self.wake_all()
 
-    def enqueue_row(self, need: Need, info: dict[str, Any]) -> int:
-        """Take a place in line for `need` that no process keeps: a detached job waiting as its row alone. Its
-        entry, marked `row`, stays until a server claims it when its turn comes (dispatch) and the supervisor
-        it starts for it is granted or gives up, or until it is dropped (drop_row). Returns its ticket.
-
-        Raises:
-            InvalidRequestError: an impossible request.
-        """
-        need.check()
-        with self._locked():
-            return self._add_row(need, info)
-
-    def enqueue_released(self, need: Need, info: dict[str, Any], still_held: Callable[[], bool]) -> int | None:
-        """enqueue_row for a job held by its dependencies (rpycdl.server.held), once: unless its row is in the queue
-        already, or `still_held()`, asked under the queue lock, says it no longer waits (an entry leaves the queue
-        only once its job has an owner or has ended, so two servers releasing it at once queue it once). Returns
-        its ticket, or None."""
-        need.check()
-        with self._locked():
-            if info["job_id"] in self._queue.rows() or not still_held():
-                return None
-            return self._add_row(need, info)
-
-    def _add_row(self, need: Need, info: dict[str, Any]) -> int:
-        """Under the queue lock: the next ticket, its entry a row's; the ticket."""
-        ticket = self._next(TICKET)
-        self._queue.write(ticket, {**info, **need.entry(), "row": True})
-        return ticket
-
-    def dispatch(self, mine: Callable[[dict[str, Any]], bool] = lambda entry: True, ahead: int | None = None,
-                 lookahead: int = DISPATCH_LOOKAHEAD) -> list[tuple[dict[str, Any], Place]]:
-        """Claim the rows the caller may start (`mine`) that are among the first `ahead` in line for their GPUs
-        (unless told, as many as could run at once on them: Need.at_once; their supervisors wait as any request
-        does, so that a release hands over every GPU it frees at once), whose turn has come (the policy would grant
-        them now), or whose `deadline` passed. Each gets its wake-up FIFO, the claim (one dispatcher wins it), whose
-        descriptor the caller hands to the supervisor it starts for the row, or closes; a row whose FIFO nobody
-        holds open is claimable again. In the policy's order, it decides for at most `lookahead` rows per set of
-        candidate GPUs that cannot go (those behind them wait too). Returns each claimed row's entry and place."""
-        claimed: list[tuple[dict[str, Any], Place]] = []
-        placed: dict[tuple[str, ...], int] = {}  # rows met so far, by their candidates
-        blocked: dict[tuple[str, ...], int] = {}
-        # The queue as it is read now, without the lock (a grant waits on it): what is decided from it is only a
-        # start; the supervisor, a request as any, is granted in its turn or waits.
-        waiters = self._queue.waiters(prune=False)
-        ordered = policyfiles.in_order(self.root, self.scheduling, waiters, self._holders.records())
-        places = {waiter["ticket"]: index for index, waiter in enumerate(waiters)}  # waiters: in ticket order
-        now = time.time()
-        for entry in ordered:
-            if not entry.get("row"):
-                continue
-            key, ticket = tuple(entry["candidates"]), entry["ticket"]
-            placed[key] = placed.get(key, 0) + 1
-            if not mine(entry) or blocked.get(key, 0) >= lookahead:
-                continue
-            with self._locked():  # the claim: one dispatcher makes its FIFO
-                if not self._queue.exists(ticket) or self._queue.claimed(ticket):
-                    continue
-                need = Need.from_entry(entry)
-                if placed[key] > (need.at_once() if ahead is None else ahead) and (
-                        entry.get("deadline") is None or entry["deadline"] > now):
-                    index = places[ticket]
-                    others = waiters[:index] + [other for other in waiters[index + 1:] if self.scheduling.policy
-                                                != FCFS or in_line(other) < in_line(entry)]
-                    decision = self._decide(ticket, need, entry, others)[0]
-                    if not decision.uuids:  # a row over its owner's limits holds nobody back: not counted
-                        blocked[key] = blocked.get(key, 0) + (not decision.reason)
-                        continue
-                claimed.append((entry, Place(ticket, self._queue.open_fifo(ticket))))
-        return claimed
-
-    def drop_row(self, job_id: str) -> bool:
-        """Remove job `job_id`'s row from the queue unless a supervisor holds it (a cancel): False if it has
-        none, or its supervisor was started (which then sees the cancel as any waiting job does)."""
-        return bool(self.drop_rows({job_id}))
-
-    def drop_rows(self, job_ids: Container[str]) -> set[str]:
-        """drop_row for many jobs (an array's elements), in one hold of the queue lock; the ids of those dropped."""
-        with self._locked():
-            return self._queue.drop_rows(job_ids)
-
-    def enqueue_rows(self, pick: Callable[[set[str]], list[tuple[Need, dict[str, Any]]]]) -> int:
-        """enqueue_row for the rows `pick` chooses, told the ids of the rows in line now, in one hold of the queue
-        lock (an array's elements: rpycdl.server.arrays counts its limit and queues them there). How many."""
-        with self._locked():
-            chosen = pick(self._queue.rows())
-            for ticket, (need, info) in enumerate(chosen, self._next(TICKET, len(chosen)) if chosen else 0):
-                self._queue.write(ticket, {**info, **need.entry(), "row": True})
-        return len(chosen)
-
-    def queued_rows(self) -> set[str]:
-        """The ids of the jobs waiting as rows (claimed or not); no lock."""
-        return self._queue.rows()
-
     def _wait(self, ticket: int, need: Need, info: dict[str, Any], standing: policies.Decision, fifo_fd: int, *,
               queue_timeout: float | None, waited: float, wake_fds: Sequence[int],
               on_wake: Callable[[], None] | None, on_position: Callable[[int, str], None] | None) -> Grant:
@@ -308,15 +215,20 @@ class GPULockManager:
         self._queue.write(ticket, {**info, **need.entry()})
         return fifo_fd
 
-    def _try_grant(self, ticket: int, need: Need, info: dict[str, Any]) -> tuple[Grant | None, policies.Decision]:
+    def _try_grant(self, ticket: int, need: Need, info: dict[str, Any],
+                   claim: Callable[[], bool] | None = None) -> tuple[Grant | None, policies.Decision]:
         """Under the queue lock: grant to `ticket` if the host's policy lets it go now (policies.decide: after
-        every request ahead of it that competes for its GPUs, or by backfill). Returns the grant (None: wait)
-        and the decision (how many competing requests are ahead, why its owner's limits hold it back)."""
+        every request ahead of it that competes for its GPUs, or by backfill) and `claim()`, if given, takes it (a
+        handed-over row: hand_over). Returns the grant (None: wait) and the decision (how many competing requests are
+        ahead, why its owner's limits hold it back)."""
         policy, info = self.scheduling.policy, self._queue.placed(ticket, info)  # a requeued row's place, if any
         waiters = self._queue.competing(ticket, in_line({**info, "ticket": ticket}), everyone=policy != FCFS)
         decision, taken, sizes = self._decide(ticket, need, info, waiters)
         if not decision.uuids:  # lower-priority jobs that hold what it needs may be preempted (--preempt)
-            preemption.consider(self.root, self.scheduling, self._holders.records, info, need.entry(), decision)
+            if claim is None:  # (a row preempts nobody: its supervisor does, once it waits at the head of its line)
+                preemption.consider(self.root, self.scheduling, self._holders.records, info, need.entry(), decision)
+            return None, decision
+        if claim is not None and not claim():
             return None, decision
         # No request ahead was planned on these GPUs (it would compete, and we would be behind its grant), so
         # what is taken of them is still what was probed above.
@@ -438,13 +350,4 @@ class GPULockManager:
 
     def held(self, records: Records | None = None) -> dict[str, list[dict[str, Any]]]:
         """Who holds which GPU, as snapshot()'s "held" (the held/ `records`, read now if not given); no lock."""
-        held: dict[str, list[dict[str, Any]]] = {}
-        for uuid, entries in (self._holders.records() if records is None else records).items():
-            for _, record in entries:
-                if self._holders.holds(uuid, record):
-                    held.setdefault(uuid, []).append(record)
-                elif self._holders.orphan_holds(record, kill=False):
-                    held.setdefault(uuid, []).append({**record, "leftover": True})
-        for found in held.values():
-            found.sort(key=lambda holder: holder["sequence"])
-        return held
+        return self._holders.held(self._holders.records() if records is None else records)

@@ -39,6 +39,10 @@ HELD_ONLY = ("leader", "owner", "server_process")
 its queue entry, which every waiter and status reads, goes without them."""
 
 
+TICKET, GRANT = 0, 1
+"""Lines of the lock directory's counters file: the last ticket (a place in line) and the last grant's sequence."""
+
+
 @dataclass(frozen=True)
 class Need:
     """What a request waits for: `ngpus` whole GPUs of `candidates`, or `share_bytes` of one of them.
@@ -75,6 +79,9 @@ class Need:
             if self.share_bytes % MiB or not 0 < self.share_bytes <= largest:
                 raise InvalidRequestError(f"cannot lock {self.share_bytes} bytes of a GPU: shares are whole MiB, "
                                           f"and the largest GPU has {format_size(largest)}")
+
+    KEYS = ("ngpus", "share_mib", "candidates", "sizes_mib", "seconds")
+    """The keys of its queue entry (entry)."""
 
     def entry(self) -> dict[str, Any]:
         """The request as its queue entry says it (the lock files' unit: MiB)."""
@@ -231,17 +238,31 @@ class QueueDir:
                 dropped.add(entry["job_id"])
         return dropped
 
+    def first_row(self, array_id: str) -> dict[str, Any] | None:
+        """Under the queue lock: the entry of the array's first row in ticket order that no process holds, if any."""
+        for name in sorted(lockdir.names(self._rows, "", ".json")):
+            path = f"{self._rows}/{name}"
+            info = _ENTRIES.get(path) or lockdir.read_json(Path(path))
+            if info is not None and info.get("array_id") == array_id and not self.claimed(info["ticket"]):
+                _ENTRIES[path] = info
+                return info
+        return None
+
     def rows(self) -> set[str]:
         """The ids of the jobs waiting as rows (claimed or not); no lock. Each entry is read once per process: an
         array's submit asks again at every hold of the lock."""
-        ids = set()
+        return {info["job_id"] for info in self.row_entries()}
+
+    def row_entries(self) -> list[dict[str, Any]]:
+        """The entries of the rows in line (claimed or not), as rows() reads them."""
+        found = []
         for name in lockdir.names(self._rows, "", ".json"):
             path = f"{self._rows}/{name}"
             info = _ENTRIES.get(path) or lockdir.read_json(Path(path))
             if info is not None:
                 _ENTRIES[path] = info
-                ids.add(info["job_id"])
-        return ids
+                found.append(info)
+        return found
 
     def listen(self, name: str) -> int:
         """A listener's wake-up FIFO, woken with every waiter; returns its descriptor. Those whose process is

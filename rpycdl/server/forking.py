@@ -407,6 +407,7 @@ class DLServer(ForkingServer):
         for record in sweep.end_orphaned(ctx.ledger, ctx.files, ctx.locks.queued_rows):
             log.warning("job %s %s: %s", record.job_id, "requeued (retries=)" if record.state is JobState.PENDING
                         else "ended", record.error)
+            elements.ended(ctx, record)  # an element's: its array's next ones take their places, its last's files go
             ctx.locks.wake_all()
         for job_id in sweep.remove_unrecorded(ctx.ledger, ctx.files, ctx.locks.drop_row):
             log.warning("files of job %s removed: the process making them died before the job was recorded", job_id)

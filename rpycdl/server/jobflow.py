@@ -42,6 +42,7 @@ from rpycdl.scheduler.queuedir import Need, Place
 from rpycdl.security.fence import Fence
 from rpycdl.server import child, draining, fencing, jobdirs, outcomes, preempting, reclaim, runner, saves, status
 from rpycdl.server.context import ServerContext
+from rpycdl.server.handover import Handover
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
 from rpycdl.wire import codec
@@ -84,17 +85,18 @@ class JobFlow:
     """One job of one connection, from its checked request to its outcome."""
 
     def __init__(self, context: ServerContext, request: JobRequest, link: Link, on_end: Callable[[], None], *,
-                 record: JobRecord | None = None, place: Place | None = None,
-                 retry: attempts.Retry | None = None) -> None:
-        """A new job's flow; or, given its `record` and its `place` in line (taken when it was
-        submitted), the flow of a detached job that its supervisor takes over, which `retry` may requeue."""
+                 record: JobRecord | None = None, place: Place | None = None, retry: attempts.Retry | None = None,
+                 grant: Grant | None = None, handover: Handover | None = None) -> None:
+        """A new job's flow; or, given its `record` and its `place` in line (taken when it was submitted), or the
+        `grant` an array's last element handed it, the flow of a detached job that its supervisor takes over, which
+        `retry` may requeue, and whose GPUs its `handover` frees (rpycdl.server.handover)."""
         self.context, self.request, self.link, self._on_end = context, request, link, on_end
         self.record = record or self.new_record(context, request)
         self.queued_at, self._retry, self._signaled = self.record.submitted, retry, False  # queue_timeout from then
         self._unrecorded = record is None  # its files are made before its row (JobFiles.begin)
-        self._place = place
+        self._place, self._handover = place, handover
         self.job: runner.JobProcess | None = None
-        self.grant: Grant | None = None
+        self.grant: Grant | None = grant
         self.result: runner.Result | None = None
         self._check: runner.LoadCheck | None = None
         self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare), its saves' socket (saves)
@@ -126,7 +128,9 @@ class JobFlow:
             if self.request.body is not None:
                 self.job = self._job_process()
                 record.pgid, record.leader_start = self.job.identity
-            self.grant = self._acquire()
+            grant = self.grant = self.grant or self._acquire()
+            record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
+            record.gpus = grant.gpus
             self.result = self._execute()
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
@@ -173,8 +177,6 @@ class JobFlow:
         except QueueTimeoutError as exc:  # who held them (what anyone sees), in the client's waiting line's words
             held = held_by(status.holders(ctx))
             raise QueueTimeoutError(f"{exc}{'; ' + held if held else ''}") from None
-        record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
-        record.gpus = grant.gpus
         return grant
 
     def _save_running(self, *_: Any) -> None:
@@ -276,6 +278,7 @@ class JobFlow:
         self._start_saves()
         result = job.run(self._environment(), self.request.output.stdout, self.request.output.stderr,
                          account=self.request.account, fence=self.fence(), on_start=self._save_running,
+                         on_sent=self._handover.started if self._handover is not None else None,
                          **self._following(self.request.output, self.request.timeout))
         result = self._memory_stopped(job, result)
         over = self._quota.over(now=True) if result.ending is runner.Ending.FINISHED else None  # what it left
@@ -354,15 +357,23 @@ class JobFlow:
     # -- ending -------------------------------------------------------------------------
 
     def _end(self) -> None:
-        """Leave nothing of the job running, release its GPUs, write its row's end."""
+        """Leave nothing of the job running, release its GPUs (or hand them over), write its row's end (once the next
+        element's job has started, if they went to it: rpycdl.server.handover)."""
         if self._check is not None:
             self._check.close()
-        record, result = self.record, self.result
         if self.job is not None:
             self.job.close()  # gone before its GPUs are released
-            fencing.record_usage(record, self.job.usage)
+            fencing.record_usage(self.record, self.job.usage)
         if self.grant is not None:
-            self.context.locks.release(self.grant)
+            (self._handover or self.context.locks).release(self.grant)
+        if self._handover is not None:
+            self._handover.after(self._close)
+        else:
+            self._close()
+
+    def _close(self) -> None:
+        """Keep its outcome, judge it, requeue it or write its row's end, hand its outputs over."""
+        record, result = self.record, self.result
         self._keep()
         ran = not record.state.finished and result is not None  # else it failed before its job could end
         if record.state.finished:  # (record.error says why)

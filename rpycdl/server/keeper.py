@@ -13,7 +13,7 @@ died.
 So the death of the forkserver, the server parent or any other shared process ends no running job; the
 death of the keeper ends its job alone (its job process dies with it, and what the job left is killed by
 whichever rpycdl process notices first: the forkserver or the server, which adopt it, or the requester,
-which finds it by the job's id and session: forkserver.Launched.wait)."""
+which finds it by the job's id and session: forklink.Launched.wait)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,18 @@
-"""Runs one callable in a job process, from the connection process: its environment, its live
-output, its result or exception, timeout, cancel, and nothing of it left running afterwards.
+"""Runs one callable in a job process, from the connection process: its environment, its live output, its result or
+exception, timeout, cancel, and nothing of it left running afterwards.
 
-The job process (rpycdl.server.child) is forked before its payload is needed: a connection's
-first job process is forked with the connection process, before a client connects (a spare,
-given its payload down a pipe), from its second job on the next as a job takes the spare
-(ConnectionLink.take_spare), and one as its request arrives where none is ready (a second job). It waits there for its
-GPUs, which it gets through the environment before the payload is unpickled (so before any
-framework is imported). Its stdout and stderr are pipes at the file-descriptor level, so the
-output of any process it starts is streamed too. However it ends, its group is killed before
-run() returns, and everything it started is gone once close() returns (rpycdl.server.orphans).
+The job process (rpycdl.server.child) is forked before its payload is needed: a connection's first job process is
+forked with the connection process, before a client connects (a spare, given its payload down a pipe), from its
+second job on the next as a job takes the spare (ConnectionLink.take_spare), and one as its request arrives where
+none is ready (a second job). It waits there for its GPUs, which it gets through the environment before the payload
+is unpickled (so before any framework is imported). Its stdout and stderr are pipes at the file-descriptor level, so
+the output of any process it starts is streamed too. However it ends, its group is killed before run() returns, and
+everything it started is gone once close() returns (rpycdl.server.orphans).
 
 The payload's out-of-band buffers (rpycdl.wire) reach the job process by the fork itself: they are already in the
 connection process's memory, and a job forked as they arrive gets them without a copy (so a call that has them never
-goes to a spare). Its result's buffers come back through its result pipe, and the connection process hands them on as
-they come (run's `on_buffers`), so a large result is never held in it.
-"""
+goes to a spare). Its result's buffers come back through its result pipe, and the connection process hands them on
+as they come (run's `on_buffers`), so a large result is never held in it."""
 
 from __future__ import annotations
 
@@ -91,7 +89,7 @@ class Launched(Protocol):
 
 
 class Launcher(Protocol):
-    """What starts job processes and load checks (forkserver.ForkServer, orphans.HERE)."""
+    """What starts job processes and load checks (forklink.ForkServerLink, orphans.HERE)."""
 
     def launch(self, kind: str, fds: list[int]) -> Launched:
         """A process of `kind` ("job" or "check") with `fds` as its descriptors, closed here.
@@ -181,7 +179,7 @@ class JobProcess:
     its GPUs are released).
 
     Args:
-        launcher: what starts it (the server's forkserver; a supervisor's own fork).
+        launcher: what starts it (the server's forkserver; a supervisor's own fork, for its first job).
 
     Raises:
         LimitError: the machine has no process to spare for it.
@@ -249,8 +247,8 @@ class JobProcess:
 
     def run(self, env: dict[str, str], on_stdout: Callable[[str], None], on_stderr: Callable[[str], None], *,
             account: Account | None = None, fence: Fence | None = None,
-            on_start: Callable[[int], None] | None = None, timeout: float | None = None,
-            watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
+            on_start: Callable[[int], None] | None = None, on_sent: Callable[[], None] | None = None,
+            timeout: float | None = None, watch_fds: Sequence[int] = (), on_watch: Callable[[], None] | None = None,
             stop: Callable[[int], tuple[Ending, str] | None] | None = None,
             on_buffers: Callable[[codec.Layout, int], int] | None = None,
             max_result: tuple[int, str] | None = None) -> Result:
@@ -263,6 +261,7 @@ class JobProcess:
             on_stdout, on_stderr: receive the job's output, as text, as it arrives.
             on_start: called with the job process id (its group id too) just before the payload
                 is let go, so that whatever it records is there before the job can be seen running.
+            on_sent: called once the payload is let go, before its output is followed (rpycdl.server.handover).
             timeout: seconds the job may run; past it the group is killed.
             watch_fds: other descriptors to watch (the client connection).
             on_watch: called when one is readable; may raise (client gone), which kills the job.
@@ -283,11 +282,12 @@ class JobProcess:
         buffers, self._buffers = self._buffers, []  # sent: this process lets go of their memory
         self._send(child.Go(env, account, self._body, codec.layout(buffers), on_buffers is not None, fence=fence),
                    buffers)
+        if on_sent is not None:
+            on_sent()
         return self._follow(on_stdout, on_stderr, timeout=timeout, watch_fds=watch_fds, on_watch=on_watch, stop=stop,
                             on_buffers=on_buffers, max_result=max_result)
 
-    def start_session(self, env: dict[str, str], account: Account | None = None,
-                      fence: Fence | None = None) -> None:
+    def start_session(self, env: dict[str, str], account: Account | None = None, fence: Fence | None = None) -> None:
         """Make it a session's process (its GPUs granted): it takes `env`, is fenced by `fence`, becomes `account`,
         and then runs one call() after another, keeping what each leaves in its globals, until close()."""
         self._send(child.Go(env, account, b"", session=True, fence=fence), (), keep=True)

@@ -21,6 +21,7 @@ server's sweep marks the job LOST (rpycdl.scheduler.sweep)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -34,6 +35,7 @@ from rpycdl.defaults import DISPATCH_AHEAD, SUPERVISOR_NAME
 from rpycdl.errors import InvalidRequestError, LimitError, RpycdlError
 from rpycdl.gpu.inventory import load_inventory
 from rpycdl.scheduler import attempts, procs
+from rpycdl.scheduler.holders import Grant
 from rpycdl.scheduler.jobfiles import JobFiles, LogWriter
 from rpycdl.scheduler.ledger import JobRecord, Ledger
 from rpycdl.scheduler.lockdir import shared_dir
@@ -43,8 +45,10 @@ from rpycdl.scheduler.shares import GPURequest, ShareRules
 from rpycdl.security import results
 from rpycdl.security.accounts import Account, Accounts
 from rpycdl.security.auth import Identity
-from rpycdl.server import child, elements, forkserver, jobdirs, orphans, request, runner
+from rpycdl.server import child, elements, jobdirs, orphans, request, runner
 from rpycdl.server.context import Limits, ServerContext
+from rpycdl.server.forklink import ForkServerLink
+from rpycdl.server.handover import Handover
 from rpycdl.server.jobflow import JobFlow, check_queue_limits, need_of, queue_info
 from rpycdl.server.keeper import PID
 from rpycdl.states import JobState
@@ -269,7 +273,7 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          artifact_endpoint=server.get("artifact_endpoint"),
                          scheduling=Scheduling.from_dict(server["scheduling"]),
                          accounts=Accounts.from_dict(server["accounts"]) if "accounts" in server else Accounts(),
-                         ledger_checked=True, launcher=forkserver.ForkServerLink(server["server_id"]))
+                         ledger_checked=True, launcher=ForkServerLink(server["server_id"]))
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:
@@ -319,19 +323,42 @@ def supervise(fifo_fd: int, go_fd: int, secrets_fd: int) -> int:
         context.locks.leave(place.ticket)
         _end_unstarted(context, job_id)
         return 0
-    if array_id is not None:
-        shared_dir(context.files.path(job_id))  # an element has no directory until it starts
-    if not _run(context, record, spec, place, spare, array_id):
-        _record_end(context, record)
-        elements.ended(context, record)
+    if array_id is None:
+        _run(context, record, spec, place, spare)
+    else:
+        _run_elements(context, record, spec, place, spare, array_id)
     return 0
 
 
-def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place: Place,
-         spare: runner.JobProcess | None, array_id: str | None) -> bool:
-    """Run the job's flow, its output to its log; then its payload and result key go, unless the flow requeued it
-    (its `retries=`: rpycdl.scheduler.attempts), which it returns. An array's element runs its array's payload."""
-    job_id, requeued = record.job_id, []
+def _run_elements(context: ServerContext, record: JobRecord, spec: dict[str, Any], place: Place,
+                  spare: runner.JobProcess | None, array_id: str) -> None:
+    """Run the array's element `record`, then each element its GPUs are handed to in turn (rpycdl.server.handover)."""
+    handover, grant, waited = Handover(context, array_id), None, place  # the first element's place, the others' grant
+    try:
+        while True:
+            shared_dir(context.files.path(record.job_id))  # an element has no directory until it starts
+            _run(context, record, spec, waited, spare, handover, grant)
+            handed = handover.take()
+            if handed is None:
+                return
+            (grant, record, spare), waited = handed, None
+            if record.cancel_requested:  # asked as its row was handed over: it never runs
+                spare.close()
+                context.locks.release(grant)
+                _end_unstarted(context, record.job_id)
+                elements.ended(context, record)
+                return
+    finally:
+        handover.close()
+
+
+def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place: Place | None,
+         spare: runner.JobProcess | None, handover: Handover | None = None, grant: Grant | None = None) -> None:
+    """Run the job's flow, its output to its log; then its end: its payload and result key go, and its row's end is
+    made sure of, unless the flow requeued it (its `retries=`: rpycdl.scheduler.attempts). An array's element runs
+    its array's payload, on the `grant` the last element handed it, if any, and its GPUs go to the next through its
+    `handover`, which then holds its end back until the next one's job has started."""
+    job_id, array_id, requeued, flow = record.job_id, record.array_id, [], None
     log = LogWriter(context.files.path(job_id, "log"), context.limits.max_log)
 
     def write(text: str) -> None:
@@ -350,7 +377,7 @@ def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place:
         body = context.files.payload(job_id) if array_id is None else elements.payload(context, record)
         checked = _request(spec, body, write)
         flow = JobFlow(context, checked, Supervised(context, record, spare), lambda: None, record=record, place=place,
-                       retry=retry)
+                       retry=retry, grant=grant, handover=handover)
         if record.attempt > 1:  # its queue_timeout counts from its requeue; its log says where it begins
             for last in context.ledger.attempts(job_id)[-1:]:
                 flow.queued_at = last["ended"]
@@ -358,18 +385,37 @@ def _run(context: ServerContext, record: JobRecord, spec: dict[str, Any], place:
                       f"{last['error']})\n")
         flow.run()
         spare = None
-    except (RpycdlError, EOFError):
-        pass  # the ledger says how it ended
+    except (RpycdlError, EOFError) as exc:  # the ledger says how it ended, unless it never got to run
+        if flow is None:
+            record.state, record.error, record.error_type = JobState.FAILED, str(exc), type(exc).__name__
+            record.ended = time.time()
     except Exception:  # the ledger refused the end (a full disk), or a bug: the end is recorded below
         traceback.print_exc()
     finally:
-        if spare is not None:  # a container job's, or the flow never took it
-            spare.close()
-        log.close()
-        if not requeued:
-            context.files.drop_payload(job_id)
-            results.drop_job_key(context.files.path(job_id))  # its result is sealed, or it will have none
-    return bool(requeued)
+        if flow is None and grant is not None:  # its payload could not be had: its GPUs go on
+            assert handover is not None
+            handover.release(grant)
+        (handover.after if handover is not None else _now)(functools.partial(_ended, context, record, spare, log,
+                                                                             requeued))
+
+
+def _ended(context: ServerContext, record: JobRecord, spare: runner.JobProcess | None, log: LogWriter,
+           requeued: list[str | None]) -> None:
+    """What is left of a job's end once its flow ended: its spare (a container job's, or one the flow never took),
+    its log; then, unless it was requeued, its payload and result key, its row's end made sure of, and its array's
+    next elements given their places (elements.ended)."""
+    if spare is not None:
+        spare.close()
+    log.close()
+    if not requeued:
+        context.files.drop_payload(record.job_id)
+        results.drop_job_key(context.files.path(record.job_id))  # its result is sealed, or it will have none
+        _record_end(context, record)
+        elements.ended(context, record)
+
+
+def _now(end: Callable[[], None]) -> None:
+    end()
 
 
 def _record_end(context: ServerContext, record: JobRecord) -> None:

@@ -1,5 +1,5 @@
 """A job process or load check that the forkserver could not fork: the forkserver's reply is read when the
-process is first needed (forkserver.Launched), so its failure is told then, and what holds it closes cleanly."""
+process is first needed (forklink.Launched), so its failure is told then, and what holds it closes cleanly."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import socket
 import pytest
 
 from rpycdl.errors import LimitError
-from rpycdl.server import child, forkserver, runner
+from rpycdl.server import child, forklink, runner
 
 
 class CouldNotFork:
     """A launcher whose forkserver fails to fork: it lets go of the child's descriptors and closes the control
     socket without a reply, as the forkserver does then (forkserver._Server._fork)."""
 
-    def launch(self, kind: str, fds: list[int]) -> forkserver.Launched:
+    def launch(self, kind: str, fds: list[int]) -> forklink.Launched:
         ours, control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         control.close()
         for fd in fds:
             os.close(fd)
-        return forkserver.Launched(ours)
+        return forklink.Launched(ours)
 
 
 def test_a_job_process_never_forked_takes_no_payload_says_why_when_asked_and_closes():
