@@ -244,10 +244,10 @@ class GPULockManager(RowQueue):
         self._queue.remove(ticket)
         return grant, decision
 
-    def _decide(self, ticket: int, need: Need, info: dict[str, Any],
-                waiters: list[dict[str, Any]]) -> tuple[policies.Decision, dict[str, list[Range]], dict[str, int]]:
+    def _decide(self, ticket: int, need: Need, info: dict[str, Any], waiters: list[dict[str, Any]],
+                eager: bool = False) -> tuple[policies.Decision, dict[str, list[Range]], dict[str, int]]:
         """Under the queue lock: whether the policy lets `ticket` go now among the live `waiters` (without it),
-        with what is taken of the GPUs involved and their sizes (MiB)."""
+        with what is taken of the GPUs involved and their sizes (MiB); `eager`: as policies.decide's."""
         policy, mine = self.scheduling.policy, need.entry()
         me = policyfiles.want(ticket, mine, info)
         involved, sizes = set(me.candidates), {}
@@ -267,7 +267,7 @@ class GPULockManager(RowQueue):
         rules = Rules(policy, placement, read_load(self.root, now) if placement == planning.LEAST_BUSY else {})
         board = policyfiles.board(self._holders.records(), sizes, now) if policy == BACKFILL else None  # after taken()
         decision = policies.decide(planning.rooms(taken, sizes, fractional), waiting, me, rules, board=board, now=now,
-                                   limits=limits.tally(self.root, records, now))  # None without limits
+                                   limits=limits.tally(self.root, records, now), eager=eager)  # None without limits
         return decision, taken, sizes
 
     def claim_scheduling(self) -> None:

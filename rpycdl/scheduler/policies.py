@@ -172,7 +172,7 @@ def order(wants: Sequence[Want], policy: str, usage: Mapping[str, float] | None 
 
 
 def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: Rules, *,
-           board: Board | None = None, now: float = 0.0, limits: Tally | None = None) -> Decision:
+           board: Board | None = None, now: float = 0.0, limits: Tally | None = None, eager: bool = False) -> Decision:
     """Whether `me` may lock GPUs now, and which.
 
     Args:
@@ -183,6 +183,9 @@ def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: 
         board: what holds the GPUs until when, for a backfill's plan (None: no backfill).
         now: the time of `board`'s ends (seconds since the epoch).
         limits: what each account holds and used against its limits (None: no limits); updated in place.
+        eager: whether `me` may go on what is left once those ahead that could go now have taken theirs (a
+            dispatcher's claim of an array's rows, as many as the GPUs free now can run: a claim is no grant, its
+            supervisor still waits its turn); else it waits for their grants, so that grants come in order.
     """
     ahead = waiting[:waiting.index(me)]
     planned = dict(rooms)
@@ -201,7 +204,7 @@ def decide(rooms: Mapping[str, Room], waiting: Sequence[Want], me: Want, rules: 
         else:
             planning.take(planned, want.candidates, 0)  # reserved while they wait
     reason = "" if limits is None else limits.over(me.account, me.counts)
-    if behind_a_grant or reason:
+    if (behind_a_grant and not eager) or reason:
         return Decision(ahead=count, reason=reason)
     mine = _pick(planned, me, rules)
     if mine:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,10 @@ _ENTRIES: dict[str, dict[str, Any]] = {}  # queue entries already read, by path 
 
 AHEAD_KNOWN = 256
 """A waiter with more entries than this before it lists the directories again rather than look at each."""
+
+AHEAD_PROBE = 64
+"""Tickets after the last look's that a look at the entries before a later ticket checks one by one, rather than list
+the directories (QueueDir._before)."""
 
 HELD_ONLY = ("leader", "owner", "server_process")
 """Keys of a request's info that only its grant's record needs (to find the job after a crash);
@@ -128,9 +132,9 @@ class QueueDir:
         """Live waiting requests in ticket order (only those before ticket `before`, if given): rows, and those
         whose process lives; with `prune` (under the queue lock only), removes the others. Plain strings, not
         Paths: with thousands of rows every dispatch and status reads them all."""
-        known = self._ahead.get(before) if before is not None else None
-        if known is not None and len(known) <= AHEAD_KNOWN:  # no entry before `before` can appear: see _ahead
-            listed = [(name, base) for name, base in known if os.path.lexists(base + name)]
+        known = self._before(before) if before is not None else None
+        if known is not None:
+            listed = known
         else:
             listed = [(name, f"{folder}/") for folder in (self._queue, self._rows)
                       for name in lockdir.names(folder, "", ".json")]
@@ -144,6 +148,17 @@ class QueueDir:
         if before is not None:
             self._ahead = {before: listed}
         return self._live(sorted(listed), prune)
+
+    def _before(self, before: int) -> list[tuple[str, str]] | None:
+        """The entries (name, folder/) still there before ticket `before`, from those found before the ticket of the
+        last look (_ahead: none can appear later) and, for a later ticket (the next row an array's supervisor is
+        handed), each ticket between looked at in turn; None if that is no cheaper than listing the directories."""
+        for bound, known in self._ahead.items():
+            if len(known) <= AHEAD_KNOWN and bound <= before <= bound + AHEAD_PROBE:
+                between = [(f"{ticket:016d}.json", f"{folder}/") for ticket in range(bound, before)
+                           for folder in (self._queue, self._rows)]
+                return [(name, base) for name, base in known + between if os.path.lexists(base + name)]
+        return None
 
     def competing(self, ticket: int, mine: tuple[int, int], everyone: bool) -> list[dict[str, Any]]:
         """The live waiting requests a request of `ticket` whose place is `mine` (in_line) is ordered among (under the
@@ -239,30 +254,39 @@ class QueueDir:
         return dropped
 
     def first_row(self, array_id: str) -> dict[str, Any] | None:
-        """Under the queue lock: the entry of the array's first row in ticket order that no process holds, if any."""
+        """Under the queue lock: the entry of the array's first row in line (in_line: a requeued element keeps its
+        place) that no process holds, if any. Rows not marked in ranked/ go by their tickets (an array's elements
+        share its priority), so the listing is read only up to the first of them."""
+        ranked = set(lockdir.names(self._ranked, "", ""))
+        found = [info for info in (self._entry(f"{self._rows}/{mark}.json") for mark in ranked
+                                   if os.path.lexists(f"{self._rows}/{mark}.json"))
+                 if info is not None and info.get("array_id") == array_id and not self.claimed(info["ticket"])]
         for name in sorted(lockdir.names(self._rows, "", ".json")):
-            path = f"{self._rows}/{name}"
-            info = _ENTRIES.get(path) or lockdir.read_json(Path(path))
+            info = None if name[:-5] in ranked else self._entry(f"{self._rows}/{name}")
             if info is not None and info.get("array_id") == array_id and not self.claimed(info["ticket"]):
-                _ENTRIES[path] = info
-                return info
-        return None
+                found.append(info)
+                break
+        return min(found, key=in_line, default=None)
 
     def rows(self) -> set[str]:
         """The ids of the jobs waiting as rows (claimed or not); no lock. Each entry is read once per process: an
         array's submit asks again at every hold of the lock."""
         return {info["job_id"] for info in self.row_entries()}
 
-    def row_entries(self) -> list[dict[str, Any]]:
+    def row_entries(self) -> Iterator[dict[str, Any]]:
         """The entries of the rows in line (claimed or not), as rows() reads them."""
-        found = []
         for name in lockdir.names(self._rows, "", ".json"):
-            path = f"{self._rows}/{name}"
-            info = _ENTRIES.get(path) or lockdir.read_json(Path(path))
+            info = self._entry(f"{self._rows}/{name}")
             if info is not None:
-                _ENTRIES[path] = info
-                found.append(info)
-        return found
+                yield info
+
+    @staticmethod
+    def _entry(path: str) -> dict[str, Any] | None:
+        """The entry at `path`, read once per process (an entry is never rewritten); None if it is gone or empty."""
+        info = _ENTRIES.get(path) or lockdir.read_json(Path(path))
+        if info is not None:
+            _ENTRIES[path] = info
+        return info
 
     def listen(self, name: str) -> int:
         """A listener's wake-up FIFO, woken with every waiter; returns its descriptor. Those whose process is

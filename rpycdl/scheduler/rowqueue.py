@@ -54,7 +54,8 @@ class RowQueue:
         (unless told, as many as could run at once on them: Need.at_once; their supervisors wait as any request
         does, so that a release hands over every GPU it frees at once; none for an array's elements, which the
         supervisors of those that run take in turn: hand_over), whose turn has come (the policy would grant them
-        now), or whose `deadline` passed. Each gets its wake-up FIFO, the claim (one dispatcher wins it), whose
+        now; an array's elements, as many as the GPUs free now can run, in order: policies.decide's `eager`), or
+        whose `deadline` passed. Each gets its wake-up FIFO, the claim (one dispatcher wins it), whose
         descriptor the caller hands to the supervisor it starts for the row, or closes; a row whose FIFO nobody
         holds open is claimable again. In the policy's order, it decides for at most `lookahead` rows per set of
         candidate GPUs that cannot go (those behind them wait too). Returns each claimed row's entry and place."""
@@ -83,7 +84,7 @@ class RowQueue:
                     index = places[ticket]
                     others = waiters[:index] + [other for other in waiters[index + 1:] if self.scheduling.policy
                                                 != FCFS or in_line(other) < in_line(entry)]
-                    decision = self._decide(ticket, need, entry, others)[0]
+                    decision = self._decide(ticket, need, entry, others, eager=bool(entry.get("array_id")))[0]
                     if not decision.uuids:  # a row over its owner's limits holds nobody back: not counted
                         blocked[key] = blocked.get(key, 0) + (not decision.reason)
                         continue

@@ -146,3 +146,61 @@ def test_rows_given_at_once_take_tickets_in_order_and_a_row_left_empty_is_no_row
     empty.touch()
     assert locks.queued_rows() == {"before", "e0", "e1", "e2", "after"}
     assert [entry["job_id"] for entry in locks.queue()][-1] == "after" and not empty.exists()
+
+
+def test_a_grant_is_handed_to_the_arrays_first_row_in_line_and_only_when_it_heads_the_line(tmp_path):
+    """hand_over (rpycdl.server.handover): the GPU goes to the array's first unclaimed row in line (a requeued
+    element's place counts), once the claim takes it; a refused claim, another array's rows, or a request ahead
+    leave the GPU free and the row in line."""
+    locks = GPULockManager(tmp_path)
+    one = Need(1, GPUS[:1])
+    mine = {"owner": [1, 1], "leader": None, "server_process": [1, 1]}
+
+    def held() -> list[str]:
+        return [record["job_id"] for records in locks.snapshot()["held"].values() for record in records]
+
+    def row(job_id: str, array_id: str, **extra: object) -> None:
+        locks.enqueue_row(one, {"job_id": job_id, "user": "alice", "array_id": array_id, **extra})
+
+    plain = locks.enqueue_row(one, {"job_id": "plain", "user": "bob"})  # a job submitted before the elements
+    row("late", "A")
+    row("requeued", "A", place=plain)  # before "late" in line (after "plain"), though its ticket is after
+    row("other", "B")
+    grant = locks.acquire(one, {"job_id": "first", "user": "alice", "priority": 10})  # before the rows
+    assert locks.hand_over(grant, "A", mine, lambda job_id: True) is None  # "plain" heads the line
+    assert held() == [] and locks.queued_rows() == {"plain", "other", "late", "requeued"}
+    locks.drop_row("plain")
+    asked = []
+    grant = locks.acquire(one, {"job_id": "second", "user": "alice", "priority": 10})
+    assert locks.hand_over(grant, "A", mine, lambda job_id: asked.append(job_id) or False) is None
+    assert asked == ["requeued"] and held() == [] and "requeued" in locks.queued_rows()  # its claim refused it
+    grant = locks.acquire(one, {"job_id": "third", "user": "alice", "priority": 10})
+    handed, entry = locks.hand_over(grant, "A", mine, lambda job_id: True)
+    assert entry["job_id"] == "requeued" and handed.uuids == GPUS[:1] and held() == ["requeued"]
+    assert locks.queued_rows() == {"late", "other"}
+    assert locks.hand_over(handed, "B", mine, lambda job_id: True) is None and held() == []  # "late" heads the line
+    assert locks.queued_rows() == {"late", "other"}
+
+
+def test_an_arrays_rows_are_claimed_as_many_as_the_free_gpus_run_and_none_ahead_of_their_turn(tmp_path):
+    """An array's supervisors take its next elements in turn (hand_over): a dispatcher claims its rows only for the
+    GPUs free now, all of those in one pass, none to wait ahead (a plain row of the same need would have
+    Need.at_once of them)."""
+    locks = GPULockManager(tmp_path)
+    for index in range(5):
+        _row(locks, f"e{index}")
+    held = locks.acquire(Need(1, GPUS[:1]), {"job_id": "holder", "user": "bob", "priority": 10})
+    for index in range(5, 10):
+        locks.enqueue_row(Need(1, GPUS), {"job_id": f"a{index}", "user": "alice", "array_id": "A",
+                                          "state_dir": "/mine"})
+    claimed = locks.dispatch(lambda entry: bool(entry.get("array_id")))
+    assert [entry["job_id"] for entry, _ in claimed] == [], claimed  # the plain rows ahead take the free GPU first
+    for job_id in [f"e{index}" for index in range(5)]:
+        locks.drop_row(job_id)
+    claimed = locks.dispatch()
+    assert [entry["job_id"] for entry, _ in claimed] == ["a5"]  # one GPU free: one row claimed
+    locks.release(held)
+    claimed += locks.dispatch()
+    assert [entry["job_id"] for entry, _ in claimed] == ["a5", "a6"]  # the other: one more, and none ahead
+    for _, place in claimed:
+        os.close(place.fifo_fd)
