@@ -133,6 +133,14 @@ def counts(ledger: Ledger, array_id: str) -> dict[str, int]:
     return {**by_state, "unfinished": by_state["PENDING"] + by_state["RUNNING"]}
 
 
+def unfinished(ledger: Ledger, array_id: str) -> bool:
+    """Whether an element of the array is unfinished: read from its last element back, which waits while any does
+    (elements start in index order), so that an element's end reads one row, not every ended one."""
+    with ledger._db() as db:
+        return db.execute(f"SELECT 1 FROM jobs WHERE array_id = ? AND {LIVE} ORDER BY array_index DESC LIMIT 1",
+                          (array_id,)).fetchone() is not None
+
+
 def live(ledger: Ledger, array_id: str) -> list[tuple[str, int, int, str, bool]]:
     """The array's unfinished elements, in index order: (job id, index, owner pid, state, cancel asked)."""
     with ledger._db() as db:

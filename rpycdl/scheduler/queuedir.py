@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +127,7 @@ class QueueDir:
         # entry written under one hold of queue.lock, so a waiter looks again only at those (a request at the head
         # of a long queue never lists it again).
         self._ahead: dict[int, list[tuple[str, str]]] = {}
+        self._found: dict[str, int] = {}  # the ticket of the last row first_row found, by array
 
     def waiters(self, before: int | None = None, prune: bool = True) -> list[dict[str, Any]]:
         """Live waiting requests in ticket order (only those before ticket `before`, if given): rows, and those
@@ -256,17 +257,35 @@ class QueueDir:
     def first_row(self, array_id: str) -> dict[str, Any] | None:
         """Under the queue lock: the entry of the array's first row in line (in_line: a requeued element keeps its
         place) that no process holds, if any. Rows not marked in ranked/ go by their tickets (an array's elements
-        share its priority), so the listing is read only up to the first of them."""
+        share its priority): the first of them is looked for among the AHEAD_PROBE tickets after the one this
+        process found last (an array's elements take consecutive tickets), else in the listing, in order. (One
+        before those, whose claim lapsed, would be ahead of the one found: the grant refuses that one.)"""
         ranked = set(lockdir.names(self._ranked, "", ""))
+
+        def free(info: dict[str, Any] | None) -> bool:
+            return info is not None and info.get("array_id") == array_id and not self.claimed(info["ticket"])
+
+        def unranked(names: Iterable[str]) -> Iterator[dict[str, Any] | None]:
+            return (self._entry(f"{self._rows}/{name}") for name in names if name[:-5] not in ranked)
+
         found = [info for info in (self._entry(f"{self._rows}/{mark}.json") for mark in ranked
-                                   if os.path.lexists(f"{self._rows}/{mark}.json"))
-                 if info is not None and info.get("array_id") == array_id and not self.claimed(info["ticket"])]
-        for name in sorted(lockdir.names(self._rows, "", ".json")):
-            info = None if name[:-5] in ranked else self._entry(f"{self._rows}/{name}")
-            if info is not None and info.get("array_id") == array_id and not self.claimed(info["ticket"]):
-                found.append(info)
-                break
-        return min(found, key=in_line, default=None)
+                                   if os.path.lexists(f"{self._rows}/{mark}.json")) if free(info)]
+        last = self._found.get(array_id)
+        after = [name for name in (f"{ticket:016d}.json" for ticket in range(last + 1, last + 1 + AHEAD_PROBE))
+                 if os.path.lexists(f"{self._rows}/{name}")] if last is not None else []
+        first = next((info for info in unranked(after) if free(info)), None) or next(
+            (info for info in unranked(sorted(lockdir.names(self._rows, "", ".json"))) if free(info)), None)
+        chosen = min([*found, first] if first is not None else found, key=in_line, default=None)
+        if chosen is not None:
+            self._found[array_id] = chosen["ticket"]
+        return chosen
+
+    def has_row(self, array_id: str) -> bool:
+        """Whether a row of the array `array_id` is in line (claimed or not); no lock. The listing is read only up to
+        the first (an array's rows are most of a long queue's)."""
+        with os.scandir(self._rows) as listing:
+            return any(info is not None and info.get("array_id") == array_id for info in (
+                self._entry(entry.path) for entry in listing if entry.name.endswith(".json")))
 
     def rows(self) -> set[str]:
         """The ids of the jobs waiting as rows (claimed or not); no lock. Each entry is read once per process: an

@@ -112,7 +112,7 @@ class RowQueue:
 
     def lined_up(self, array_id: str) -> bool:
         """Whether a row of the array `array_id` is in line (claimed or not); no lock."""
-        return any(info.get("array_id") == array_id for info in self._queue.row_entries())
+        return self._queue.has_row(array_id)
 
     def queued_rows(self) -> set[str]:
         """The ids of the jobs waiting as rows (claimed or not); no lock."""

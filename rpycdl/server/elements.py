@@ -98,7 +98,7 @@ def ended(context: ServerContext, record: JobRecord) -> None:
     array = arrays.get(context.ledger, array_id)
     if array is not None and array.max_running is not None:
         release(context, array_id)
-    if not arrays.counts(context.ledger, array_id)["unfinished"]:
+    if not arrays.unfinished(context.ledger, array_id):
         drop_shared(context, array_id)
 
 
