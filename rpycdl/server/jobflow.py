@@ -1,11 +1,10 @@
-"""A job's flow from its checked request to its outcome: it waits in line for its GPUs (its payload
-test-loaded meanwhile), runs in its job process (or its container) with exactly those GPUs, is
-stopped when cancelled, timed out or over its share, and ends with everything it started gone,
-its GPUs released and its ledger row written; an original client's value is made after that.
+"""A job's flow from its checked request to its outcome: it waits in line for its GPUs (its payload test-loaded
+meanwhile), runs in its job process (or its container) with exactly those GPUs, is stopped when cancelled, timed out
+or over its share, and ends with everything it started gone, its GPUs released and its ledger row written; an
+original client's value is made after that.
 
-The same flow serves an attached job, in the connection process serving its client, and a detached
-one, in its supervisor (rpycdl.server.supervisor), which has no client: its Link keeps the outcome
-in the job's files instead."""
+The same flow serves an attached job, in the connection process serving its client, and a detached one, in its
+supervisor (rpycdl.server.supervisor), which has no client: its Link keeps the outcome in the job's files instead."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ from rpycdl.states import JobState, held_by
 from rpycdl.wire import codec
 
 LOAD_CHECK_AFTER = 0.2
-"""Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits
-are not worth a process."""
+"""Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits are not worth a process."""
 
 Stop = Callable[[int], tuple[runner.Ending, str] | None]
 """Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
@@ -128,9 +126,7 @@ class JobFlow:
             if self.request.body is not None:
                 self.job = self._job_process()
                 record.pgid, record.leader_start = self.job.identity
-            grant = self.grant = self.grant or self._acquire()
-            record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
-            record.gpus = grant.gpus
+            self.grant = self._acquire()
             self.result = self._execute()
         except BaseException as exc:
             record.state = JobState.CANCELLED if isinstance(exc, (JobCancelledError, EOFError)) else JobState.FAILED
@@ -164,6 +160,14 @@ class JobFlow:
         return job
 
     def _acquire(self) -> Grant:
+        """Its GPUs: waited for in line, or the grant it was handed (rpycdl.server.handover); its row says them."""
+        record, grant = self.record, self.grant or self._wait_in_line()
+        record.state, record.gpu_uuids, record.started = JobState.RUNNING, list(grant.uuids), time.time()
+        record.gpus = grant.gpus
+        return grant
+
+    def _wait_in_line(self) -> Grant:
+        """Its GPUs, as its place in line comes (the client told of its place, the payload test-loaded meanwhile)."""
         ctx, record = self.context, self.record
         info = {**queue_info(ctx, record, self.request), "owner": [record.owner_pid, record.owner_start],
                 "leader": [record.pgid, record.leader_start] if self.job else None,
@@ -357,8 +361,7 @@ class JobFlow:
     # -- ending -------------------------------------------------------------------------
 
     def _end(self) -> None:
-        """Leave nothing of the job running, release its GPUs (or hand them over), write its row's end (once the next
-        element's job has started, if they went to it: rpycdl.server.handover)."""
+        """Leave nothing of the job running, free its GPUs (or hand them on: handover), write its row's end."""
         if self._check is not None:
             self._check.close()
         if self.job is not None:
