@@ -1286,13 +1286,13 @@ def job_processes(reports: dict[str, Report], token: bytes) -> dict[str, list[st
 
 def ledger_rows(lock_dir: Path, where: str = "1", params: tuple[Any, ...] = (), table: str = "jobs",
                 ) -> list[dict[str, Any]]:
-    """Rows of the job ledger (its `table`: jobs, or arrays), read as an outsider (SQLite, read-only)."""
+    """Rows of the job ledger (its `table`: jobs, arrays, preemptions), read as an outsider (SQLite, read-only)."""
     ledger = lock_dir / "state" / "ledger.sqlite3"
     if not ledger.exists():
         return []
     with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True, timeout=10)) as db:
         db.row_factory = sqlite3.Row
-        key = "job_id" if table == "jobs" else "array_id"
+        key = "array_id" if table == "arrays" else "job_id"
         return [dict(row) for row in db.execute(f"SELECT * FROM {table} WHERE {where} ORDER BY {key}", params)]
 
 
@@ -1872,7 +1872,9 @@ class Chaos:
                                         for suffix in (".json", ".workdir", ".session"))
         return shortfall(jobs, self.killer.kills, len(os.listdir(self.run_dir / "submitted")), working_dirs,
                          (self.run_dir / "observer.shared").exists(), sessions, self.settings.required_kills()) + \
-            unhanded(self.settings, ledger_rows(self.lock_dir, "array_id IS NOT NULL"))
+            unhanded(self.settings, ledger_rows(self.lock_dir, "array_id IS NOT NULL")) + (
+                ["no job was preempted"] if "--preempt" in self.settings.server_args and not ledger_rows(
+                    self.lock_dir, table="preemptions") else [])
 
     @staticmethod
     def _wait_clean(what: str, since: float, look: Callable[[float], Leftovers]) -> Ending:
