@@ -198,13 +198,12 @@ class QueueDir:
         waiters = []
         for name, base in listed:
             entry = base + name
-            info = _ENTRIES.get(entry) or lockdir.read_json(Path(entry))
+            info = self._entry(entry)
             if info is None or (not info.get("row") and not lockdir.fifo_has_reader(Path(entry[:-5] + ".fifo"))):
                 _ENTRIES.pop(entry, None)
                 if prune:
                     self.remove(int(name[:-5]))
                 continue
-            _ENTRIES[entry] = info
             waiters.append(info)
         return waiters
 

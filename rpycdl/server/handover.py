@@ -49,7 +49,7 @@ class Handover:
             leader = spare.identity if spare is not None else None
         except LimitError:  # the forkserver could not fork it
             leader = None
-        if spare is None or leader is None:
+        if leader is None:
             if spare is not None:  # one that could not be forked: another is asked for as the next element starts
                 spare.close()
                 self._spare = None
