@@ -132,6 +132,32 @@ def test_output_arrives_while_the_job_is_still_running(conn, connect, tmp_path):
     assert out.arrival(" ... finished") > gate_opened
 
 
+def test_a_partial_line_arrives_unflushed_while_the_job_blocks(conn, connect, tmp_path):
+    """Output without a newline or a flush (a progress line) reaches the client while the job runs on: the job
+    process flushes both streams' partial lines from the first write to either on."""
+    out, err = Sink(), Sink()
+    gate = str(tmp_path / "gate")
+
+    def job(gate):
+        import os
+        import sys
+        import time
+
+        print("loading...", end="")
+        sys.stderr.write("warming up")
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        print(" done")
+        return "done"
+
+    running = Background(conn, job, gate, stdout=out, stderr=err)
+    wait_until(lambda: "loading..." in out.text and "warming up" in err.text, 15, "the job's partial lines")
+    assert not running.done, "the job finished although its gate was never opened"
+    open_gate(gate)
+    assert running.result() == "done"
+    assert out.text == "loading... done\n" and err.text == "warming up"
+
+
 def test_each_job_gets_only_its_own_output(conn, connect, tmp_path):
     gate = str(tmp_path / "gate")
     sinks = [Sink(), Sink()]

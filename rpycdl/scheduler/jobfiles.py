@@ -229,7 +229,8 @@ class JobFiles:
 
 
 class LogWriter:
-    """Appends a job's output to its log as it comes, up to `limit` bytes, then one marker line.
+    """Appends a job's output to its log as it comes, up to `limit` bytes, then one marker line. The log is made at
+    the first output (a job that prints nothing has none: its readers read it as empty).
 
     Attributes:
         size: the bytes the log holds (the marker included).
@@ -244,9 +245,7 @@ class LogWriter:
         self.limit = limit
         self.size = 0
         self._full = False
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
-        with contextlib.suppress(PermissionError):
-            os.fchmod(self._fd, file_mode())
+        self._fd = -1
 
     def write(self, text: str) -> None:
         if self._full or not text:
@@ -259,6 +258,11 @@ class LogWriter:
                 "later output is dropped]\n").encode()
         written = 0
         try:
+            if self._fd < 0:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                   file_mode())
+                with contextlib.suppress(PermissionError):
+                    os.fchmod(self._fd, file_mode())
             while written < len(data):
                 written += os.write(self._fd, data[written:])
         except OSError as exc:
@@ -278,7 +282,8 @@ class LogWriter:
             self.size += os.write(self._fd, marker)
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
 
 
 def _write(path: Path, data: bytes, sync: bool = False) -> None:

@@ -270,8 +270,8 @@ class QueueDir:
         found = [info for info in (self._entry(f"{self._rows}/{mark}.json") for mark in ranked
                                    if os.path.lexists(f"{self._rows}/{mark}.json")) if free(info)]
         last = self._found.get(array_id)
-        after = [name for name in (f"{ticket:016d}.json" for ticket in range(last + 1, last + 1 + AHEAD_PROBE))
-                 if os.path.lexists(f"{self._rows}/{name}")] if last is not None else []
+        after = (name for name in (f"{ticket:016d}.json" for ticket in range(last + 1, last + 1 + AHEAD_PROBE))
+                 if os.path.lexists(f"{self._rows}/{name}")) if last is not None else iter(())  # up to the first
         first = next((info for info in unranked(after) if free(info)), None) or next(
             (info for info in unranked(sorted(lockdir.names(self._rows, "", ".json"))) if free(info)), None)
         chosen = min([*found, first] if first is not None else found, key=in_line, default=None)

@@ -12,6 +12,7 @@ import _thread
 import builtins
 import contextlib
 import ctypes
+import io
 import json
 import mmap
 import os
@@ -249,14 +250,12 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stdout, sys.stderr = JobOutput.pair = (JobOutput(1), JobOutput(2))
         told = read_go(go_r, files)
         if told is None:  # closed before its GPUs came: nothing to run
             os._exit(0)
         _become(told[0], parent, cgroup)
         caps.install_caps()
-        flush_partial_lines(sys.stdout, sys.stderr)
         if told[0].session:  # Ctrl-C of a call (SIGINT, held back between calls) raises KeyboardInterrupt in it
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -274,6 +273,23 @@ def run_job(*, go_r: int, out_w: int, err_w: int, res_w: int, files: int, parent
             sys.stderr.flush()
         os._exit(2)
     os._exit(0)
+
+
+class JobOutput(io.TextIOWrapper):
+    """The job's stdout or stderr, on `fd`, line-buffered: the first write to either starts the thread that flushes
+    the partial lines of both (flush_partial_lines, `pair` until then), so that a job that prints nothing starts no
+    thread (one less to start, and to end when the job process exits)."""
+
+    pair: tuple[JobOutput, ...] = ()
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(open(fd, "wb", closefd=False), line_buffering=True)  # noqa: SIM115
+
+    def write(self, text: str) -> int:
+        if JobOutput.pair:
+            pair, JobOutput.pair = JobOutput.pair, ()
+            flush_partial_lines(*pair)
+        return super().write(text)
 
 
 def flush_partial_lines(*streams: Any) -> None:

@@ -32,14 +32,16 @@ there are elements)."""
 
 _OFFSET = struct.Struct("<QQ")
 
-HOLD = 1000
-"""Elements given their places in line in one hold of the queue lock at most (each hold reads on from the last)."""
+HOLD, FIRST_HOLD = 1000, 32
+"""Elements given their places in line in one hold of the queue lock at most (each hold reads on from the last), and
+in the first: the dispatchers start those while the rest are written, in holds twice as large each time."""
 
 
 def release(context: ServerContext, array_id: str, queued: set[str] | None = None) -> int:
     """Give the array's waiting elements their places in line as its `max_running` allows (all of them, without
-    one), in index order, HOLD a hold of the queue lock; end those whose cancel was asked. `queued`, the rows
-    in line read without the lock, lets an array with nothing to do cost no lock. Returns how many were queued."""
+    one), in index order: FIRST_HOLD in the first hold of the queue lock (the dispatchers are woken then), twice as
+    many in each next, up to HOLD; end those whose cancel was asked. `queued`, the rows in line read without the lock,
+    lets an array with nothing to do cost no lock. Returns how many were queued."""
     array = arrays.get(context.ledger, array_id)
     if array is None:
         return 0
@@ -52,13 +54,13 @@ def release(context: ServerContext, array_id: str, queued: set[str] | None = Non
         return 0
     need = Need.from_entry(entry["need"])
     cancelled: list[str] = []
-    after, last = [-1], [-1]  # the last index this call gave a place: the next hold reads on from there
+    after, last, hold = [-1], [-1], [FIRST_HOLD]  # the last index this call gave a place: the next hold reads on
 
     def pick(rows_queued: set[str]) -> list[tuple[Need, dict[str, Any]]]:
         cancelled[:] = [job_id for job_id in arrays.cancelled_waiting(context.ledger, array_id)
                         if job_id not in rows_queued]
-        room = HOLD if array.max_running is None else min(
-            HOLD, array.max_running - arrays.active(context.ledger, array_id, rows_queued))
+        room = hold[0] if array.max_running is None else min(
+            hold[0], array.max_running - arrays.active(context.ledger, array_id, rows_queued))
         chosen = arrays.unqueued(context.ledger, array_id, after[0], room, rows_queued) if room > 0 else []
         last[0] = chosen[-1][1] if chosen else after[0]
         return [(need, {**entry["info"], "job_id": job_id, "array_index": index}) for job_id, index in chosen]
@@ -68,13 +70,15 @@ def release(context: ServerContext, array_id: str, queued: set[str] | None = Non
     total = 0
     while True:
         added = context.locks.enqueue_rows(pick)
+        if added and not total:
+            context.locks.wake_listeners()
         total += added
         if cancelled:
             arrays.end_unowned(context.ledger, cancelled, JobState.CANCELLED,
                                f"its array {array_id} was cancelled while it waited", "JobCancelledError")
-        if added < HOLD:
+        if added < hold[0]:
             break
-        after[0] = last[0]
+        after[0], hold[0] = last[0], min(HOLD, 2 * hold[0])
     if total:
         context.locks.wake_listeners()
     return total
