@@ -67,19 +67,20 @@ def release(context: ServerContext, array_id: str, queued: set[str] | None = Non
 
     if queued is not None and not pick(queued) and not cancelled:
         return 0
-    total = 0
+    total = first = 0
     while True:
         added = context.locks.enqueue_rows(pick)
-        if added and not total:
-            context.locks.wake_listeners()
         total += added
         if cancelled:
             arrays.end_unowned(context.ledger, cancelled, JobState.CANCELLED,
                                f"its array {array_id} was cancelled while it waited", "JobCancelledError")
+        if added and not first:  # the dispatchers start these while the rest are written
+            first = added
+            context.locks.wake_listeners()
         if added < hold[0]:
             break
         after[0], hold[0] = last[0], min(HOLD, 2 * hold[0])
-    if total:
+    if total > first:
         context.locks.wake_listeners()
     return total
 
