@@ -39,10 +39,29 @@ def _made():
             time.sleep(0.02)
         return value
 
-    return nap, gated
+    def kept(args):
+        import os
+        import time
+
+        folder, index = args
+        with open(f"{folder}/keeper{index}", "w") as told:
+            told.write(str(os.getppid()))
+        while not os.path.exists(f"{folder}/gate{index}"):
+            time.sleep(0.02)
+        return index
+
+    return nap, gated, kept
 
 
-nap, gated = _made()
+nap, gated, kept = _made()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _rows(conn: rpycdl.Connection, array: rpycdl.ArrayJob) -> list[dict]:
@@ -113,3 +132,33 @@ def test_a_supervisor_killed_after_it_handed_over_loses_its_element_alone(cluste
                "the GPU's record and the queue to be empty")
     assert not Ledger(lock_dir / STATE_SUBDIR).unfinished(), "rows left unfinished"
     assert process.popen.poll() is None
+
+
+def test_an_arrays_elements_are_kept_by_two_keepers_in_turn_and_a_dead_one_costs_nothing(cluster, connect, tmp_path):
+    """One GPU, elements run in turn by one supervisor: element i's job process is kept by the keeper of element i - 2
+    (the last element's is busy with it, the one before is idle: forklink.ForkServerLink.rest), so no keeper is forked
+    per element. The first is the supervisor's own (it forks its first job process itself): the third gets a new one.
+    kill -9 of the keeper that holds the next element's job process, waiting for its GPU, costs that element nothing
+    (a new keeper keeps it, or a new supervisor if it died before it told its job process's pid); and once the array has
+    ended, no keeper of it is left."""
+    conn = connect(cluster.add_server("pytorch", "fake:1")[1])
+    count = 6
+    array = conn.root.submit_array(kept, [(str(tmp_path), i) for i in range(count)])
+    keepers: list[int] = []
+    for index in range(count):
+        told = tmp_path / f"keeper{index}"
+        keepers.append(int(wait_until(lambda told=told: told.exists() and told.read_text(), END,
+                                      f"element {index} to run")))
+        if index == 3:  # element 4's job process waits, kept by element 2's keeper: it dies
+            os.kill(keepers[2], signal.SIGKILL)
+        open_gate(str(tmp_path / f"gate{index}"))
+    assert array.results(timeout=END) == list(range(count))
+    owners = [row["owner_pid"] for row in sorted(_rows(conn, array), key=lambda row: row["array_index"])]
+    assert owners[:4] == [keepers[0]] * 4, (owners, keepers)  # the first's supervisor, its own first job process's
+    assert keepers[3] == keepers[1] and len({keepers[0], keepers[1], keepers[2]}) == 3, keepers
+    assert keepers[4] not in keepers[:4], keepers  # a new keeper (or supervisor), not the dead one
+    if owners[4] == owners[0]:  # its keeper had told its pid: handed over, then the fourth's keeper kept the sixth
+        assert owners[5] == owners[0] and keepers[5] == keepers[3], (owners, keepers)
+    else:  # it died first: the GPU went back, and to a new supervisor, whose first job process is its own
+        assert owners[4] == keepers[4], (owners, keepers)
+    wait_until(lambda: not any(_alive(pid) for pid in set(keepers)), END, "the array's keepers to leave")

@@ -244,7 +244,7 @@ class Hierarchy:
         """The names of the jobs' cgroups whose keeper (or supervisor) is gone, sorted."""
         names = {entry.name for base in self.bases.values() if base.is_dir() for entry in base.iterdir()
                  if entry.is_dir() and _NAME.match(entry.name)}
-        return sorted(name for name in names if procs.identify((keeper := _keeper(name))[0]) != keeper)
+        return sorted(name for name in names if procs.identify((keeper := keeper_of(name))[0]) != keeper)
 
     def sweep(self) -> int:
         """Remove the cgroups of jobs whose keeper is gone (killing what they still hold); how many."""
@@ -256,8 +256,8 @@ class Hierarchy:
         return removed
 
 
-def _keeper(name: str) -> procs.Pid:
-    """The keeper (or supervisor) a job's cgroup is named after: its pid and start time."""
+def keeper_of(name: str) -> procs.Pid:
+    """The keeper (or supervisor) a job's cgroup `name` is named after: its pid and start time."""
     match = _NAME.match(name)
     assert match is not None
     return int(match.group(1)), int(match.group(2))

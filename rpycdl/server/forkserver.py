@@ -23,7 +23,9 @@ abstract address (ForkServer.launch, after the forkserver it knew died):
               nothing more comes on the socket)
     end       from the keeper, on the control socket: STATUS (wait status), then the JSON of its cgroup's usage
               (rpycdl.security.cgroups.Usage) if the job had one, once the child and everything of its job are
-              gone; then the control socket closes
+              gone; then the control socket closes, or (a job's keeper) stays open for the next request
+    again     to a job's keeper that told its end, on its control socket: AGAIN; SCM_RIGHTS: a job's
+              descriptors; the keeper forks that job process, and the reply and end come as above
 
 A requester that closes its control socket (it died, or let go) has its child killed by the keeper. The
 forkserver leaves once every connection has closed and its keepers are gone."""

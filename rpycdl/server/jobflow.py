@@ -42,12 +42,13 @@ from rpycdl.security.fence import Fence
 from rpycdl.server import child, draining, fencing, jobdirs, outcomes, preempting, reclaim, runner, saves, status
 from rpycdl.server.context import ServerContext
 from rpycdl.server.handover import Handover
+from rpycdl.server.loadcheck import LoadCheck
 from rpycdl.server.request import JobRequest, Output
 from rpycdl.states import JobState, held_by
 from rpycdl.wire import codec
 
 LOAD_CHECK_AFTER = 0.2
-"""Seconds a request waits before its payload is test-loaded (runner.LoadCheck): short waits are not worth a process."""
+"""Seconds a request waits before its payload is test-loaded (LoadCheck): a short wait is not worth a process."""
 
 Stop = Callable[[int], tuple[runner.Ending, str] | None]
 """Given the job's pid: why it must stop now (cancelled, over its memory grant), or None."""
@@ -96,7 +97,7 @@ class JobFlow:
         self.job: runner.JobProcess | None = None
         self.grant: Grant | None = grant
         self.result: runner.Result | None = None
-        self._check: runner.LoadCheck | None = None
+        self._check: LoadCheck | None = None
         self._env: dict[str, str] = {}  # the job's directories (jobdirs.prepare), its saves' socket (saves)
         self._saver: saves.Saver | None = None
         self._waiting_since: float | None = None
@@ -210,7 +211,7 @@ class JobFlow:
         if body is not None and self._check is None and waited >= LOAD_CHECK_AFTER:
             with contextlib.suppress(LimitError):  # no process to spare: the job itself will tell
                 go = child.Go(self._env, self.request.account, body, codec.layout(self.request.buffers))
-                self._check = runner.LoadCheck(self.context.launcher, go, self.request.buffers)
+                self._check = LoadCheck(self.context.launcher, go, self.request.buffers)
                 self._wake_fds.append(self._check.fd)
         check = self._check
         if check is not None and check.fd in self._wake_fds and select.select([check.fd], [], [], 0)[0]:
@@ -365,18 +366,17 @@ class JobFlow:
         if self._check is not None:
             self._check.close()
         if self.job is not None:
-            self.job.close()  # gone before its GPUs are released
-            fencing.record_usage(self.record, self.job.usage)
+            self.job.end()  # gone before its GPUs are released
         if self.grant is not None:
             (self._handover or self.context.locks).release(self.grant)
-        if self._handover is not None:
-            self._handover.after(self._close)
-        else:
-            self._close()
+        self._handover.after(self._close) if self._handover is not None else self._close()
 
     def _close(self) -> None:
         """Keep its outcome, judge it, requeue it or write its row's end, hand its outputs over."""
         record, result = self.record, self.result
+        if self.job is not None:  # its exit told by its keeper (and its usage), after its GPUs went
+            self.job.close()
+            fencing.record_usage(record, self.job.usage)
         self._keep()
         ran = not record.state.finished and result is not None  # else it failed before its job could end
         if record.state.finished:  # (record.error says why)

@@ -109,6 +109,10 @@ class Forked:
     def name_job(self, job_id: str) -> None:
         """Nothing to do: what the job leaves is this process's to kill, whatever its id."""
 
+    def gone(self) -> bool:
+        """Whether it was waited for (wait(), which is quick here: no keeper to hear from)."""
+        return self._status is not None
+
     def wait(self) -> int:
         """Reap it, then kill what its job left (kill_strays); its wait status."""
         if self._status is None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from rpycdl.errors import InvalidRequestError, LimitError
+from rpycdl.errors import LimitError
 from rpycdl.scheduler import procs
 from rpycdl.security import cgroups
 from rpycdl.security.accounts import Account
@@ -81,6 +81,10 @@ class Launched(Protocol):
     def name_job(self, job_id: str) -> None:
         """Say which job it runs: what the job starts is known by that id too."""
 
+    def gone(self) -> bool:
+        """Whether it has exited and nothing of its job runs, as far as can be told here without waiting (else:
+        wait())."""
+
     def wait(self) -> int:
         """Block until it and everything its job left are gone; its wait status."""
 
@@ -99,7 +103,7 @@ class Launcher(Protocol):
         """
 
 
-def _pipes(count: int) -> list[int]:
+def pipes(count: int) -> list[int]:
     """`count` pipes' (read, write) descriptors, flat."""
     fds: list[int] = []
     try:
@@ -113,13 +117,13 @@ def _pipes(count: int) -> list[int]:
     return fds
 
 
-def _files_socket() -> tuple[socket.socket, int]:
+def files_socket() -> tuple[socket.socket, int]:
     """The socket on which a job process gets the files of spooled buffers: ours, and its end's descriptor."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     return ours, theirs.detach()
 
 
-def _send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any], close: bool = True) -> None:
+def send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any], close: bool = True) -> None:
     """Write `go` and its buffers down the go pipe `fd` (blocking), the files of spooled ones on `files`,
     then close both (unless not `close`: a session's next call comes the same way); a process that died
     meanwhile has its end told by its wait."""
@@ -137,41 +141,6 @@ def _send(fd: int, files: socket.socket, go: child.Go, buffers: Sequence[Any], c
         files.close()
 
 
-class LoadCheck:
-    """Unpickles a payload in a throwaway process, as its owner, while its request waits for GPUs, so a
-    callable this server cannot load (a module it lacks) fails at once rather than after the wait.
-
-    The process sees no GPU (CUDA_VISIBLE_DEVICES is empty). `fd` becomes readable when it is done; then
-    `error()` says what went wrong, if anything."""
-
-    def __init__(self, launcher: Launcher, go: child.Go, buffers: Sequence[Any] = ()) -> None:
-        go_r, go_w, read_end, write_end = _pipes(2)
-        files, files_theirs = _files_socket()
-        try:
-            self._process = launcher.launch("check", [go_r, write_end, files_theirs])
-        except BaseException:
-            for fd in (go_w, read_end):
-                os.close(fd)
-            files.close()
-            raise
-        self.fd = read_end
-        _send(go_w, files, go, buffers)
-
-    def error(self) -> InvalidRequestError | None:
-        """Once `fd` is readable: why the payload cannot be loaded here (cannot_load), or None if it can."""
-        os.set_blocking(self.fd, True)
-        message = os.read(self.fd, 4096).decode(errors="replace")
-        return InvalidRequestError(message) if message else None
-
-    def close(self) -> None:
-        """Stop the check (if still running) and release what it holds."""
-        with contextlib.suppress(LimitError):  # never started by its launcher: nothing of it runs
-            procs.kill_group(self._process.pid)
-        self._process.wait()
-        self._process.close()
-        os.close(self.fd)
-
-
 class JobProcess:
     """One job process, started before its GPUs come, so that it is ready when they do: it waits for
     what to run before it unpickles anything. give() names its payload; run() starts it and waits for its
@@ -186,10 +155,10 @@ class JobProcess:
     """
 
     def __init__(self, launcher: Launcher) -> None:
-        go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w = _pipes(4)
+        go_r, self._go_w, out_r, out_w, err_r, err_w, res_r, res_w = pipes(4)
         with contextlib.suppress(OSError):  # not Linux, or a lower limit: the default size works too
             fcntl.fcntl(res_w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-        self._files, files_theirs = _files_socket()
+        self._files, files_theirs = files_socket()
         try:
             self._process = launcher.launch("job", [go_r, out_w, err_w, res_w, files_theirs])
         except BaseException:
@@ -197,7 +166,7 @@ class JobProcess:
                 os.close(fd)
             self._files.close()
             raise
-        self._closed = False
+        self._closed = self._ended = False
         self._out, self._err, self._res = out_r, err_r, res_r
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
@@ -340,7 +309,7 @@ class JobProcess:
         """Send `go` and its buffers down the go pipe (closed after, unless `keep`: a session's)."""
         if self._go_w < 0:
             raise RuntimeError("this job process has been given what it runs already")
-        _send(self._go_w, self._files, go, buffers, close=not keep)
+        send(self._go_w, self._files, go, buffers, close=not keep)
         if not keep:
             self._go_w = -1
 
@@ -398,15 +367,26 @@ class JobProcess:
                 ending, reason = Ending.TIMED_OUT, f"the job ran past its timeout of {timeout:g} s and was stopped"
         return ending, reason
 
-    def close(self) -> None:
-        """Kill the job process and everything it started, and wait until none of them runs (its launcher
-        says when). Closing twice is harmless."""
-        if self._closed:
+    def end(self) -> None:
+        """Kill the job process and everything it started, and return once none of them runs: as soon as that is
+        seen here (Launched.gone), else once its launcher says so. Its exit status and usage come with close()."""
+        if self._ended:
             return
         with contextlib.suppress(LimitError):  # never started by its launcher: nothing of it runs
             procs.kill_group(self.pid)
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            if not self._process.gone():
+                self._reap()
+        self._ended = True
+
+    def close(self) -> None:
+        """end(), and its launcher's word on its end (its exit status and usage); then let go of its descriptors.
+        Closing twice is harmless."""
+        if self._closed:
+            return
+        self.end()
+        with contextlib.suppress(LimitError):
             self._reap()
         self._closed = True
         self._process.close()

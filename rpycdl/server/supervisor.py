@@ -273,7 +273,7 @@ def _context(spec: dict[str, Any], state_dir: str) -> ServerContext:
                          artifact_endpoint=server.get("artifact_endpoint"),
                          scheduling=Scheduling.from_dict(server["scheduling"]),
                          accounts=Accounts.from_dict(server["accounts"]) if "accounts" in server else Accounts(),
-                         ledger_checked=True, launcher=ForkServerLink(server["server_id"]))
+                         ledger_checked=True, launcher=ForkServerLink(server["server_id"], reuse=True))
 
 
 def _request(spec: dict[str, Any], body: bytes | None, write: Callable[[str], None]) -> request.JobRequest:

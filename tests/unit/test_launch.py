@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from rpycdl.errors import LimitError
-from rpycdl.server import child, forklink, runner
+from rpycdl.server import child, forklink, loadcheck, runner
 
 
 class CouldNotFork:
@@ -34,5 +34,5 @@ def test_a_job_process_never_forked_takes_no_payload_says_why_when_asked_and_clo
 
 
 def test_a_load_check_never_forked_closes_without_error():
-    check = runner.LoadCheck(CouldNotFork(), child.Go({}, None, b"payload"))
+    check = loadcheck.LoadCheck(CouldNotFork(), child.Go({}, None, b"payload"))
     check.close()
