@@ -111,8 +111,21 @@ def submit_and_results(size: int, results: bool = True) -> None:
                   f"last ({took / size * 1e3:.1f} ms an element)")
 
 
+def metadata_cost(directory: str, count: int = 200) -> float:
+    """Seconds a directory and a file in it take to make on `directory`'s file system (what an element's start and a
+    row's place in line are made of), on average."""
+    began = time.perf_counter()
+    for index in range(count):
+        os.mkdir(f"{directory}/{index}")
+        os.close(os.open(f"{directory}/{index}/file", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return (time.perf_counter() - began) / count
+
+
 def makespan(elements: int, seconds: float) -> float:
     ideal = elements * seconds / 4
+    with tempfile.TemporaryDirectory() as scratch:
+        print(f"the state directory's file system ({tempfile.gettempdir()}): a directory and a file in it made in "
+              f"{metadata_cost(scratch) * 1e6:.0f} us")
     with tempfile.TemporaryDirectory() as locks, LocalCluster(locks) as cluster:
         port = cluster.add_server("pytorch", "fake:4")[1]
         with rpycdl.connect(host="127.0.0.1", port=port) as conn:

@@ -83,18 +83,21 @@ class Handover:
         last one's keeper, whose word on its end is read, is free then), and a job process for the next element is
         asked for (kept by that keeper: forklink.ForkServerLink.launch), if a row of the array is in line (none for an
         array whose `max_running` queues its next element only once this one has ended)."""
-        pending, self._pending = self._pending, []
-        for end in pending:
-            try:
-                end()
-            except Exception:  # noqa: BLE001 - each is its own element's: the others are done still
-                traceback.print_exc()
+        self._end_pending()
         if self._spare is None and self._context.locks.lined_up(self._array_id):
             with contextlib.suppress(LimitError):  # no process to spare (or no forkserver): its GPUs will be released
                 self._spare = runner.JobProcess(self._context.launcher)
 
     def close(self) -> None:
         """This supervisor is done: what is left of the last ends is done, its spare job process goes."""
-        self.started()
+        self._end_pending()
         if self._spare is not None:
             self._spare.close()
+
+    def _end_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for end in pending:
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - each is its own element's: the others are done still
+                traceback.print_exc()
