@@ -11,7 +11,7 @@ import signal
 from collections import defaultdict
 from pathlib import Path
 
-from helpers import open_gate, wait_until
+from helpers import children, open_gate, wait_until
 
 import rpycdl
 from rpycdl.defaults import STATE_SUBDIR
@@ -54,6 +54,13 @@ def _made():
 
 
 nap, gated, kept = _made()
+
+
+def _kill_keeper(keeper: int) -> None:
+    """kill -9 of a keeper once it keeps a job process; returns once both are gone."""
+    kept = wait_until(lambda: children(keeper), END, "the keeper's job process")
+    os.kill(keeper, signal.SIGKILL)
+    wait_until(lambda: not any(_alive(pid) for pid in (keeper, *kept)), END, "the keeper and its job process to die")
 
 
 def _alive(pid: int) -> bool:
@@ -139,8 +146,8 @@ def test_an_arrays_elements_are_kept_by_two_keepers_in_turn_and_a_dead_one_costs
     (the last element's is busy with it, the one before is idle: forklink.ForkServerLink.rest), so no keeper is forked
     per element. The first is the supervisor's own (it forks its first job process itself): the third gets a new one.
     kill -9 of the keeper that holds the next element's job process, waiting for its GPU, costs that element nothing
-    (a new keeper keeps it, or a new supervisor if it died before it told its job process's pid); and once the array has
-    ended, no keeper of it is left."""
+    once it is dead (a new keeper keeps it); and once the array has ended, no keeper of it is left. (A keeper that
+    dies as its job process is handed the GPUs ends that job, its own, as any keeper's death does.)"""
     conn = connect(cluster.add_server("pytorch", "fake:1")[1])
     count = 6
     array = conn.root.submit_array(kept, [(str(tmp_path), i) for i in range(count)])
@@ -149,16 +156,13 @@ def test_an_arrays_elements_are_kept_by_two_keepers_in_turn_and_a_dead_one_costs
         told = tmp_path / f"keeper{index}"
         keepers.append(int(wait_until(lambda told=told: told.exists() and told.read_text(), END,
                                       f"element {index} to run")))
-        if index == 3:  # element 4's job process waits, kept by element 2's keeper: it dies
-            os.kill(keepers[2], signal.SIGKILL)
+        if index == 3:  # element 4's job process waits, kept by element 2's keeper: it dies, and its job process
+            _kill_keeper(keepers[2])
         open_gate(str(tmp_path / f"gate{index}"))
     assert array.results(timeout=END) == list(range(count))
     owners = [row["owner_pid"] for row in sorted(_rows(conn, array), key=lambda row: row["array_index"])]
     assert owners[:4] == [keepers[0]] * 4, (owners, keepers)  # the first's supervisor, its own first job process's
     assert keepers[3] == keepers[1] and len({keepers[0], keepers[1], keepers[2]}) == 3, keepers
-    assert keepers[4] not in keepers[:4], keepers  # a new keeper (or supervisor), not the dead one
-    if owners[4] == owners[0]:  # its keeper had told its pid: handed over, then the fourth's keeper kept the sixth
-        assert owners[5] == owners[0] and keepers[5] == keepers[3], (owners, keepers)
-    else:  # it died first: the GPU went back, and to a new supervisor, whose first job process is its own
-        assert owners[4] == keepers[4], (owners, keepers)
+    assert keepers[4] not in keepers[:4], keepers  # a new keeper, not the dead one
+    assert owners[4:] == [owners[0]] * 2 and keepers[5] == keepers[3], (owners, keepers)  # and the fourth's the sixth
     wait_until(lambda: not any(_alive(pid) for pid in set(keepers)), END, "the array's keepers to leave")
