@@ -82,8 +82,8 @@ class Launched(Protocol):
         """Say which job it runs: what the job starts is known by that id too."""
 
     def gone(self) -> bool:
-        """Whether it has exited and nothing of its job runs, as far as can be told here without waiting (else:
-        wait())."""
+        """Once it was killed: whether it has exited and nothing of its job runs, as far as that can be told here
+        without its launcher's word (False: wait() for that)."""
 
     def wait(self) -> int:
         """Block until it and everything its job left are gone; its wait status."""
