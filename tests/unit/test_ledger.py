@@ -268,6 +268,20 @@ def _locks_held_on(path: Path) -> int:
                if f" {os.getpid()} " in line and inode in line)
 
 
+def _waited(pid: int, deadline: float = 60) -> int:
+    """A forked child's wait status, within `deadline` seconds: one stuck past it (a lock held at the fork) is killed
+    and fails the test, rather than hang the suite."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(f"a forked child (pid {pid}) was still running after {deadline:g} s: stuck on a lock held at the fork?")
+
+
 def _child(ledger: Ledger, record: JobRecord) -> None:
     code = 1
     try:
@@ -301,7 +315,7 @@ def test_a_forked_child_uses_the_ledger_with_a_connection_of_its_own(ledger):
             pid = os.fork()
             if pid == 0:
                 _child(ledger, record)
-            assert os.waitpid(pid, 0)[1] == 0
+            assert _waited(pid) == 0
             assert ledger.get(record.job_id).state == JobState.SUCCEEDED
     finally:
         stop.set()
@@ -500,7 +514,7 @@ def test_refusals_counted_at_once_by_processes_and_threads_are_all_counted(ledge
         thread.start()
     for thread in threads:
         thread.join()
-    assert all(os.waitpid(pid, 0)[1] == 0 for pid in pids)
+    assert all(_waited(pid) == 0 for pid in pids)
     assert ledger.refusals() == {("pytorch", "connections"): 400}
 
 
