@@ -125,7 +125,7 @@ class _Keeper:
                 os.read(self.wake_r, 4096)
             self._reap()
             if self.status is not None and self._gone():
-                usage = b"" if self.cgroup is None else json.dumps(self.cgroup.empty().to_dict()).encode()
+                usage = b"" if self.cgroup is None else json.dumps(self.cgroup.usage().to_dict()).encode()  # empty
                 try:
                     self.requester.send(STATUS.pack(self.status) + usage)
                 except OSError:  # the requester is gone
